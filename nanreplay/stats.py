@@ -1,0 +1,172 @@
+"""Small, exact summaries of tensors.
+
+Records hold these summaries, never the tensors themselves. Every function here
+is safe on any dtype (integer and bool tensors simply have no NaN or Inf) and
+runs without building autograd graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _count(mask: torch.Tensor) -> int:
+    """Number of True elements (count_nonzero: several times faster than a bool sum)."""
+    return int(torch.count_nonzero(mask))
+
+
+@torch.no_grad()
+def finite_fast(t: torch.Tensor) -> bool:
+    """True when `t` holds no NaN and no Inf.
+
+    One cheap reduction: a finite sum proves every element finite. Only when the
+    sum is not finite (a NaN/Inf, or an overflow of huge finite values) do we
+    pay for a second pass.
+    """
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    if math.isfinite(t.sum().item()):
+        return True
+    return not any(kinds_slow(t))
+
+
+@torch.no_grad()
+def kinds_slow(t: torch.Tensor) -> tuple[bool, bool]:
+    """(has_nan, has_inf) for a tensor whose sum was not finite, in one pass.
+
+    aminmax propagates NaN, so it answers "any NaN?" and, without NaN, "any Inf?".
+    With a NaN present has_inf is reported False: nothing downstream depends on
+    Inf next to NaN (a NaN decides both the kind and the role), so we skip the pass.
+    """
+    lo, hi = (float(v) for v in torch.aminmax(t.reshape(-1)))
+    if math.isnan(lo) or math.isnan(hi):
+        return True, False
+    return False, math.isinf(lo) or math.isinf(hi)
+
+
+@torch.no_grad()
+def absmax(t: torch.Tensor) -> float | str:
+    """max |x| in one pass (NaN when t holds a NaN)."""
+    lo, hi = torch.aminmax(t.detach().reshape(-1))
+    return _num(max(abs(float(lo)), abs(float(hi))))
+
+
+@torch.no_grad()
+def kinds(t: torch.Tensor) -> tuple[bool, bool]:
+    """(has_nan, has_inf) of a tensor, exact."""
+    if not t.is_floating_point() or t.numel() == 0 or math.isfinite(t.sum().item()):
+        return False, False
+    return kinds_slow(t)
+
+
+@torch.no_grad()
+def counts(t: torch.Tensor) -> dict:
+    """Output counts as in the JSON contract: numel, nan, posinf, neginf."""
+    out = {"numel": t.numel(), "nan": 0, "posinf": 0, "neginf": 0}
+    if t.is_floating_point() and not finite_fast(t):
+        out["nan"] = _count(torch.isnan(t))
+        out["posinf"] = _count(torch.isposinf(t))
+        out["neginf"] = _count(torch.isneginf(t))
+    return out
+
+
+def _num(x: float) -> float | str:
+    """A float that survives strict JSON: non-finite values become strings."""
+    x = float(x)
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return x
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@torch.no_grad()
+def tensor_stats(t: torch.Tensor) -> dict:
+    """Input statistics as in the JSON contract, plus magnitudes for diagnosis.
+
+    min/max are over the finite elements (None when there are none);
+    `absmax` is the largest finite |x|, `absmin_nonzero` the smallest
+    non-zero finite |x| — what an epsilon has to be compared with.
+    """
+    st: dict = {
+        "shape": list(t.shape),
+        "dtype": dtype_name(t.dtype),
+        "min": None,
+        "max": None,
+        "zeros": 0,
+        "negatives": 0,
+        "nan": 0,
+        "inf": 0,
+        "absmax": None,
+        "absmin_nonzero": None,
+    }
+    if t.numel() == 0 or t.dtype == torch.bool or t.is_complex():
+        return st
+    st["zeros"] = _count(t == 0)
+    st["negatives"] = _count(t < 0)
+    if not t.is_floating_point():
+        st["min"], st["max"] = int(t.min()), int(t.max())
+        a = t.abs()
+        st["absmax"] = int(a.max())
+        nz = a[a != 0]
+        st["absmin_nonzero"] = int(nz.min()) if nz.numel() else None
+        return st
+    nan = torch.isnan(t)
+    inf = torch.isinf(t)
+    st["nan"] = _count(nan)
+    st["inf"] = _count(inf)
+    fin = t[~(nan | inf)] if (st["nan"] or st["inf"]) else t.reshape(-1)
+    if fin.numel():
+        st["min"], st["max"] = float(fin.min()), float(fin.max())
+        a = fin.abs()
+        st["absmax"] = float(a.max())
+        nz = a[a != 0]
+        st["absmin_nonzero"] = float(nz.min()) if nz.numel() else None
+    return st
+
+
+@torch.no_grad()
+def grad_stats(name: str, p: torch.Tensor) -> dict:
+    """The seed's per-parameter walk: mean, std, max |g|, NaN?, Inf? (or NO GRADIENT)."""
+    g = p.grad
+    row: dict = {"name": name, "shape": list(p.shape), "dtype": dtype_name(p.dtype), "has_grad": g is not None}
+    if g is None:
+        row.update(mean=None, std=None, max_abs=None, nan=0, inf=0, grad_shape=None)
+        return row
+    gf = g.detach().double()
+    nan = _count(torch.isnan(gf))
+    inf = _count(torch.isinf(gf))
+    row.update(
+        mean=_num(gf.mean()),
+        std=_num(gf.std()) if gf.numel() > 1 else 0.0,
+        max_abs=_num(gf.abs().max()) if gf.numel() else 0.0,
+        nan=nan,
+        inf=inf,
+        grad_shape=list(g.shape),
+    )
+    return row
+
+
+def leaf_counts(t: torch.Tensor) -> tuple[int, int]:
+    """(nan, inf) element counts; zero for non-float tensors."""
+    c = counts(t)
+    return c["nan"], c["posinf"] + c["neginf"]
+
+
+def jsonable(x):
+    """Deep-convert to strict-JSON values (non-finite floats become strings)."""
+    if isinstance(x, float):
+        return _num(x)
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, torch.Tensor):
+        return jsonable(x.tolist())
+    return x
