@@ -1,0 +1,94 @@
+"""The `nanreplay` command. Thin: it parses, calls the library, prints and writes.
+
+Only nanreplay's own errors (NanReplayError) become one line and an exit code;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from nanreplay import __version__, atomic
+from nanreplay.errors import NanReplayError, UsageError
+
+
+def _fail(e: NanReplayError) -> None:
+    click.echo(f"nanreplay: error: {e}", err=True)
+    sys.exit(e.exit_code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="nanreplay")
+def main() -> None:
+    """Find the op that made a PyTorch training step NaN or Inf, and how to fix it."""
+
+
+@main.command()
+@click.argument("snapshot")
+@click.option("--model", metavar="MODULE:FACTORY",
+              help="Zero-argument callable returning the nn.Module whose state is in the snapshot "
+                   "(e.g. mypkg.models:build). Needed for seed-format snapshots.")
+@click.option("--loss", metavar="SPEC",
+              help="Loss: a torch.nn.functional name (cross_entropy, mse_loss, ...) or MODULE:CALLABLE taking "
+                   "(output, target). Without it a scalar model output is the loss.")
+@click.option("-o", "--output", "report", metavar="REPORT.html",
+              help="Where to write the HTML report [default: ./<snapshot-stem>.nanreplay.html].")
+@click.option("--json", "json_path", metavar="PATH|-", help="Also write the analysis as JSON ('-' for stdout).")
+@click.option("--device", metavar="DEV", help="Device to replay on (cpu, cuda, cuda:1) [default: cpu].")
+@click.option("--trust", is_flag=True,
+              help="Allow running code the snapshot names or contains (pickled objects, a model factory "
+                   "string). Only for snapshots from a source you trust.")
+@click.option("--no-verify", is_flag=True, help="Skip replaying the suggested fix (faster).")
+def analyze(snapshot: str, model: str | None, loss: str | None, report: str | None, json_path: str | None,
+            device: str | None, trust: bool, no_verify: bool) -> None:
+    """Replay SNAPSHOT, name the op that broke the step, explain it and suggest a verified fix."""
+    from nanreplay import analysis as analysis_mod
+    from nanreplay import report as report_mod
+
+    try:
+        report_path = _output_path(report or f"{Path(snapshot).stem}.nanreplay.html", snapshot)
+        json_dest = _output_path(json_path, snapshot) if json_path and json_path != "-" else json_path
+        result = analysis_mod.analyze(snapshot, model=model, loss=loss, device=device, trust=trust,
+                                      verify=not no_verify)
+        report_mod.write_report(result, report_path)
+        if json_dest:
+            text = json.dumps(result.to_json(), indent=2, allow_nan=False)
+            if json_dest == "-":
+                click.echo(text)
+            else:
+                write_atomic(json_dest, text)
+    except NanReplayError as e:
+        _fail(e)
+    summary = report_mod.terminal_summary(result, report_path)
+    click.echo(summary, err=json_dest == "-")
+
+
+def _output_path(path: str, snapshot: str) -> str:
+    """Validate an output path: never the snapshot itself, and its folder must exist."""
+    p = Path(path)
+    try:
+        if p.exists() and Path(snapshot).exists() and p.resolve() == Path(snapshot).resolve():
+            raise UsageError(f"{path}: refusing to overwrite the snapshot itself with a report")
+    except OSError:
+        pass
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise UsageError(f"{path}: folder {str(parent)!r} does not exist")
+    if p.is_dir():
+        raise UsageError(f"{path}: is a directory; give a file name")
+    return str(p)
+
+
+def write_atomic(path: str, text: str) -> None:
+    try:
+        atomic.write_text(path, text)
+    except OSError as e:
+        raise UsageError(f"{path}: cannot write: {e.strerror or e}") from None
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
