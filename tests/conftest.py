@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))  # `nanmodels:factory` specs resolve like a user's own package
+
+import nanmodels  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def snapshot_of(tmp_path):
+    """Write a case's seed-format snapshot file and return its path."""
+    def make(name: str) -> Path:
+        return nanmodels.save_case(nanmodels.CASES[name], tmp_path / f"{name}_step_7.pt")
+    return make
+
+
+@pytest.fixture
+def analyzed(snapshot_of):
+    """Analyze a case from its snapshot file, exactly as `nanreplay analyze` would."""
+    from nanreplay.analysis import analyze
+
+    def run(name: str, **kw):
+        c = nanmodels.CASES[name]
+        return analyze(snapshot_of(name), model=f"nanmodels:{c.factory}", loss=c.loss, **kw).to_json()
+    return run

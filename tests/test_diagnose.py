@@ -1,0 +1,88 @@
+"""Causes, fixes and fix verification by replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanreplay import diagnose
+from nanreplay.diagnose import choose_eps, rule
+
+EXPECTED = {  # case -> (cause, fix kind)
+    "sqrt_zero": ("sqrt_at_zero", "epsilon"),
+    "inf_trap": ("sqrt_at_zero", "epsilon"),
+    "log_zero": ("log_of_zero", "epsilon"),
+    "sqrt_neg": ("sqrt_of_negative", "clamp"),
+    "log_neg": ("log_of_negative", "clamp"),
+    "zero_norm": ("normalize_zero_norm", "epsilon"),
+    "zero_log_zero": ("zero_times_log_zero", "clamp"),
+    "log_softmax": ("log_softmax", "log_softmax"),
+    "fp16": ("fp16_overflow", "bf16_or_grad_scaler"),
+    "masked_row": ("softmax_all_masked", "finite_mask_value"),
+    "where_trap": ("where_trap", "double_where"),
+    "in_loss": ("log_of_zero", "epsilon"),
+    "inf_to_nan": ("exp_overflow", "clamp"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_cause_and_verified_fix(analyzed, name):
+    d = analyzed(name)
+    cause, kind = EXPECTED[name]
+    diag = d["diagnosis"]
+    assert diag["cause"] == cause
+    assert diag["fix"]["kind"] == kind
+    assert diag["fix"]["verified"] is True, diag["fix"]["verification"]
+    assert "every parameter gradient finite" in diag["fix"]["verification"]
+
+
+def test_xlogy_is_tried_and_honestly_fails(analyzed):
+    """xlogy(p, p) is 0 at p = 0 in forward but its gradient p/p is still NaN: the clamp wins."""
+    d = analyzed("zero_log_zero")
+    first = d["diagnosis"]["candidates"][0]
+    assert first["kind"] == "xlogy" and first["verified"] is False
+    assert "XlogyBackward0" in first["verification"]
+
+
+def test_fix_is_shown_on_the_users_own_line(analyzed):
+    fix = analyzed("sqrt_zero")["diagnosis"]["fix"]
+    assert fix["before"].startswith("return ((a - b) ** 2).sum(-1).sqrt()")
+    assert fix["after"].startswith(f"return (((a - b) ** 2).sum(-1) + {fix['epsilon']:.0e}".replace("e-0", "e-"))
+    assert fix["after"].rstrip().split("#")[0].rstrip().endswith(").sqrt()")
+
+
+def test_log_softmax_fix_rewrites_the_call(analyzed):
+    fix = analyzed("log_softmax")["diagnosis"]["fix"]
+    assert "torch.log_softmax(self.fc(x), dim=-1)" in fix["after"]
+
+
+def test_anomaly_sentence_for_inf(analyzed):
+    d = analyzed("inf_trap", verify=False)
+    assert "would have stayed silent" in d["diagnosis"]["explanation"]
+
+
+def test_precision_probe_tells_range_from_domain(analyzed):
+    fp16 = analyzed("fp16", verify=False)
+    assert {r["dtype"]: r["loss_finite"] for r in fp16["precision"]}["float32"] is True
+    assert "precision/range problem" in fp16["diagnosis"]["explanation"]
+    dom = analyzed("log_neg", verify=False)
+    assert "genuine math domain error" in dom["diagnosis"]["explanation"]
+
+
+@pytest.mark.parametrize("dtype,scale", [("float32", 1.0), ("float16", 1.0), ("bfloat16", 1.0), ("float32", 1e4)])
+def test_epsilon_fits_dtype_and_scale(dtype, scale):
+    eps, why = choose_eps(dtype, scale, "f")
+    fi = torch.finfo(getattr(torch, dtype))
+    assert fi.eps * scale / 10 < eps <= fi.eps * scale
+    # adding eps moves the largest value seen by at most one rounding step of the dtype
+    big = torch.tensor(scale, dtype=getattr(torch, dtype))
+    assert float((big + eps) - big) <= fi.eps * scale
+    assert dtype in why
+
+
+def test_registry_fails_loudly():
+    with pytest.raises(ValueError, match="registered twice"):
+        rule("sqrt_at_zero", torch.ops.aten.sqrt)(lambda s: None)
+    with pytest.raises(TypeError, match="not an aten op"):
+        rule("new_cause", "aten.sqrt")
+    assert len({r.cause for r in diagnose.RULES}) == len(diagnose.RULES)
