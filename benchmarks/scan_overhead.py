@@ -1,0 +1,86 @@
+"""Cost of finding the culprit: the instrumented replay vs a plain forward+backward.
+
+    python benchmarks/scan_overhead.py [--layers 4] [--repeats 5]
+
+Prints, for the reference transformer with a NaN deep inside (and a healthy one):
+plain forward+backward, the same under torch.autograd.detect_anomaly(), and
+nanreplay's culprit-finding replay — as ratios to plain, measured in one run,
+interleaved, best of N. Target: replay <= 1.25x plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import transformer as tf  # noqa: E402
+from nanreplay import culprit, replay  # noqa: E402
+
+
+def plain(model, idx, y):
+    model.zero_grad(set_to_none=True)
+    tf.loss_fn(model(idx), y).backward()
+
+
+def anomaly(model, idx, y):
+    with warnings.catch_warnings(), torch.autograd.detect_anomaly():
+        warnings.simplefilter("ignore")
+        model.zero_grad(set_to_none=True)
+        try:
+            tf.loss_fn(model(idx), y).backward()
+        except RuntimeError:
+            pass  # anomaly mode raises at the first NaN in backward: that is its answer
+
+
+def nanreplay_scan(model, idx, y, names):
+    step = replay.run(model, lambda: model(idx), lambda out: tf.loss_fn(out, y), names=names)
+    ch = culprit.chain(step.events, step.failure.event if step.failure else None)
+    return culprit.culprit(step.events, ch), step
+
+
+def measure(fns: dict, repeats: int) -> dict:
+    best = {k: float("inf") for k in fns}
+    for fn in fns.values():
+        fn()  # warm up
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=tf.LAYERS)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    idx, y = tf.batch()
+    for label, nan_layer in (("NaN deep inside", args.layers - 2), ("healthy", None)):
+        torch.manual_seed(0)
+        model = tf.Transformer(layers=args.layers, nan_layer=nan_layer)
+        names = {id(m): n for n, m in model.named_modules()}
+        c, step = nanreplay_scan(model, idx, y, names)
+        found = step.events[c] if c is not None else None
+        t = measure({"plain": lambda: plain(model, idx, y),
+                     "detect_anomaly": lambda: anomaly(model, idx, y),
+                     "nanreplay replay": lambda: nanreplay_scan(model, idx, y, names)}, args.repeats)
+        print(f"\n{label}: {args.layers} layers, d={tf.D}, seq {tf.SEQ}, batch {tf.BATCH}, "
+              f"{len(step.ops)} forward ops, {len(step.events)} non-finite events")
+        if found is not None:
+            print(f"  culprit: {found.op} ({found.phase}) in {step.module_of(found)!r}")
+        for k, v in t.items():
+            print(f"  {k:18s} {v * 1e3:9.1f} ms   {v / t['plain']:5.2f}x plain")
+
+
+if __name__ == "__main__":
+    main()
