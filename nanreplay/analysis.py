@@ -296,4 +296,6 @@ def _environment(subject: Subject) -> dict:
 
 
 def _snapshot_info(snap) -> dict:
-    return {"format": snap.format, "keys": snap.keys, "step": snap.step}
+    return {"format": snap.format, "keys": snap.keys, "step": snap.step, "rank": snap.rank,
+            "world_size": snap.world_size, "trigger": snap.trigger, "history": snap.history,
+            "created": snap.created}

@@ -45,6 +45,11 @@ class Snapshot:
     keys: dict[str, str] = field(default_factory=dict)  # which dict keys were used
     raw: dict = field(default_factory=dict)  # everything that was in the file
     step: int | None = None
+    rank: int | None = None
+    world_size: int | None = None
+    trigger: str | None = None  # what made the guard write it: "loss" | "gradient" | "grad_spike"
+    history: list[dict] = field(default_factory=list)  # recent steps: {"step", "loss", "grad_norm"}
+    created: str | None = None  # ISO time the snapshot was written
 
     @property
     def name(self) -> str:
@@ -148,9 +153,10 @@ def _from_seed_dict(path: str, d: dict) -> Snapshot:
             state = dict(val)
         else:
             raise UsageError(f"{path}: '{k_state}' holds a {type(val).__name__}, expected a state dict of tensors")
-    step = d.get("step") if isinstance(d.get("step"), int) else _step_from_name(path)
+    step = d.get("step") if isinstance(d.get("step"), int) else _number_in_name(path, "step")
+    rank = d.get("rank") if isinstance(d.get("rank"), int) else _number_in_name(path, "rank")
     return Snapshot(path=path, format="seed", inputs=inputs, target=target, state=state, module=module,
-                    keys=keys, raw=d, step=step)
+                    keys=keys, raw=d, step=step, rank=rank)
 
 
 def _split_batch(batch: Any) -> tuple[Any, Any, str | None]:
@@ -170,8 +176,9 @@ def _split_batch(batch: Any) -> tuple[Any, Any, str | None]:
     return batch, None, None
 
 
-def _step_from_name(path: str) -> int | None:
-    m = re.search(r"step[_-]?(\d+)", Path(path).stem)
+def _number_in_name(path: str, word: str) -> int | None:
+    """`nan_snapshot_step_12_rank3.pt` -> 12 for "step", 3 for "rank"."""
+    m = re.search(rf"{word}[_-]?(\d+)", Path(path).stem)
     return int(m.group(1)) if m else None
 
 
