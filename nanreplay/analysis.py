@@ -95,8 +95,7 @@ def analyze(path: str | Path, *, model: str | None = None, loss: str | None = No
         result.stats = {"timings": {"load": t_load - t0, "total": time.perf_counter() - t0}}
         return result
 
-    step = replay.run(subject.model, subject.forward, subject.loss, names=subject.names,
-                      prepare=subject.prepare, autocast=subject.autocast)
+    step = replay.run_subject(subject)
     t_replay = time.perf_counter()
     result.step = step
     result.loss = step.loss

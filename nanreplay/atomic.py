@@ -21,6 +21,7 @@ def write_with(path: str | os.PathLike, write: Callable[[IO[bytes]], None], *, o
     p = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent if str(p.parent) else ".")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; the final file gets the usual permissions
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -36,6 +37,12 @@ def write_with(path: str | os.PathLike, write: Callable[[IO[bytes]], None], *, o
         except FileNotFoundError:
             pass
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

@@ -41,6 +41,8 @@ class Subject:
     prepare: Callable[[], None] = lambda: torch.manual_seed(0)
     input_label: str = "inputs"  # how the snapshot named the batch parts, for messages
     target_label: str = "target"
+    site: Callable | None = None  # op attribution for programs without Python frames (exported)
+    loss_scale: float | None = None  # a GradScaler's scale: backward ran on the scaled loss
 
     def __post_init__(self) -> None:
         self.names = {id(m): n for n, m in self.model.named_modules()}
@@ -49,7 +51,8 @@ class Subject:
         return call_model(self.model, self.inputs)
 
     def loss(self, output: Any) -> torch.Tensor:
-        return compute_loss(output, self.target, self.loss_fn)
+        loss = compute_loss(output, self.target, self.loss_fn)
+        return loss * self.loss_scale if self.loss_scale else loss
 
 
 def call_model(model: Callable, inputs: Any) -> Any:

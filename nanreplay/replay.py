@@ -20,6 +20,7 @@ Inf. The exact, more expensive checks run only for outputs that fail it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import linecache
 import math
 import os
@@ -178,10 +179,29 @@ def user_frame(depth: int = 2) -> Frame | None:
     return None
 
 
+@functools.lru_cache(maxsize=256)
+def local_copy(path: str) -> str:
+    """The file here that a path recorded on another machine most likely refers to.
+
+    A snapshot from /home/alice/proj/model.py analyzed in a checkout of proj finds
+    ./model.py (or ./proj/model.py): the longest tail of the recorded path that
+    exists below the current folder. Falls back to the recorded path.
+    """
+    if os.path.exists(path) or not os.path.isabs(path):
+        return path
+    parts = path.replace("\\", "/").split("/")
+    for k in range(min(len(parts) - 1, 6), 0, -1):
+        cand = os.path.join(*parts[-k:])
+        if os.path.isfile(cand):
+            return cand
+    return path
+
+
 def frame_json(frame: Frame | None) -> dict | None:
     if frame is None:
         return None
-    file, line, func, code = frame
+    recorded, line, func, code = frame
+    file = local_copy(recorded)
     if code is None:
         code = linecache.getline(file, line).strip() or None
     shown = file
@@ -191,7 +211,10 @@ def frame_json(frame: Frame | None) -> dict | None:
             shown = rel
     except ValueError:
         pass
-    return {"file": shown, "line": line, "code": code, "function": func, "path": file}
+    out = {"file": shown, "line": line, "code": code, "function": func, "path": file}
+    if file != recorded:
+        out["recorded_path"] = recorded
+    return out
 
 
 # ------------------------------------------------------------------ op properties
@@ -507,7 +530,7 @@ def call_name(func: Any) -> str:
     if func is None:
         return ""
     if isinstance(func, torch._ops.OpOverload):
-        return str(func)  # exported programs call aten ops directly
+        return f"torch.ops.{func.overloadpacket}"  # exported programs call aten ops directly
     name = getattr(func, "__name__", None) or str(func)
     qual = getattr(func, "__qualname__", name)
     mod = getattr(func, "__module__", None) or ""
@@ -582,6 +605,12 @@ def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any]
                 grads=grads, call_names=[call_name(f) for f in rec.call_funcs],
                 internal_errors=rec.internal_errors, backward_error=backward_error,
                 activations=rec.activations, grad_shapes=rec.grad_shapes)
+
+
+def run_subject(subject, **kw) -> Step:
+    """`run` for a rebuilt snapshot (a `rebuild.Subject`)."""
+    return run(subject.model, subject.forward, subject.loss, names=subject.names, prepare=subject.prepare,
+               autocast=subject.autocast, site=subject.site, **kw)
 
 
 class _autocast:

@@ -53,8 +53,7 @@ def _outcome(step: replay.Step) -> Outcome:
 def try_patch(subject: Subject, intercepts: dict[int, Callable]) -> Outcome:
     """Replay with the given call sites rewritten."""
     try:
-        step = replay.run(subject.model, subject.forward, subject.loss, names=subject.names,
-                          prepare=subject.prepare, autocast=subject.autocast, intercepts=intercepts)
+        step = replay.run_subject(subject, intercepts=intercepts)
     except Exception as e:  # noqa: BLE001 - a fix that breaks the model is a failed fix, not a crash
         return Outcome(False, f"replaying with the fix raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     finally:
@@ -83,7 +82,7 @@ def try_variant(subject: Subject, *, dtype: torch.dtype | None = None, autocast:
     names = {id(m): n for n, m in model.named_modules()}
     try:
         step = replay.run(model, lambda: _call(model, inputs), lambda out: compute_loss(out, target, subject.loss_fn),
-                          names=names, prepare=subject.prepare, autocast=ac)
+                          names=names, prepare=subject.prepare, autocast=ac, site=getattr(model, "site", None))
     except Exception as e:  # noqa: BLE001
         return Outcome(False, f"replaying {label} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     out = _outcome(step)
