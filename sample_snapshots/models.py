@@ -31,6 +31,7 @@ class PoissonHead(nn.Module):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
         self.rate = nn.Linear(16, 1)
+        nn.init.constant_(self.rate.bias, 1.0)  # start with a positive rate everywhere
 
     def forward(self, x, counts):
         lam = F.relu(self.rate(self.body(x))).squeeze(-1)
@@ -44,6 +45,7 @@ class StdScaler(nn.Module):
         super().__init__()
         self.var = nn.Linear(8, 8)
         self.head = nn.Linear(8, 1)
+        nn.init.constant_(self.var.bias, 1.0)  # variances start positive
 
     def forward(self, x):
         scale = torch.sqrt(self.var(x))
@@ -71,6 +73,7 @@ class EntropyRegularised(nn.Module):
         super().__init__()
         self.gate = nn.Linear(10, 5)
         self.out = nn.Linear(10, 1)
+        nn.init.constant_(self.gate.bias, 2.0)  # every gate starts open
 
     def forward(self, x):
         g = F.relu(self.gate(x))

@@ -12,34 +12,30 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_snapshots"
 
-# sample -> (flags, culprit op, phase, cause)
+# native sample -> (culprit op, phase, cause); they need no flags: model and loss travel inside
 EXPECTED = {
-    "sqrt_zero": (["--model", "sample_snapshots.models:triplet"], "aten.div.Tensor", "backward", "sqrt_at_zero"),
-    "log_zero": (["--model", "sample_snapshots.models:poisson"], "aten.log.default", "forward", "log_of_zero"),
-    "sqrt_negative": (["--model", "sample_snapshots.models:std_scaler", "--loss", "mse_loss"], "aten.sqrt.default",
-                      "forward", "sqrt_of_negative"),
-    "zero_norm": (["--model", "sample_snapshots.models:retriever", "--loss", "cross_entropy"], "aten.div.Tensor",
-                  "forward", "normalize_zero_norm"),
-    "zero_log_zero": (["--model", "sample_snapshots.models:entropy_gate"], "aten.log.default", "forward",
-                      "zero_times_log_zero"),
-    "log_softmax": (["--model", "sample_snapshots.models:overconfident", "--loss", "nll_loss"], "aten.div.Tensor",
-                    "backward", "log_softmax"),
-    "fp16_overflow": (["--model", "sample_snapshots.models:half_mlp", "--loss", "mse_loss"], "aten.addmm.default",
-                      "forward", "fp16_overflow"),
+    "sqrt_zero": ("aten.div.Tensor", "backward", "sqrt_at_zero"),
+    "log_zero": ("aten.log.default", "forward", "log_of_zero"),
+    "sqrt_negative": ("aten.sqrt.default", "forward", "sqrt_of_negative"),
+    "zero_norm": ("aten.div.Tensor", "forward", "normalize_zero_norm"),
+    "zero_log_zero": ("aten.log.default", "forward", "zero_times_log_zero"),
+    "log_softmax": ("aten.div.Tensor", "backward", "log_softmax"),
+    "fp16_overflow": ("aten.addmm.default", "forward", "fp16_overflow"),
 }
+SEED_SAMPLE = "seed_nan_snapshot_step_3"
 
 
 def test_every_sample_is_covered():
-    assert {p.stem for p in SAMPLES.glob("*.pt")} == set(EXPECTED)
+    assert {p.stem for p in SAMPLES.glob("*.pt")} == set(EXPECTED) | {SEED_SAMPLE}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_sample(name, tmp_path):
+def test_sample(name):
     from nanreplay.analysis import analyze
 
-    flags, op, phase, cause = EXPECTED[name]
-    opts = dict(zip([f.lstrip("-") for f in flags[::2]], flags[1::2], strict=True))
-    d = analyze(SAMPLES / f"{name}.pt", **opts).to_json()
+    op, phase, cause = EXPECTED[name]
+    d = analyze(SAMPLES / f"{name}.pt").to_json()
+    assert d["snapshot_info"]["format"] == "native" and "exported program" in d["model"]["how"]
     assert d["verdict"] == "culprit_found"
     assert (d["culprit"]["op"], d["culprit"]["phase"]) == (op, phase)
     assert d["culprit"]["source"]["file"].endswith("models.py")
@@ -51,12 +47,23 @@ def test_cli_end_to_end_in_a_fresh_process(tmp_path):
     """The README's main command, in a subprocess, from the repository root."""
     out = tmp_path / "report.html"
     res = subprocess.run([sys.executable, "-m", "nanreplay.cli", "analyze", "sample_snapshots/sqrt_zero.pt",
-                          "--model", "sample_snapshots.models:triplet", "-o", str(out), "--json", "-"],
+                          "-o", str(out), "--json", "-"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     d = json.loads(res.stdout)
     assert d["culprit"]["backward_node"] == "SqrtBackward0"
     assert out.exists() and "SqrtBackward0" in out.read_text()
+
+
+def test_seed_format_sample_matches_the_native_one():
+    from nanreplay.analysis import analyze
+
+    seed = analyze(SAMPLES / f"{SEED_SAMPLE}.pt", model="sample_snapshots.models:triplet", verify=False).to_json()
+    nat = analyze(SAMPLES / "sqrt_zero.pt", verify=False).to_json()
+    keys = ("op", "phase", "kind", "forward_op", "backward_node", "module")
+    assert {k: seed["culprit"][k] for k in keys} == {k: nat["culprit"][k] for k in keys}
+    assert seed["culprit"]["source"]["line"] == nat["culprit"]["source"]["line"]
+    assert seed["snapshot_info"]["step"] == nat["snapshot_info"]["step"] == 3
 
 
 def test_ci_runs_the_readme_commands():
