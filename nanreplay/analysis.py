@@ -295,6 +295,15 @@ def _environment(subject: Subject) -> dict:
 
 
 def _snapshot_info(snap) -> dict:
-    return {"format": snap.format, "keys": snap.keys, "step": snap.step, "rank": snap.rank,
+    info = {"format": snap.format, "keys": snap.keys, "step": snap.step, "rank": snap.rank,
             "world_size": snap.world_size, "trigger": snap.trigger, "history": snap.history,
             "created": snap.created}
+    if snap.format == "native":
+        raw, model = snap.raw, snap.raw.get("model") or {}
+        info.update(loss_value=raw.get("loss_value"), grad_norm=raw.get("grad_norm"),
+                    environment=raw.get("environment"), export_error=model.get("export_error"),
+                    factory=model.get("factory"), model_class=model.get("class"),
+                    loss_spec={k: v for k, v in (raw.get("loss_spec") or {}).items() if k != "kwargs"},
+                    autocast=raw.get("autocast"), grad_scale=raw.get("grad_scale"),
+                    nanreplay_version=raw.get("nanreplay_version"))
+    return info
