@@ -71,9 +71,9 @@ def main() -> None:
         names = {id(m): n for n, m in model.named_modules()}
         c, step = nanreplay_scan(model, idx, y, names)
         found = step.events[c] if c is not None else None
-        t = measure({"plain": lambda: plain(model, idx, y),
-                     "detect_anomaly": lambda: anomaly(model, idx, y),
-                     "nanreplay replay": lambda: nanreplay_scan(model, idx, y, names)}, args.repeats)
+        t = measure({"plain": lambda m=model: plain(m, idx, y),
+                     "detect_anomaly": lambda m=model: anomaly(m, idx, y),
+                     "nanreplay replay": lambda m=model, n=names: nanreplay_scan(m, idx, y, n)}, args.repeats)
         print(f"\n{label}: {args.layers} layers, d={tf.D}, seq {tf.SEQ}, batch {tf.BATCH}, "
               f"{len(step.ops)} forward ops, {len(step.events)} non-finite events")
         if found is not None:
