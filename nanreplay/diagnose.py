@@ -212,7 +212,7 @@ class Site:
     def where(self) -> str:
         s = self.source
         mod = self.step.module_of(self.event)
-        at = f"{s['file']}:{s['line']}" if s else "an unknown line"
+        at = f"{s['file']}:{s['line']}" if s else f"{self.call_name or self.event.op} (no source line)"
         return f"{at} (module {mod if mod else '<root>'!r})"
 
     def chain_events(self) -> list[Event]:
@@ -267,6 +267,10 @@ def choose_eps(dtype: str, scale: float | None, what: str, *, floor: float | Non
 def eps_candidates(eps: float) -> list[float]:
     """The chosen epsilon first, then larger ones in case the first does not verify."""
     return [eps, eps * 1e2, eps * 1e4]
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _fmt(x: float) -> str:
@@ -628,7 +632,7 @@ def _log_zero(s: Site) -> Diagnosis | None:
                       floor=1 / s.finfo.max, floor_why="the gradient 1/(x + eps)")
     what = "-inf in forward" if s.forward else "0/0 = NaN in its backward (grad / x with x = 0)"
     return Diagnosis("log_of_zero", "log of zero",
-                     f"log received exact zeros ({x.get('zeros', '?')} of them) at {s.where}: log(0) = -inf, "
+                     f"log received {_count(x.get('zeros', 0), 'exact zero')} at {s.where}: log(0) = -inf, "
                      f"and here that became {what}.", fixes)
 
 
@@ -641,7 +645,7 @@ def _log_negative(s: Site) -> Diagnosis | None:
                       _clamp_eps, lambda t, e: t.clamp_min(e), lambda e: f"torch.log(x.clamp_min({_fmt(e)}))",
                       floor=1 / s.finfo.max, floor_why="the gradient 1/eps")
     return Diagnosis("log_of_negative", "log of a negative number",
-                     f"log received {x['negatives']} negative values (min {x.get('min')}) at {s.where}: log(x<0) = "
+                     f"log received {_count(x['negatives'], 'negative value')} (min {x.get('min')}) at {s.where}: log(x<0) = "
                      "NaN. Check why the input can be negative; clamp it if that is expected.", fixes)
 
 
@@ -664,7 +668,7 @@ def _sqrt_cancel(s: Site) -> Diagnosis | None:
                       lambda t, e: f"{codefix.paren(t)}.clamp_min(0) + {_fmt(e)}",
                       lambda t, e: t.clamp_min(0) + e, lambda e: f"torch.sqrt(var.clamp_min(0) + {_fmt(e)})")
     return Diagnosis("sqrt_cancellation", "sqrt of a variance computed as E[x²] − E[x]²",
-                     f"sqrt's input is a difference with {x['negatives']} negative values (min {x.get('min')}): "
+                     f"sqrt's input is a difference with {_count(x['negatives'], 'negative value')} (min {x.get('min')}): "
                      f"computed as E[x²] − E[x]², a zero variance (a constant feature) cancels to rounding noise of "
                      f"about {s.dtype}'s eps × E[x²] (here E[x²] is of order {terms:.2g}), which can be negative, and sqrt of "
                      f"a negative is NaN at {s.where}. Clamp at 0 then add eps, or compute the variance as "
@@ -680,7 +684,7 @@ def _sqrt_negative(s: Site) -> Diagnosis | None:
                       lambda t, e: f"{codefix.paren(t)}.clamp_min(0) + {_fmt(e)}",
                       lambda t, e: t.clamp_min(0) + e, lambda e: f"torch.sqrt(x.clamp_min(0) + {_fmt(e)})")
     return Diagnosis("sqrt_of_negative", "sqrt of a negative number",
-                     f"sqrt received {x['negatives']} negative values (min {x.get('min')}) at {s.where}: "
+                     f"sqrt received {_count(x['negatives'], 'negative value')} (min {x.get('min')}) at {s.where}: "
                      "sqrt(x<0) = NaN in forward, and anomaly mode would flag its backward.", fixes)
 
 
@@ -723,7 +727,7 @@ def _pow_negative(s: Site) -> Diagnosis | None:
                       floor=(abs(a) / s.finfo.max) ** (1 / (1 - a)) if a < 1 else None,
                       floor_why=f"the gradient {a:g} * eps ** {a - 1:g}")
     return Diagnosis("pow_of_negative", f"fractional power ({a:g}) of a negative number",
-                     f"x ** {a:g} is NaN for x < 0 ({x['negatives']} such values, min {x.get('min')}) at {s.where}. "
+                     f"x ** {a:g} is NaN for x < 0 ({_count(x['negatives'], 'such value')}, min {x.get('min')}) at {s.where}. "
                      "A fractional power is only defined for x ≥ 0: clamp the base (or use "
                      f"x.sign() * x.abs() ** {a:g} if negative inputs are meaningful).", fixes)
 
@@ -755,7 +759,7 @@ def _pow_zero(s: Site) -> Diagnosis | None:
     else:
         title, what = f"x ** {a:g} at x = 0: infinite value", f"x ** {a:g} = 1 / x ** {-a:g} is Inf at x = 0"
     return Diagnosis("pow_at_zero", title,
-                     f"{what} ({x.get('zeros')} exact zeros in x, {s.where}). Add a small eps to the base.", fixes)
+                     f"{what} ({_count(x.get('zeros', 0), 'exact zero')} in x, {s.where}). Add a small eps to the base.", fixes)
 
 
 @rule("acos_asin_boundary", aten.acos, aten.asin)
@@ -915,7 +919,7 @@ def _empty_reduction(s: Site) -> Diagnosis | None:
               reasoning="the same mean over the targets that count, but a batch whose targets are all ignored "
                         "contributes 0 instead of 0/0")
     return Diagnosis("empty_reduction", "cross-entropy mean over zero targets (all ignore_index)",
-                     f"every target in the batch ({target.get('shape')}) equals ignore_index ({ignore}), so "
+                     f"all {math.prod(target.get('shape') or [0])} targets in the batch equal ignore_index ({ignore}), so "
                      f"reduction='mean' divides 0 by 0 ({s.where}). Common with padding-only or fully masked batches.",
                      [fix])
 
@@ -964,7 +968,7 @@ def _normalize(s: Site) -> Diagnosis | None:
     what = ("(x - mean) / std with a constant feature or group (std = 0 and x - mean = 0)" if is_std
             else "x / x.norm() with an all-zero vector (norm = 0)")
     return Diagnosis("normalize_zero_norm", f"division by a zero {label}",
-                     f"{what}: {d['zeros']} zero denominators at {s.where}, giving 0/0 = NaN.", fixes)
+                     f"{what}: {_count(d['zeros'], 'zero denominator')} at {s.where}, giving 0/0 = NaN.", fixes)
 
 
 @rule("division_by_zero", aten.div, aten.reciprocal)
@@ -995,7 +999,7 @@ def _div_zero(s: Site) -> Diagnosis | None:
     fixes = _edge_fix(s, "epsilon", d.get("absmax") or n, "the quotient and its gradient",
                       code, change, generic, which=which, arg=idx, floor=floor, floor_why=floor_why)
     return Diagnosis("division_by_zero", "0/0" if zero_zero else "division by zero",
-                     f"the denominator held {d['zeros']} exact zeros (range {d.get('min')} .. {d.get('max')}) at "
+                     f"the denominator held {_count(d['zeros'], 'exact zero')} (range {d.get('min')} .. {d.get('max')}) at "
                      f"{s.where}: {'0/0 = NaN' if zero_zero else 'x/0 = Inf'}. Keep the denominator away from 0, or "
                      "mask the rows where it is 0.", fixes)
 

@@ -9,6 +9,7 @@ line to a copy of the model's file and analysing the same snapshot again.
 from __future__ import annotations
 
 import ast
+import json
 import re
 import sys
 from pathlib import Path
@@ -76,6 +77,7 @@ def test_cause_fix_and_verification(run_case, name):
         assert diag["fix"]["verified"] is True, diag["fix"]["verification"]
         assert "every parameter gradient finite" in diag["fix"]["verification"]
     assert diag["cause"] in {r.cause for r in RULES}
+    json.dumps(d, allow_nan=False)  # strict JSON
 
 
 # Fixes shown without a rewrite of the user's line, and why.
