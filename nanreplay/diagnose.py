@@ -303,6 +303,11 @@ def _log_family(s: Site) -> bool:
     return s.packet in _LOG_PACKETS and s.call_is("log", "log2", "log10")
 
 
+def _stable_log_candidate(s: Site) -> bool:
+    """A log the stable-form rules may claim: not one whose result where() picks from (the where trap)."""
+    return _log_family(s) and "aten.where" not in s.consumer_packets()
+
+
 def _view_of(base_in: Any, base_out: Any, q: Any) -> torch.Tensor | None:
     """`q` is `base_out` or a view of it (a squeeze, a slice): the same view of `base_in`; else None.
 
@@ -426,7 +431,7 @@ def _sigmoid_logs(s: Site, sg: OpRecord) -> tuple[list[OpRecord], list[OpRecord]
 @rule("bce_saturated", *_LOGS)
 def _handwritten_bce(s: Site) -> Diagnosis | None:
     """-(y log p + (1 - y) log(1 - p)) with p = sigmoid(z): p rounds to exactly 0 or 1, one log is log(0)."""
-    if not _log_family(s):
+    if not _stable_log_candidate(s):
         return None
     o = s.origin(0)
     if o is None:
@@ -461,7 +466,7 @@ def _handwritten_bce(s: Site) -> Diagnosis | None:
 @rule("logsigmoid", *_LOGS)
 def _log_of_sigmoid(s: Site) -> Diagnosis | None:
     sg = s.origin(0)
-    if sg is None or packet(str(sg.op)) != "aten.sigmoid" or not _log_family(s):
+    if sg is None or packet(str(sg.op)) != "aten.sigmoid" or not _stable_log_candidate(s):
         return None
     patch = _stable_log_patch(sg, [s.rec], lambda a, k: F.logsigmoid(a[0]))
     Fn = codefix.functional(s.source["path"] if s.source else None)
@@ -479,7 +484,7 @@ def _log_of_sigmoid(s: Site) -> Diagnosis | None:
 @rule("log_softmax", *_LOGS)
 def _log_of_softmax(s: Site) -> Diagnosis | None:
     sm = s.origin(0)
-    if sm is None or packet(str(sm.op)) not in ("aten._softmax", "aten.softmax") or not _log_family(s):
+    if sm is None or packet(str(sm.op)) not in ("aten._softmax", "aten.softmax") or not _stable_log_candidate(s):
         return None
     patch = _stable_log_patch(sm, [s.rec], lambda a, k: torch.log_softmax(a[0], dim=_softmax_dim(a, k)))
     rw = s.rewrite(lambda src, node: _wrapped_call_text(node, src, "softmax", "torch.log_softmax"))

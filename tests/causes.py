@@ -113,6 +113,27 @@ def positive_likelihood():
     return PositiveLikelihood()
 
 
+class GuardedLogSigmoid(nn.Module):
+    """where() guards the forward of log(sigmoid(z)), not its gradient: the where trap, not a logsigmoid case."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+        with torch.no_grad():
+            self.fc.weight.mul_(150)
+
+    def forward(self, x):
+        p = torch.sigmoid(self.fc(x))
+        return torch.where(p > 0, torch.log(p), torch.zeros_like(p)).mean()  # CULPRIT: where_over_sigmoid
+
+
+@case("where_over_sigmoid", _randn(11, 8, 4), cause="where_trap", fix="double_where", phase="backward",
+      kind="nan", forward_op="aten.log.default", backward_node="LogBackward0")
+@_seeded
+def guarded_log_sigmoid():
+    return GuardedLogSigmoid()
+
+
 # ---------------------------------------------------------------- hand-written BCE on a saturated sigmoid
 
 
