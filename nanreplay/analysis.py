@@ -124,7 +124,7 @@ def analyze(path: str | Path, *, model: str | None = None, loss: str | None = No
     t_diag = time.perf_counter()
     if c is not None or step.failure is not None:
         result.precision = verify.precision_probe(subject, _step_dtype(subject))
-        note = precision_sentence(result.precision, _step_dtype(subject))
+        note = precision_sentence(result.precision, _step_label(subject))
         if note:
             result.diagnosis["explanation"] += " " + note
             result.diagnosis["precision"] = note
@@ -146,8 +146,9 @@ def activation_rows(step: Step) -> list[dict]:
     for module, mx, dtype in step.activations:
         fmax = torch.finfo(getattr(torch, dtype)).max
         ratio = mx / fmax if isinstance(mx, float) else None
+        # Inf output: it overflowed (past "near"). NaN output: its magnitude is unknown, not an overflow.
         rows.append({"module": module, "absmax": mx, "dtype": dtype, "ratio": ratio,
-                     "near_overflow": bool(ratio is not None and ratio >= NEAR_OVERFLOW) or mx in ("inf", "nan")})
+                     "near_overflow": bool(ratio is not None and ratio >= NEAR_OVERFLOW) or mx in ("inf", "-inf")})
     return rows
 
 
@@ -158,6 +159,15 @@ def _step_dtype(subject: Subject) -> str:
             k = stats.dtype_name(p.dtype)
             counts[k] = counts.get(k, 0) + p.numel()
     return max(counts, key=counts.get) if counts else "float32"
+
+
+def _step_label(subject: Subject) -> str:
+    """How the step ran, for sentences: 'float16', or 'autocast float16' under torch.autocast."""
+    if subject.autocast:
+        ac = subject.autocast
+        dtype = ac.get("dtype") or (torch.bfloat16 if ac.get("device_type") == "cpu" else torch.float16)
+        return f"autocast {stats.dtype_name(dtype)}"
+    return _step_dtype(subject)
 
 
 def precision_sentence(rows: list[dict], dtype: str) -> str:

@@ -78,15 +78,73 @@ def operand(node: ast.AST, which: str) -> ast.AST | None:
     return None
 
 
+def _parse(src: str) -> ast.AST | None:
+    try:
+        return ast.parse(src.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+
+
 def paren(src: str) -> str:
     """An expression, parenthesised unless it is already atomic."""
-    try:
-        node = ast.parse(src.strip(), mode="eval").body
-    except SyntaxError:
-        return f"({src})"
+    node = _parse(src)
     if isinstance(node, (ast.Name, ast.Attribute, ast.Call, ast.Subscript, ast.Constant)):
         return src
     return f"({src})"
+
+
+_ADDITIVE_OR_TIGHTER = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow, ast.MatMult)
+
+
+def plus(src: str, rhs: str, op: str = "+") -> str:
+    """`src + rhs` (or `src - rhs`), parenthesising `src` only where precedence needs it."""
+    node = _parse(src)
+    tight = isinstance(node, (ast.Name, ast.Attribute, ast.Call, ast.Subscript, ast.Constant, ast.UnaryOp)) or (
+        isinstance(node, ast.BinOp) and isinstance(node.op, _ADDITIVE_OR_TIGHTER))
+    return f"{src if tight else f'({src})'} {op} {rhs}"
+
+
+def functional(path: str | None) -> str:
+    """How the user's file spells torch.nn.functional: `F` when it imports it so, else the full name."""
+    text = "".join(linecache.getlines(path)) if path else ""
+    return "F" if "functional as F" in text else "torch.nn.functional"
+
+
+def arguments(node: ast.Call) -> list[ast.AST]:
+    """The call's positional arguments after its input: `x.sum(-1)` and `torch.sum(x, -1)` both give [-1]."""
+    return list(node.args[1:] if _is_function_call(node) else node.args)
+
+
+def literal_argument(file: str | None, line: int | None, call_name: str | None, name: str, position: int,
+                     default=None):
+    """The literal value of argument `name` (or positional `position` after the input) of the call
+    `call_name` on `file:line` — e.g. the `dim` of `e.sum(-1, keepdim=True)`. `default` where it is not
+    passed; None where the source cannot be read or the value is not a literal (a variable)."""
+    node = _find(file, line, call_name)
+    if not isinstance(node, ast.Call):
+        return None
+    arg = next((k.value for k in node.keywords if k.arg == name), None)
+    if arg is None:
+        pos = arguments(node)
+        if position >= len(pos):
+            return default
+        arg = pos[position]
+    try:
+        return ast.literal_eval(arg)
+    except (ValueError, TypeError, SyntaxError):
+        return None
+
+
+def _find(file: str | None, line: int | None, call_name: str | None) -> ast.AST | None:
+    if not (file and line and call_name):
+        return None
+    text = "".join(linecache.getlines(file))
+    try:
+        tree = ast.parse(text) if text else None
+    except SyntaxError:
+        return None
+    nodes = find_call(tree, line, call_name) if tree else []
+    return nodes[0] if nodes else None
 
 
 def _offset(line_starts: list[int], lineno: int, col: int) -> int:
@@ -174,8 +232,10 @@ def with_operand(which: str, change: Callable[[str], str]):
         # splice by position inside the node's own text
         start = _rel(node, target, whole, src)
         new = change(t)
-        is_argument = isinstance(node, ast.Call) and any(target is a for a in node.args)
-        if not is_argument:  # a method receiver or an operator operand binds tighter than `+`
+        is_argument = isinstance(node, ast.Call) and (any(target is a for a in node.args)
+                                                      or any(target is k.value for k in node.keywords))
+        grouped = 0 < start and whole[start - 1] == "(" and whole[start + len(t):start + len(t) + 1] == ")"
+        if not (is_argument or grouped):  # a method receiver or an operator operand binds tighter than `+`
             new = paren(new)
         return whole[:start] + new + whole[start + len(t):]
     return transform

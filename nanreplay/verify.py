@@ -112,7 +112,7 @@ def _plain_step(model, inputs, target, subject: Subject, autocast: dict | None) 
         torch.autograd.set_detect_anomaly(*anomaly_was)
     loss_ok = stats.finite_fast(loss.detach())
     bad = [n for n, p in model.named_parameters() if p.grad is not None and not stats.finite_fast(p.grad)]
-    return {"loss": stats._num(float(loss.detach().float())), "loss_finite": loss_ok,
+    return {"loss": stats._num(float(loss.detach().double())), "loss_finite": loss_ok,
             "grads_finite": not bad, "nonfinite_grads": len(bad)}
 
 

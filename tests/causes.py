@@ -1,0 +1,587 @@
+"""Purpose-built models for the diagnosis catalogue: one small model per cause.
+
+Same style as `nanmodels.py`: each case is a zero-argument model factory (what
+`--model causes:<factory>` names), a batch and an optional loss spec. The line
+that should be blamed carries a `# CULPRIT: <case>` marker. `expect` holds the
+diagnosis the case must get: its `cause` and `fix` kind, plus culprit keys
+(`phase`, `kind`, `op`, `forward_op`, `backward_node`, `module`) and `verdict`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanmodels import Case
+from nanmodels import marker_line as _marker_line
+
+HERE = Path(__file__)
+
+CASES: dict[str, Case] = {}
+
+
+def marker_line(case: str, path: Path = HERE) -> int:
+    return _marker_line(case, path)
+
+
+def case(name: str, batch: Callable[[], dict], loss: str | None = None, **expect):
+    def deco(factory):
+        CASES[name] = Case(name, factory.__name__, batch, loss, expect)
+        return factory
+    return deco
+
+
+def _seeded(fn):
+    def wrapper():
+        torch.manual_seed(0)
+        return fn()
+    wrapper.__name__ = fn.__name__
+    return wrapper
+
+
+def save_case(c: Case, path: Path) -> Path:
+    """Write the seed's snapshot dict for a case: {'x': ..., 'y': ..., 'state': model.state_dict()}."""
+    model = globals()[c.factory]()
+    d = dict(c.batch())
+    d["state"] = model.state_dict()
+    torch.save(d, path)
+    return path
+
+
+def _randn(seed: int, *shape: int) -> Callable[[], dict]:
+    def make():
+        torch.manual_seed(seed)
+        return {"x": torch.randn(*shape)}
+    return make
+
+
+# ---------------------------------------------------------------- sqrt(E[x²] − E[x]²): cancellation
+
+
+class OnePassScaler(nn.Module):
+    """Standardises features with a one-pass variance; a constant feature cancels to a tiny negative."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        mu = x.mean(0)
+        var = (x * x).mean(0) - mu * mu
+        std = torch.sqrt(var)  # CULPRIT: sqrt_cancellation
+        return self.head((x - mu) / (std + 1e-3)).mean()
+
+
+def _constant_feature():
+    torch.manual_seed(10)
+    x = torch.randn(7, 4)
+    x[:, 2] = 1.3  # a constant feature: its variance is 0, computed as 1.69 - 1.69 it rounds below 0
+    return {"x": x}
+
+
+@case("sqrt_cancellation", _constant_feature, cause="sqrt_cancellation", fix="clamp", phase="forward",
+      kind="nan", op="aten.sqrt.default")
+@_seeded
+def one_pass_scaler():
+    return OnePassScaler()
+
+
+# ---------------------------------------------------------------- log(sigmoid(x)) -> logsigmoid
+
+
+class PositiveLikelihood(nn.Module):
+    """-log p(positive) for a confident scorer: sigmoid(-200) is exactly 0 in float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+        with torch.no_grad():
+            self.fc.weight.mul_(150)
+
+    def forward(self, x):
+        return -torch.log(torch.sigmoid(self.fc(x))).mean()  # CULPRIT: log_sigmoid
+
+
+@case("log_sigmoid", _randn(11, 8, 4), cause="logsigmoid", fix="logsigmoid", phase="forward", kind="inf",
+      op="aten.log.default")
+@_seeded
+def positive_likelihood():
+    return PositiveLikelihood()
+
+
+class GuardedLogSigmoid(nn.Module):
+    """where() guards the forward of log(sigmoid(z)), not its gradient: the where trap, not a logsigmoid case."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+        with torch.no_grad():
+            self.fc.weight.mul_(150)
+
+    def forward(self, x):
+        p = torch.sigmoid(self.fc(x))
+        return torch.where(p > 0, torch.log(p), torch.zeros_like(p)).mean()  # CULPRIT: where_over_sigmoid
+
+
+@case("where_over_sigmoid", _randn(11, 8, 4), cause="where_trap", fix="double_where", phase="backward",
+      kind="nan", forward_op="aten.log.default", backward_node="LogBackward0")
+@_seeded
+def guarded_log_sigmoid():
+    return GuardedLogSigmoid()
+
+
+# ---------------------------------------------------------------- hand-written BCE on a saturated sigmoid
+
+
+class Scorer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+        with torch.no_grad():
+            self.fc.weight.mul_(30)
+            self.fc.bias.fill_(40.0)  # confident positives: sigmoid rounds to exactly 1
+
+    def forward(self, x):
+        return torch.sigmoid(self.fc(x)).squeeze(-1)
+
+
+def handwritten_bce(p, y):
+    return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()  # CULPRIT: bce_saturated
+
+
+def _bce_batch():
+    torch.manual_seed(12)
+    return {"x": torch.randn(8, 4), "y": (torch.rand(8) > 0.5).float()}
+
+
+@case("bce_saturated", _bce_batch, loss="causes:handwritten_bce", cause="bce_saturated", fix="bce_with_logits",
+      phase="forward", kind="inf", op="aten.log.default", module="<loss>")
+@_seeded
+def scorer():
+    return Scorer()
+
+
+# ---------------------------------------------------------------- x / 0 and 1 / 0
+
+
+class Speed(nn.Module):
+    """distance / predicted duration; ReLU predicts a duration of exactly 0 for some rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, x):
+        t = F.relu(self.fc(x))
+        return (x[:, :1].abs() / t).mean()  # CULPRIT: x_over_zero
+
+
+@case("x_over_zero", _randn(13, 8, 4), cause="division_by_zero", fix="epsilon", phase="forward", kind="inf",
+      op="aten.div.Tensor")
+@_seeded
+def speed():
+    return Speed()
+
+
+class SignedScale(nn.Module):
+    """x / s with a learned, signed per-feature divisor in float16; a pruned feature has s = 0 exactly."""
+
+    def __init__(self):
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor([0.5, -0.25, 0.0, 1.0]))
+
+    def forward(self, x):
+        return (x / self.s).mean()  # CULPRIT: signed_zero_fp16
+
+
+def _half_batch():
+    torch.manual_seed(13)
+    return {"x": torch.randn(8, 4).half()}
+
+
+@case("signed_zero_fp16", _half_batch, cause="division_by_zero", fix="epsilon", phase="forward", kind="inf",
+      op="aten.div.Tensor")
+def signed_scale_half():
+    """float16: an eps that only looks at the values (1e-4) would overflow the gradient x / eps²."""
+    return SignedScale().half()
+
+
+class InverseRate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x):
+        rate = F.relu(self.fc(x))
+        return (1.0 / rate).mean()  # CULPRIT: reciprocal_zero
+
+
+@case("reciprocal_zero", _randn(13, 8, 4), cause="division_by_zero", fix="epsilon", phase="forward", kind="inf",
+      op="aten.reciprocal.default")
+@_seeded
+def inverse_rate():
+    return InverseRate()
+
+
+# ---------------------------------------------------------------- (x - mean) / std: constant feature, batch of one
+
+
+class BatchStandardize(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(3, 1)
+
+    def forward(self, x):
+        z = (x - x.mean(0)) / x.std(0)  # CULPRIT: std_constant
+        return self.head(z).mean()
+
+
+def _constant_column():
+    torch.manual_seed(14)
+    x = torch.randn(6, 3)
+    x[:, 1] = 0.5  # a constant feature: std = 0 and x - mean = 0
+    return {"x": x}
+
+
+@case("std_constant", _constant_column, cause="normalize_zero_norm", fix="epsilon", phase="forward", kind="nan",
+      op="aten.div.Tensor")
+@_seeded
+def batch_standardize():
+    return BatchStandardize()
+
+
+class LearnedStandardize(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return ((h - h.mean(0)) / h.std(0)).pow(2).mean()  # CULPRIT: std_single
+
+
+@case("std_single", _randn(15, 1, 4), cause="std_single_element", fix="correction", phase="forward", kind="nan",
+      op="aten.std.correction")
+@_seeded
+def learned_standardize():
+    return LearnedStandardize()
+
+
+# ---------------------------------------------------------------- hand-written softmax and logsumexp overflow
+
+
+class HandSoftmax(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        with torch.no_grad():
+            self.fc.weight.mul_(400)
+
+    def forward(self, x):
+        e = self.fc(x).exp()  # CULPRIT: handwritten_softmax
+        p = e / e.sum(-1, keepdim=True)
+        return -(p[:, 0] + 1e-6).log().mean()
+
+
+@case("handwritten_softmax", _randn(16, 5, 4), cause="handwritten_softmax", fix="max_subtraction",
+      phase="forward", kind="inf", op="aten.exp.default")
+@_seeded
+def hand_softmax():
+    return HandSoftmax()
+
+
+class HandLogSumExp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        with torch.no_grad():
+            self.fc.weight.mul_(400)
+
+    def forward(self, x):
+        s = self.fc(x)
+        return (torch.log(torch.exp(s).sum(dim=1)) - s[:, 0]).mean()  # CULPRIT: handwritten_logsumexp
+
+
+@case("handwritten_logsumexp", _randn(16, 5, 4), cause="handwritten_softmax", fix="max_subtraction",
+      phase="forward", kind="inf", op="aten.exp.default")
+@_seeded
+def hand_logsumexp():
+    return HandLogSumExp()
+
+
+# ---------------------------------------------------------------- acos / asin at the edge of [-1, 1]
+
+
+class Angle(nn.Module):
+    """The angle between two embeddings; identical inputs round the cosine just above 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(6, 8)
+
+    def forward(self, a, b):
+        ea, eb = self.enc(a), self.enc(b)
+        cos = (ea * eb).sum(-1) / (ea.norm(dim=-1) * eb.norm(dim=-1))
+        return torch.acos(cos).mean()  # CULPRIT: acos_outside
+
+
+def _same_pairs():
+    torch.manual_seed(17)
+    a = torch.randn(16, 6)
+    b = a.clone()
+    b[:4] += torch.randn(4, 6)
+    return {"x": (a, b)}
+
+
+@case("acos_outside", _same_pairs, cause="acos_asin_boundary", fix="clamp", phase="forward", kind="nan",
+      op="aten.acos.default")
+@_seeded
+def angle():
+    return Angle()
+
+
+class BoundedAngle(nn.Module):
+    """asin(tanh(z)): a bounded angle; tanh saturates to exactly 1, where asin' = 1/sqrt(1 - x²) = Inf."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        with torch.no_grad():
+            self.fc.weight.mul_(20)
+
+    def forward(self, x):
+        return torch.asin(torch.tanh(self.fc(x))).sum()  # CULPRIT: asin_at_one
+
+
+@case("asin_at_one", _randn(18, 6, 4), cause="acos_asin_boundary", fix="clamp", phase="backward", kind="inf",
+      forward_op="aten.asin.default", backward_node="AsinBackward0")
+@_seeded
+def bounded_angle():
+    return BoundedAngle()
+
+
+# ---------------------------------------------------------------- fractional powers
+
+
+class PowerScale(nn.Module):
+    """(x * s) ** 0.5 on sparse features: d/ds = 0.5 x (x s) ** -0.5 = 0 * Inf at x = 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head((x * self.scale) ** 0.5).mean()  # CULPRIT: pow_at_zero
+
+
+def _sparse():
+    torch.manual_seed(19)
+    x = torch.rand(6, 4)
+    x[x < 0.3] = 0.0
+    return {"x": x}
+
+
+@case("pow_at_zero", _sparse, cause="pow_at_zero", fix="epsilon", phase="backward", kind="inf",
+      forward_op="aten.pow.Tensor_Scalar", backward_node="PowBackward0")
+@_seeded
+def power_scale():
+    return PowerScale()
+
+
+class PowerLaw(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return torch.pow(self.fc(x), 1.5).mean()  # CULPRIT: pow_negative
+
+
+@case("pow_negative", _randn(20, 6, 4), cause="pow_of_negative", fix="clamp", phase="forward", kind="nan",
+      op="aten.pow.Tensor_Scalar")
+@_seeded
+def power_law():
+    return PowerLaw()
+
+
+# ---------------------------------------------------------------- float32 overflow from exploded weights
+
+
+class Diverged(nn.Module):
+    """Earlier steps blew the weights up to ~1e19 (finite); this step's matmul overflows float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.fc2 = nn.Linear(8, 1)
+        with torch.no_grad():
+            self.fc1.weight.fill_(3e19)
+            self.fc2.weight.fill_(3e19)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))).mean()  # CULPRIT: exploded
+
+
+def _positive():
+    torch.manual_seed(21)
+    return {"x": torch.rand(4, 8) + 0.5}
+
+
+@case("exploded", _positive, cause="exploded_weights", fix="lower_lr_clip_grads", phase="forward", kind="inf",
+      op="aten.addmm.default", module="fc2")
+@_seeded
+def diverged():
+    return Diverged()
+
+
+# ---------------------------------------------------------------- reductions over nothing
+
+
+class Tagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def _all_ignored():
+    torch.manual_seed(22)
+    return {"x": torch.randn(6, 4), "y": torch.full((6,), -100)}  # a padding-only batch
+
+
+@case("ce_all_ignored", _all_ignored, loss="cross_entropy", cause="empty_reduction", fix="guard_empty_reduction",
+      phase="forward", kind="nan", op="aten.nll_loss_forward.default", module="<loss>")
+@_seeded
+def tagger():
+    return Tagger()
+
+
+def padded_ce(logits, y):
+    return F.cross_entropy(logits, y, ignore_index=0)  # CULPRIT: ce_pad_ignored
+
+
+def _all_pad():
+    torch.manual_seed(22)
+    return {"x": torch.randn(6, 4), "y": torch.zeros(6, dtype=torch.long)}  # pad id 0 everywhere
+
+
+@case("ce_pad_ignored", _all_pad, loss="causes:padded_ce", cause="empty_reduction", fix="guard_empty_reduction",
+      phase="forward", kind="nan", op="aten.nll_loss_forward.default", module="<loss>")
+@_seeded
+def pad_tagger():
+    return Tagger()
+
+
+class Distance(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x).pow(2).sum(-1)
+
+
+def positive_pair_loss(d, y):
+    return d[y == 1].mean()  # CULPRIT: empty_mean
+
+
+def _no_positives():
+    torch.manual_seed(23)
+    return {"x": torch.randn(6, 4), "y": torch.zeros(6, dtype=torch.long)}  # no positive pair in this batch
+
+
+@case("empty_mean", _no_positives, loss="causes:positive_pair_loss", cause="empty_reduction",
+      fix="guard_empty_reduction", phase="forward", kind="nan", op="aten.mean.default", module="<loss>")
+@_seeded
+def distance():
+    return Distance()
+
+
+# ---------------------------------------------------------------- float16 under CPU autocast
+
+
+class AutocastMLP(nn.Module):
+    """float32 weights run under torch.autocast('cpu', dtype=torch.float16): fc1's output passes 65504."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 16)
+        self.fc2 = nn.Linear(16, 1)
+        with torch.no_grad():
+            self.fc1.weight.fill_(40.0)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))).float().mean()  # CULPRIT: autocast_fp16
+
+
+def _big_inputs():
+    return {"x": torch.full((4, 16), 120.0)}
+
+
+AUTOCAST = {"device_type": "cpu", "dtype": torch.float16}
+
+
+@case("autocast_fp16", _big_inputs, cause="fp16_overflow", fix="bf16_or_grad_scaler", phase="forward",
+      kind="inf", op="aten.addmm.default", module="fc1", autocast=AUTOCAST)
+@_seeded
+def autocast_mlp():
+    return AutocastMLP()
+
+
+# ---------------------------------------------------------------- near overflow: finite, but close to 65504
+
+
+class LoudHalf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 16)
+        self.fc2 = nn.Linear(16, 1)
+        with torch.no_grad():
+            self.fc1.weight.fill_(40.0)
+            self.fc1.bias.zero_()
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))).float().mean()
+
+
+def _medium_half():
+    return {"x": torch.full((4, 16), 15.0).half()}  # fc1 reaches 16 * 40 * 15 = 9600: 15% of float16's max
+
+
+CASES["near_overflow"] = Case("near_overflow", "loud_half", _medium_half, None, {"verdict": "not_reproduced"})
+
+
+def loud_half():
+    torch.manual_seed(0)
+    return LoudHalf().half()
+
+
+# ---------------------------------------------------------------- a pattern no rule knows
+
+
+class Probit(nn.Module):
+    """A probit link: erfinv(2p - 1) is +Inf where the sigmoid saturated to p = 1. No rule covers erfinv."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        with torch.no_grad():
+            self.fc.weight.mul_(40)
+
+    def forward(self, x):
+        p = torch.sigmoid(self.fc(x))
+        return torch.erfinv(2 * p - 1).mean()  # CULPRIT: unknown_erfinv
+
+
+@case("unknown_erfinv", _randn(24, 8, 4), cause="unrecognised", fix="none", phase="forward", kind="inf",
+      op="aten.erfinv.default")
+@_seeded
+def probit():
+    return Probit()
