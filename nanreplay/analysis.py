@@ -123,7 +123,8 @@ def analyze(path: str | Path, *, model: str | None = None, loss: str | None = No
     result.diagnosis = diagnose.diagnose(result, subject, step, c, verify_fixes=verify)
     t_diag = time.perf_counter()
     if c is not None or step.failure is not None:
-        result.precision = verify.precision_probe(subject, _step_dtype(subject))
+        result.precision = verify.precision_probe(subject, _step_dtype(subject),
+                                                  failure=step.failure.what if step.failure else None)
         note = precision_sentence(result.precision, _step_label(subject))
         if note:
             result.diagnosis["explanation"] += " " + note

@@ -6,6 +6,8 @@ the user chose, and specs stored *inside* a snapshot run only with `--trust`.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib
 import inspect
 import os
@@ -49,6 +51,20 @@ class Subject:
 
     def forward(self) -> Any:
         return call_model(self.model, self.inputs)
+
+    def converted(self, dtype: torch.dtype | None = None, autocast: dict | None | str = "same") -> Subject:
+        """A copy of this step in another floating dtype and/or autocast setting; this one stays untouched."""
+        model = copy.deepcopy(self.model)
+        loss_fn = self.loss_fn
+        conv = (lambda t: t.to(dtype) if t.is_floating_point() else t) if dtype is not None else (lambda t: t)
+        if dtype is not None:
+            model.to(dtype)
+            if isinstance(loss_fn, nn.Module):  # e.g. CrossEntropyLoss(weight=...)
+                loss_fn = copy.deepcopy(loss_fn).to(dtype)
+        return dataclasses.replace(
+            self, model=model, loss_fn=loss_fn, inputs=map_tensors(self.inputs, conv),
+            target=map_tensors(self.target, conv), autocast=self.autocast if autocast == "same" else autocast,
+            site=getattr(model, "site", None) if self.site is not None else None)
 
     def loss(self, output: Any) -> torch.Tensor:
         loss = compute_loss(output, self.target, self.loss_fn)

@@ -549,11 +549,13 @@ def call_name(func: Any) -> str:
 def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor], *,
         names: dict[int, str], prepare: Callable[[], None] | None = None, autocast: dict | None = None,
         site: Callable | None = None, intercepts: dict[int, Callable] | None = None,
-        loss_module: str = "<loss>") -> Step:
+        loss_module: str = "<loss>", backward_after_bad_loss: bool = True) -> Step:
     """Replay forward, loss and backward once, instrumented, and return what happened.
 
     Global state is restored on the way out, even when the replay raises: module
-    hooks removed, modes popped, anomaly mode as it was.
+    hooks removed, modes popped, anomaly mode as it was. With
+    backward_after_bad_loss=False a non-finite loss ends the replay there: the
+    failure is then known and complete (fix verification needs no more).
     """
     rec = Recorder(names, site)
     rec.intercepts = intercepts or {}
@@ -579,28 +581,30 @@ def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any]
         except Exception as e:  # noqa: BLE001 - user code
             raise AnalysisError(_replay_error("forward" if rec.phase == "forward" else "loss", e, rec)) from e
         rec.phase = "backward"
-        if loss_t.requires_grad and loss_t.grad_fn is not None:
+        loss_finite = stats.finite_fast(loss_t.detach())
+        skipped = not loss_finite and not backward_after_bad_loss
+        if not (loss_t.requires_grad and loss_t.grad_fn is not None):
+            backward_error = "the loss does not require grad: no backward pass to replay"
+        elif not skipped:
             node_handles = rec.watch_anomaly(loss_t.grad_fn)
             # With a non-finite loss the failure is the loss: its chain is all forward, and backward
             # events could not change the culprit. Backward then runs uninstrumented; only the
             # anomaly-mode emulation watches it (armed from the start: NaN may flow from the loss).
-            instrument = stats.finite_fast(loss_t.detach())
+            instrument = loss_finite
             rec.nan_in_backward = not instrument
             try:
                 with _OpMode(rec) if instrument else contextlib.nullcontext():
                     loss_t.backward()
             except Exception as e:  # noqa: BLE001
                 raise AnalysisError(_replay_error("backward", e, rec)) from e
-        else:
-            backward_error = "the loss does not require grad: no backward pass to replay"
     finally:
         for h in handles + node_handles:
             h.remove()
         torch.autograd.set_detect_anomaly(*anomaly_was)
     grads = [stats.grad_stats(n, p) for n, p in model.named_parameters()]
     failure = _failure(rec, loss_t, model)
-    anomaly = rec.anomaly or Anomaly(False)
-    return Step(loss=float(loss_t.detach().float()) if loss_t is not None else None,
+    anomaly = None if skipped else rec.anomaly or Anomaly(False)
+    return Step(loss=float(loss_t.detach().double()) if loss_t is not None else None,
                 events=rec.events, ops=rec.ops, op_by_seq=rec.op_by_seq, failure=failure, anomaly=anomaly,
                 grads=grads, call_names=[call_name(f) for f in rec.call_funcs],
                 internal_errors=rec.internal_errors, backward_error=backward_error,

@@ -9,17 +9,15 @@
 
 from __future__ import annotations
 
-import copy
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from nanreplay import culprit as culprit_mod
 from nanreplay import replay, stats
-from nanreplay.rebuild import Subject, compute_loss, to_device
-from nanreplay.snapshot import map_tensors
+from nanreplay.rebuild import Subject
 
 
 @dataclass
@@ -50,103 +48,101 @@ def _outcome(step: replay.Step) -> Outcome:
                           f"{mod if mod else '<root>'!r}{where}", nxt)
 
 
-def try_patch(subject: Subject, intercepts: dict[int, Callable]) -> Outcome:
-    """Replay with the given call sites rewritten."""
+def try_patch(subject: Subject, intercepts: dict[int, Callable] | None = None, *,
+              label: str = "with the fix") -> Outcome:
+    """Replay (instrumented, to name the next culprit if it fails) with the given call sites rewritten."""
     try:
-        step = replay.run_subject(subject, intercepts=intercepts)
+        step = replay.run_subject(subject, intercepts=intercepts, backward_after_bad_loss=False)
     except Exception as e:  # noqa: BLE001 - a fix that breaks the model is a failed fix, not a crash
-        return Outcome(False, f"replaying with the fix raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        return Outcome(False, f"replaying {label} raised {type(e).__name__}: {_first_line(e)}")
     finally:
         subject.model.zero_grad(set_to_none=True)
-    return _outcome(step)
-
-
-def _converted(subject: Subject, dtype: torch.dtype | None, autocast: dict | None) -> tuple[Any, Any, Any]:
-    """A copy of model and batch in another floating dtype (the original stays untouched)."""
-    model = copy.deepcopy(subject.model)
-    if dtype is None:
-        return model, subject.inputs, subject.target
-
-    def conv(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype) if t.is_floating_point() else t
-
-    model.to(dtype)
-    return model, map_tensors(subject.inputs, conv), map_tensors(subject.target, conv)
+    out = _outcome(step)
+    out.detail = out.detail.replace("with the fix", label)
+    return out
 
 
 def try_variant(subject: Subject, *, dtype: torch.dtype | None = None, autocast: dict | None | str = "same",
                 label: str = "") -> Outcome:
-    """Replay, instrumented, with model and batch converted to `dtype` and/or another autocast setting."""
-    model, inputs, target = _converted(subject, dtype, None)
-    ac = subject.autocast if autocast == "same" else autocast
-    names = {id(m): n for n, m in model.named_modules()}
+    """The whole step with model and batch in `dtype` and/or another autocast setting."""
     try:
-        step = replay.run(model, lambda: _call(model, inputs), lambda out: compute_loss(out, target, subject.loss_fn),
-                          names=names, prepare=subject.prepare, autocast=ac, site=getattr(model, "site", None))
+        variant = subject.converted(dtype, autocast)
     except Exception as e:  # noqa: BLE001
-        return Outcome(False, f"replaying {label} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    out = _outcome(step)
-    out.detail = out.detail.replace("with the fix", label or "with the fix")
-    return out
+        return Outcome(False, f"converting the step {label} raised {type(e).__name__}: {_first_line(e)}")
+    return try_patch(variant, label=label or "with the fix")
 
 
-def _call(model, inputs):
-    from nanreplay.rebuild import call_model
-
-    return call_model(model, inputs)
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else ""
 
 
-def _plain_step(model, inputs, target, subject: Subject, autocast: dict | None) -> dict:
-    """One uninstrumented forward+backward: are the loss and gradients finite?"""
+def plain_step(subject: Subject, *, forward_first: bool = False) -> dict:
+    """One uninstrumented step: are the loss and the gradients finite?
+
+    Stops as soon as the answer is known: a non-finite loss needs no backward
+    (`grads_finite` is then None). With forward_first the forward runs under
+    no_grad first, so a step that is already non-finite there costs one
+    activation at a time instead of the whole graph.
+    """
     if subject.prepare is not None:
         subject.prepare()
-    model.zero_grad(set_to_none=True)
+    subject.model.zero_grad(set_to_none=True)
     anomaly_was = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
     torch.autograd.set_detect_anomaly(False)
     try:
-        with torch.autocast(**autocast) if autocast else _null():
-            loss = compute_loss(_call(model, inputs), target, subject.loss_fn)
+        if forward_first:
+            with torch.no_grad(), _autocast(subject.autocast):
+                loss = subject.loss(subject.forward())
+            if not stats.finite_fast(loss):
+                return _row(loss, None)
+            if subject.prepare is not None:
+                subject.prepare()  # the same RNG for the full pass
+        with _autocast(subject.autocast):
+            loss = subject.loss(subject.forward())
+        if not stats.finite_fast(loss.detach()):
+            return _row(loss, None)
         if loss.requires_grad:
             loss.backward()
     finally:
         torch.autograd.set_detect_anomaly(*anomaly_was)
+    bad = [n for n, p in subject.model.named_parameters() if p.grad is not None and not stats.finite_fast(p.grad)]
+    subject.model.zero_grad(set_to_none=True)
+    return {**_row(loss, not bad), "nonfinite_grads": len(bad)}
+
+
+def _row(loss: torch.Tensor, grads_finite: bool | None) -> dict:
     loss_ok = stats.finite_fast(loss.detach())
-    bad = [n for n, p in model.named_parameters() if p.grad is not None and not stats.finite_fast(p.grad)]
-    return {"loss": stats._num(float(loss.detach().double())), "loss_finite": loss_ok,
-            "grads_finite": not bad, "nonfinite_grads": len(bad)}
+    return {"loss": stats._num(float(loss.detach().double())), "loss_finite": loss_ok, "grads_finite": grads_finite}
 
 
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+def _autocast(setting: dict | None):
+    return torch.autocast(**setting) if setting else contextlib.nullcontext()
 
 
-def precision_probe(subject: Subject, step_dtype: str | None) -> list[dict]:
-    """Replay the step in float64 — and in bf16/fp32 where the step ran in fp16 or autocast."""
-    plans: list[tuple[str, torch.dtype | None, dict | None]] = []
+def precision_probe(subject: Subject, step_dtype: str | None, *, failure: str | None = None) -> list[dict]:
+    """Replay the step in float64 — and in bf16/fp32 where the step ran in fp16 or autocast.
+
+    Uninstrumented, one copy at a time. When the snapshot's failure was the loss
+    (a forward problem), each dtype first runs forward alone.
+    """
+    plans: list[tuple[str, torch.dtype | None, dict | None | str]] = []
     ac = subject.autocast
     if ac:
         plans.append(("float32 (autocast off)", torch.float32, None))
         if ac.get("dtype") != torch.bfloat16:
             plans.append(("autocast bfloat16", None, {**ac, "dtype": torch.bfloat16}))
     elif step_dtype == "float16":
-        plans += [("bfloat16", torch.bfloat16, None), ("float32", torch.float32, None)]
+        plans += [("bfloat16", torch.bfloat16, "same"), ("float32", torch.float32, "same")]
     elif step_dtype == "bfloat16":
-        plans.append(("float32", torch.float32, None))
-    plans.append(("float64", torch.float64, None))
+        plans.append(("float32", torch.float32, "same"))
+    plans.append(("float64", torch.float64, None if ac else "same"))
     rows = []
     for label, dtype, autocast in plans:
         try:
-            model, inputs, target = _converted(subject, dtype, autocast)
-            row = _plain_step(model, inputs, target, subject, autocast)
-            del model
+            variant = subject.converted(dtype, autocast)
+            row = plain_step(variant, forward_first=failure == "loss")
+            del variant
         except Exception as e:  # noqa: BLE001 - e.g. an op without a float64 kernel on this device
-            row = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+            row = {"error": f"{type(e).__name__}: {_first_line(e)}"}
         rows.append({"dtype": label, **row})
     return rows
-
-
-__all__ = ["Outcome", "try_patch", "try_variant", "precision_probe", "to_device"]
