@@ -81,7 +81,7 @@ BREAK_DECADES = 6  # a limit this many decades above the data is drawn above an 
 MAX_LABELLED_BARS = 60
 
 
-def _short(s: str, n: int = 26) -> str:
+def _short(s: str, n: int = 24) -> str:
     return s if len(s) <= n else "…" + s[-(n - 1):]
 
 
@@ -102,7 +102,7 @@ def log_bars(items: Sequence[BarItem], limits: dict[str, float]) -> BarChart:
     height = 330 if show_labels else 250
     left, right = 58.0, WIDTH - 12.0
     top = 46.0 if broken else 18.0
-    bottom = height - (118.0 if show_labels else 26.0)
+    bottom = height - (124.0 if show_labels else 26.0)
 
     def y_of(v: float) -> float:
         return bottom - (math.log10(v) - lo) / (hi - lo) * (bottom - top)

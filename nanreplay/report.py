@@ -595,11 +595,11 @@ class ChainView:
     shown: int
 
 
-def _event(e: dict, culprit_index: int | None, failure_index: int | None, model_class: str | None) -> ChainEvent:
+def _event(e: dict, culprit_index: int | None, failure_index: int | None) -> ChainEvent:
     src = e.get("source")
     return ChainEvent(index=e.get("index", -1), phase=e.get("phase", ""), op=e.get("op", ""),
                       node=e.get("backward_node") or "", forward_op=e.get("forward_op") or "",
-                      module=module_label(e.get("module"), model_class), role=e.get("role", ""),
+                      module=module_label(e.get("module")), role=e.get("role", ""),
                       kind=e.get("kind", ""), nan=e.get("nan", 0), posinf=e.get("posinf", 0),
                       neginf=e.get("neginf", 0), numel=e.get("numel", 0), where=_short_where(src),
                       code=f"{where(src)}: {(src or {}).get('code') or ''}" if src else "",
@@ -627,8 +627,7 @@ def chain_view(d: dict) -> ChainView | None:
     c = d.get("culprit")
     culprit_index = c.get("event") if c else None
     failure_index = (d.get("failure") or {}).get("event")
-    model_class = (d.get("model") or {}).get("class")
-    events = [_event(e, culprit_index, failure_index, model_class) for e in chain]
+    events = [_event(e, culprit_index, failure_index) for e in chain]
 
     def keep(i: int, e: ChainEvent) -> bool:  # always visible: the story's turning points and its ends
         return e.role != "propagation" or e.culprit or e.failure or i == 0 or i == len(events) - 1
@@ -787,7 +786,7 @@ def activation_view(d: dict) -> ActivationView | None:
         j = max(range(len(chunk)), key=lambda t: math.inf if vals[t] is None or math.isnan(vals[t]) else vals[t])
         mods = [r.get("module") for r in chunk]
         culprit = cmod is not None and cmod in mods
-        label = module_label(mods[j], model_class)
+        label = module_label(mods[j])
         span = (f" ({len(chunk)} calls: {module_label(mods[0], model_class)} … {module_label(mods[-1], model_class)})"
                 if len(chunk) > 1 else "")
         title = f"{label}{span}: max |activation| {num(chunk[j].get('absmax'))} ({chunk[j].get('dtype')})"
