@@ -1243,6 +1243,9 @@ def terminal_summary(a: Analysis | dict, report_path: str | None) -> str:
         lines.append(f"  {b.headline}")
         for r in (d.get("nonfinite_leaves") or [])[:5]:
             lines.append(f"  {r['role']:10} {r['name']}: {r['nan']} NaN, {r['inf']} Inf")
+    fail = _failure_text(d)
+    if fail:
+        lines.append(f"  failure  {fail}")
     if b.cause:
         lines.append(f"  cause    {b.cause}")
     if b.fix:

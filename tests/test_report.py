@@ -565,7 +565,8 @@ def test_terminal_summary_mirrors_the_banner():
     text = report.terminal_summary(a, "out/r.html")
     c = a.culprit
     for needle in (c["op"], c["backward_node"], f"{c['source']['file']}:{c['source']['line']}", b.cause,
-                   "[verified by replay]", a.diagnosis["fix"]["after"], "PowBackward0", "out/r.html"):
+                   "[verified by replay]", a.diagnosis["fix"]["after"], "PowBackward0", "out/r.html",
+                   "failure  the gradient of encoder.2.bias became NaN"):
         assert needle in text, needle
     assert len(text.splitlines()) <= 10
 
