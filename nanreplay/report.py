@@ -199,6 +199,7 @@ class Banner:
     fix: FixView | None
     other_fixes: list[FixView]
     snapshot: str
+    no_fix: str = ""  # said instead of a fix when a culprit has none
 
 
 _VERDICT_LABEL = {
@@ -319,10 +320,11 @@ def banner(d: dict) -> Banner:
     fix = fix_view(diag.get("fix") or {})
     chosen = (diag.get("fix") or {}).get("code")
     others = [fv for f in diag.get("candidates") or [] if f.get("code") != chosen and (fv := fix_view(f))]
+    no_fix = "No automatic fix for this pattern: the inputs table shows what the op saw." if c and not fix else ""
     return Banner(verdict=verdict, verdict_label=_VERDICT_LABEL.get(verdict, verdict.replace("_", " ")), tone=tone,
                   headline=headline, subline=subline, cause=diag.get("title") or "",
                   explanation=diag.get("explanation") or "", facts=facts, fix=fix, other_fixes=others,
-                  snapshot=d.get("snapshot") or "")
+                  snapshot=d.get("snapshot") or "", no_fix=no_fix)
 
 
 def _loss_source_note(d: dict) -> str:
@@ -689,7 +691,7 @@ def chain_view(d: dict) -> ChainView | None:
 
 _ZERO_BAD = frozenset({"div", "sqrt", "rsqrt", "log", "log2", "log10", "reciprocal", "pow", "_softmax_backward_data",
                        "norm", "linalg_vector_norm", "atan2", "xlogy", "special_xlogy", "lgamma", "digamma",
-                       "_log_softmax_backward_data", "mul"})
+                       "_log_softmax_backward_data"})
 _NEG_BAD = frozenset({"sqrt", "rsqrt", "log", "log2", "log10", "pow", "lgamma", "digamma", "acos", "asin"})
 _EXP_LIKE = frozenset({"exp", "exp2", "expm1", "sinh", "cosh", "softplus"})
 _NEAR_OVERFLOW = 0.1
@@ -716,7 +718,7 @@ def stats_view(d: dict) -> StatsView | None:
     if not c:
         return None
     base = op_base(c.get("op"))
-    zero_bad = base in _ZERO_BAD and base != "mul"
+    zero_bad = base in _ZERO_BAD
     neg_bad = base in _NEG_BAD
     notes: list[str] = []
     rows = []
