@@ -43,6 +43,7 @@ class Analysis:
     precision: list[dict] = field(default_factory=list)  # the step replayed in other dtypes
     activations: list[dict] = field(default_factory=list)  # max |output| per module call, forward order
     gradient_shapes: list[dict] = field(default_factory=list)
+    invocation: dict = field(default_factory=dict)  # model/loss/device/trust exactly as the caller gave them
 
     def to_json(self) -> dict:
         d = {
@@ -65,6 +66,7 @@ class Analysis:
             "activations": self.activations,
             "near_overflow": [a for a in self.activations if a.get("near_overflow")],
             "gradient_shapes": self.gradient_shapes,
+            "invocation": self.invocation,
             "warnings": self.warnings,
             "nanreplay_version": __version__,
         }
@@ -84,7 +86,8 @@ def analyze(path: str | Path, *, model: str | None = None, loss: str | None = No
     subject = rebuild.subject(snap, model=model, loss=loss, device=device, trust=trust)
     t_load = time.perf_counter()
     result = Analysis(snapshot=str(path), verdict="not_reproduced", model=_model_info(subject),
-                      environment=_environment(subject), snapshot_info=_snapshot_info(snap))
+                      environment=_environment(subject), snapshot_info=_snapshot_info(snap),
+                      invocation={"model": model, "loss": loss, "device": device, "trust": trust})
     leaves = check_leaves(subject)
     result.nonfinite_leaves = leaves
     blocking = [r for r in leaves if not r.get("literal")]

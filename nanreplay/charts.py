@@ -1,0 +1,246 @@
+"""Chart geometry for the HTML report: numbers in, coordinates out.
+
+The report's charts are inline SVG. This module computes where every bar, line,
+tick and label goes; the template writes the SVG elements. It knows nothing about
+analyses — report.py decides what is drawn, labelled and marked.
+
+Why hand-made SVG and not matplotlib's SVG backend:
+* matplotlib is a heavy dependency the design card does not list, for two simple
+  charts (a bar chart and two line panels);
+* its SVG output is large (glyphs drawn as paths: tens of KB per chart) against the
+  page's size budget, while these charts cost a few KB;
+* every label here still goes through the template's autoescape (a module name
+  cannot inject markup into the SVG), the output is deterministic, needs no fonts,
+  images or network, and prints crisply.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+WIDTH = 900  # viewBox width; the page scales the SVG to its column
+
+
+@dataclass
+class Tick:
+    pos: float
+    label: str
+
+
+# ------------------------------------------------------------------ log-scale bars
+
+
+@dataclass
+class BarItem:
+    value: float  # > 0 drawn on the log axis; 0 as a stub; NaN/±Inf as a full-height "bad" bar
+    label: str
+    title: str
+    value_text: str = ""
+    near: bool = False  # close to the limit: drawn in the warning colour
+    culprit: bool = False  # outlined and marked
+
+
+@dataclass
+class Bar:
+    x: float
+    y: float
+    w: float
+    h: float
+    tone: str  # ok | near | bad (non-finite)
+    culprit: bool
+    label: str  # shortened for the axis; the full text is in title
+    title: str
+    value: str
+
+
+@dataclass
+class HLine:
+    y: float
+    label: str
+    broken: bool  # drawn above an axis break: the limit is far beyond the data
+
+
+@dataclass
+class BarChart:
+    width: int
+    height: int
+    left: float
+    top: float
+    right: float
+    bottom: float
+    bars: list[Bar]
+    ticks: list[Tick]
+    lines: list[HLine]
+    axis_break: float | None  # y of the break marker on the axis, when the axis is broken
+    show_labels: bool
+
+
+BREAK_DECADES = 6  # a limit this many decades above the data is drawn above an axis break
+MAX_LABELLED_BARS = 60
+
+
+def _short(s: str, n: int = 24) -> str:
+    return s if len(s) <= n else "…" + s[-(n - 1):]
+
+
+def log_bars(items: Sequence[BarItem], limits: dict[str, float]) -> BarChart:
+    """Bars on a log10 axis, with horizontal lines at `limits` (label -> value).
+
+    A limit far above the data (float32's 3.4e38 over activations near 1) would
+    squash every bar to the floor, so the axis is broken: the data keeps the height,
+    the limit is drawn in a band above the break, labelled as such.
+    """
+    finite = [it.value for it in items if math.isfinite(it.value) and it.value > 0]
+    lo = math.floor(math.log10(min(finite))) - 1 if finite else -1
+    data_hi = math.ceil(math.log10(max(finite))) + 1 if finite else 1
+    lim_hi = math.ceil(math.log10(max(limits.values()))) if limits else data_hi
+    broken = lim_hi - data_hi > BREAK_DECADES
+    hi = max(data_hi if broken else max(data_hi, lim_hi), lo + 2)
+    show_labels = len(items) <= MAX_LABELLED_BARS
+    height = 330 if show_labels else 250
+    left, right = 58.0, WIDTH - 12.0
+    top = 46.0 if broken else 18.0
+    bottom = height - (124.0 if show_labels else 26.0)
+
+    def y_of(v: float) -> float:
+        return bottom - (math.log10(v) - lo) / (hi - lo) * (bottom - top)
+
+    slot = (right - left) / max(1, len(items))
+    bw = max(1.0, min(28.0, slot * 0.7))
+    bars = []
+    for i, it in enumerate(items):
+        x = left + i * slot + (slot - bw) / 2
+        if not math.isfinite(it.value):
+            y, tone = top - (22.0 if broken else 0.0), "bad"  # through the limit line: it overflowed
+        elif it.value <= 0:
+            y, tone = bottom - 2, "ok"
+        else:
+            y, tone = y_of(max(it.value, 10.0 ** lo)), ("near" if it.near else "ok")
+        bars.append(Bar(round(x, 1), round(y, 1), round(bw, 1), round(max(bottom - y, 1.0), 1), tone, it.culprit,
+                        _short(it.label), it.title, it.value_text))
+    lines = []
+    for label, m in limits.items():
+        if broken and math.log10(m) > hi:
+            lines.append(HLine(20.0, f"{label} (far above the data: axis broken)", True))
+        else:
+            lines.append(HLine(round(y_of(m), 1), label, False))
+    step = max(1, math.ceil((hi - lo) / 8))
+    ticks = [Tick(round(y_of(10.0 ** k), 1), f"1e{k}") for k in range(lo, hi + 1) if (k - lo) % step == 0]
+    return BarChart(WIDTH, height, left, top, right, bottom, bars, ticks, lines, (top - 12.0) if broken else None,
+                    show_labels)
+
+
+# ------------------------------------------------------------------ lines over steps
+
+
+@dataclass
+class Polyline:
+    points: str  # "x,y x,y ..."
+
+
+@dataclass
+class Dot:
+    x: float
+    y: float
+    title: str
+    bad: bool  # a non-finite value: drawn at the panel's top edge
+
+
+@dataclass
+class Panel:
+    name: str
+    top: float
+    bottom: float
+    scale: str  # log | linear
+    ticks: list[Tick]
+    lines: list[Polyline]
+    dots: list[Dot]
+
+
+@dataclass
+class LineChart:
+    width: int
+    height: int
+    left: float
+    right: float
+    panels: list[Panel]
+    xticks: list[Tick]
+    markers: list[Tick]  # vertical dashed lines with a label
+
+
+def nice_ticks(lo: float, hi: float, n: int = 4) -> list[float]:
+    """About n round tick values (1, 2, 2.5, 5 × 10^k steps) covering [lo, hi]."""
+    if not hi > lo:
+        return [lo]
+    raw = (hi - lo) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = min((m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw), default=raw)
+    out, v = [], math.ceil(lo / step) * step
+    while v <= hi + step * 1e-9 and len(out) < 12:
+        out.append(0.0 if abs(v) < step * 1e-9 else v)
+        v += step
+    return out
+
+
+def _scale(vals: list[float], top: float, bottom: float, fmt: Callable[..., str]):
+    """(y_of, ticks, name): log10 when every value is positive and they span over two decades."""
+    pos = [v for v in vals if v > 0]
+    if vals and len(pos) == len(vals) and max(pos) / min(pos) > 100:
+        lo, hi = math.floor(math.log10(min(pos))), math.ceil(math.log10(max(pos)))
+        hi = max(hi, lo + 1)
+
+        def y_log(v: float) -> float:
+            return bottom - (math.log10(v) - lo) / (hi - lo) * (bottom - top)
+
+        every = max(1, math.ceil((hi - lo) / 4))
+        return y_log, [Tick(round(y_log(10.0 ** k), 1), f"1e{k}") for k in range(lo, hi + 1) if (k - lo) % every == 0], "log"
+    a, b = (min(vals), max(vals)) if vals else (0.0, 1.0)
+    if a == b:
+        a, b = a - 1, b + 1
+    pad = (b - a) * 0.08
+    a, b = a - pad, b + pad
+
+    def y_lin(v: float) -> float:
+        return bottom - (v - a) / (b - a) * (bottom - top)
+
+    return y_lin, [Tick(round(y_lin(t), 1), fmt(t, 3)) for t in nice_ticks(a, b)], "linear"
+
+
+def step_lines(steps: Sequence[float], series: Sequence[tuple[str, Sequence[float | None]]],
+               marks: Sequence[tuple[float, str]], fmt: Callable[..., str]) -> LineChart:
+    """One panel per series over a shared step axis; non-finite values break the line and show as red dots."""
+    left, right = 64.0, WIDTH - 16.0
+    panel_h, gap, top0 = 120.0, 34.0, 14.0 + 13.0 * len(marks)  # room for the marker labels on top
+    x0, x1 = float(min(steps)), float(max(steps))
+    span = (x1 - x0) or 1.0
+
+    def x_of(s: float) -> float:
+        return round(left + (s - x0) / span * (right - left), 1)
+
+    panels = []
+    for n, (name, vals) in enumerate(series):
+        top = top0 + n * (panel_h + gap)
+        bottom = top + panel_h
+        y_of, ticks, scale = _scale([v for v in vals if v is not None and math.isfinite(v)], top, bottom, fmt)
+        lines, cur, dots = [], [], []
+        for s, v in zip(steps, vals, strict=True):
+            if v is None or not math.isfinite(v):
+                if len(cur) > 1:
+                    lines.append(Polyline(" ".join(cur)))
+                cur = []
+                if v is not None:
+                    dots.append(Dot(x_of(s), top, f"step {fmt(s)}: {name} {fmt(v)}", True))
+                continue
+            y = round(y_of(v), 1)
+            cur.append(f"{x_of(s)},{y}")
+            if len(steps) <= 60 or len(cur) == 1:
+                dots.append(Dot(x_of(s), y, f"step {fmt(s)}: {name} {fmt(v)}", False))
+        if len(cur) > 1:
+            lines.append(Polyline(" ".join(cur)))
+        panels.append(Panel(name, top, bottom, scale, ticks, lines, dots))
+    xticks = [Tick(x_of(t), fmt(int(t) if float(t).is_integer() else t)) for t in nice_ticks(x0, x1, 6) if x0 <= t <= x1]
+    markers = [Tick(x_of(s), label) for s, label in marks if x0 <= s <= x1]
+    height = int(top0 + len(series) * (panel_h + gap) + 6)
+    return LineChart(WIDTH, height, left, right, panels, xticks, markers)
