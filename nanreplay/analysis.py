@@ -290,7 +290,7 @@ def _model_info(subject: Subject) -> dict:
     dtypes = sorted({stats.dtype_name(p.dtype) for p in params})
     return {
         "how": subject.how,
-        "class": type(subject.model).__name__,
+        "class": subject.model_class or type(subject.model).__name__,
         "parameters": sum(p.numel() for p in params),
         "dtypes": dtypes,
         "training": subject.model.training,

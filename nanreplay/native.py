@@ -169,17 +169,24 @@ def _user_frame(stack_trace: str | None) -> tuple | None:
     return None
 
 
-def _module_path(node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return "<loss>"
-    path = list(stack.values())[-1][0]
+def _user_path(path: str) -> str:
+    """A module path inside ExportStep -> the user's qualified name ('' root, '<loss>' for the loss)."""
     path = re.sub(r"^L\['self'\]\.?|^L__self__\.?", "", path)  # older torch spells the root this way
     if path == "model":
         return ""
     if path.startswith("model."):
         return path[len("model."):]
     return "<loss>"  # the wrapper itself or its loss_fn submodule
+
+
+def _scopes(node) -> tuple[tuple[str, str], ...]:
+    """The module calls an exported node ran inside, outermost first, as (call key, user path).
+
+    The key tells two calls of one module apart (export suffixes repeated calls with '@1').
+    """
+    stack = node.meta.get("nn_module_stack") or {}
+    out = tuple((key, _user_path(path)) for key, (path, _cls) in stack.items() if path not in ("", "L__self__"))
+    return out or (("<loss>", "<loss>"),)
 
 
 class _Interpreter(torch.fx.Interpreter):
@@ -228,13 +235,15 @@ class ExportedModel(nn.Module):
         self._node = None
         return self.gm.graph._codegen.process_outputs(out)
 
-    def site(self) -> tuple[str | None, tuple | None]:
+    def site(self) -> tuple[str | None, tuple | None, tuple]:
+        """(module path, user frame, module call scopes) of the op running now."""
         n = self._node
         if n is None:
-            return "<loss>", None
+            return "<loss>", None, (("<loss>", "<loss>"),)
         s = self._sites.get(n)
         if s is None:
-            s = self._sites[n] = (_module_path(n), _user_frame(n.meta.get("stack_trace")))
+            scopes = _scopes(n)
+            s = self._sites[n] = (scopes[-1][1], _user_frame(n.meta.get("stack_trace")), scopes)
         return s
 
     def train(self, mode: bool = True) -> ExportedModel:
@@ -336,6 +345,7 @@ def subject(snap: Snapshot, *, model: str | None, loss: str | None, device: str 
                             target=None, loss_fn=None, loss_name=_loss_label(d.get("loss_spec") or {}),
                             how="exported program in the snapshot (no training code needed)", **common)
         s.site = m.site
+        s.model_class = str(info.get("class") or "").rsplit(".", 1)[-1] or None
         s.input_label, s.target_label = "inputs[0]", "inputs[1]"
         return _scaled(s, scale)
     if model is not None:

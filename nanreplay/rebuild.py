@@ -45,6 +45,7 @@ class Subject:
     target_label: str = "target"
     site: Callable | None = None  # op attribution for programs without Python frames (exported)
     loss_scale: float | None = None  # a GradScaler's scale: backward ran on the scaled loss
+    model_class: str | None = None  # the user's class name, where `model` is a stand-in (exported program)
 
     def __post_init__(self) -> None:
         self.names = {id(m): n for n, m in self.model.named_modules()}

@@ -47,6 +47,7 @@ except ImportError:  # pragma: no cover - very old torch: no backward attributio
 Frame = tuple  # (file, line, function, code-or-None)
 
 ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+_DETACH = torch.ops.aten.detach.default
 
 
 # ------------------------------------------------------------------ records
@@ -285,7 +286,7 @@ def _simple(x: Any) -> Any:
 class Recorder:
     """Holds everything one replay observes. The modes and hooks only call into it."""
 
-    def __init__(self, names: dict[int, str], site: Callable[[], tuple[str | None, Frame | None]] | None = None):
+    def __init__(self, names: dict[int, str], site: Callable[[], tuple[str | None, Frame | None, tuple]] | None = None):
         self.names = names
         self.site = site  # alternative attribution (exported programs); None: module stack + frames
         self.phase = "forward"
@@ -306,6 +307,8 @@ class Recorder:
         self.nan_in_backward = False
         self.anomaly: Anomaly | None = None
         self.internal_errors: list[str] = []
+        self._site_scopes: tuple = ()  # exported programs: the module calls around the previous op ...
+        self._site_out: torch.Tensor | None = None  # ... and its output
 
     # ---- called by _OpMode for every aten op
     def on_op(self, func, args: tuple, kwargs: dict, out: Any, seq: int) -> None:
@@ -313,7 +316,8 @@ class Recorder:
         if self.phase != "backward":
             fwd = len(self.ops)
             if self.site is not None:
-                module, frame = self.site()
+                module, frame, scopes = self.site()
+                self._site_exits(scopes, None if func is _DETACH else out)
             else:
                 module = self.module_stack[-1] if self.module_stack else ""
                 frame = None if _is_view(func) else user_frame(3)
@@ -426,22 +430,47 @@ class Recorder:
                 return
             if stack:
                 stack.pop()
-            t = next(_tensors(output), None) if not isinstance(output, dict) else None
-            if t is None or not t.is_floating_point() or self.phase == "backward":
-                return
-            self.busy = True
-            try:
-                mx = stats.absmax(t) if t.numel() else 0.0
-                self.activations.append([n, mx, stats.dtype_name(t.dtype)])
-                if t.requires_grad:
-                    row = [n, list(t.shape), None]
-                    self.grad_shapes.append(row)
-                    t.register_hook(lambda g, row=row: row.__setitem__(2, list(g.shape)))
-            finally:
-                self.busy = False
+            if self.phase != "backward" and not isinstance(output, dict):
+                self.busy = True
+                try:
+                    self.module_output(n, next(_tensors(output), None))
+                finally:
+                    self.busy = False
 
         return [torch.nn.modules.module.register_module_forward_pre_hook(pre),
                 torch.nn.modules.module.register_module_forward_hook(post)]
+
+    def module_output(self, name: str, t: torch.Tensor | None) -> None:
+        """A module call finished with output `t`: its max |activation| and, later, its gradient's shape."""
+        if t is None or not t.is_floating_point():
+            return
+        mx = stats.absmax(t) if t.numel() else 0.0
+        self.activations.append([name, mx, stats.dtype_name(t.dtype)])
+        if t.requires_grad:
+            row = [name, list(t.shape), None]
+            self.grad_shapes.append(row)
+            t.register_hook(lambda g, row=row: row.__setitem__(2, list(g.shape)))
+
+    def _site_exits(self, scopes: tuple, out: Any) -> None:
+        """Module boundaries for programs without module calls (exported): when the module calls
+        around consecutive ops change, every call left behind ended with the previous op's output."""
+        last = self._site_scopes
+        if scopes != last:
+            now = {key for key, _ in scopes}
+            for key, path in reversed(last):
+                if key not in now and not path.startswith("<"):
+                    self.module_output(path, self._site_out)
+        self._site_scopes = scopes
+        if out is not None:  # (autograd's own detach of a saved output is not the module's output)
+            self._site_out = next(_tensors(out), None)
+
+    def finish_forward(self) -> None:
+        if self.site is not None:
+            self.busy = True
+            try:
+                self._site_exits((), None)
+            finally:
+                self.busy = False
 
     # ---- anomaly mode, emulated exactly: the first node whose outputs hold NaN
     def watch_anomaly(self, root) -> list:
@@ -561,7 +590,7 @@ def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any]
     rec.intercepts = intercepts or {}
     anomaly_was = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
     torch.autograd.set_detect_anomaly(False)  # it would raise mid-backward and hide the rest
-    handles = rec.install_module_hooks()
+    handles = rec.install_module_hooks() if site is None else []  # exported programs: the site knows
     node_handles: list = []
     model.zero_grad(set_to_none=True)
     loss_t = None
@@ -576,6 +605,7 @@ def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any]
                 rec.phase = "loss"
                 rec.module_stack[:] = [loss_module]
                 loss_t = loss(output)
+                rec.finish_forward()
         except NanReplayError:
             raise
         except Exception as e:  # noqa: BLE001 - user code

@@ -228,6 +228,10 @@ def test_exported_program_gives_the_eager_culprit(case, tmp_path, analyzed):
     assert d["culprit"]["source"]["line"] == eager["culprit"]["source"]["line"]
     assert d["anomaly_mode"]["raises"] == eager["anomaly_mode"]["raises"]
     assert [g["name"] for g in d["gradients"]] == [g["name"] for g in eager["gradients"]]
+    # module boundaries recovered from the graph's metadata match the eager module calls
+    assert [a["module"] for a in d["activations"]] == [a["module"] for a in eager["activations"]]
+    assert [(r["module"], r["output_shape"]) for r in d["gradient_shapes"]] == \
+        [(r["module"], r["output_shape"]) for r in eager["gradient_shapes"]]
 
 
 # ---------------------------------------------------------------- export failure, loss specs, trust
