@@ -92,10 +92,11 @@ def measure(folder: str, jobs: int, threads: int | None) -> dict:
         t_end = time.perf_counter()
         rows = result.rows
     analysis = [r["seconds"] for r in rows if r.get("seconds") is not None]
+    writing = [r["write_seconds"] for r in rows if r.get("write_seconds") is not None]
     return {"n": len(rows), "failed": len(result.failures), "groups": len(result.groups),
             "plan": t_plan - t0, "startup": stats.first_ready - stats.started,
             "steady": stats.finished - stats.first_ready, "write": t_end - t_analyzed,
-            "total": t_end - t0, "analysis_sum": sum(analysis)}
+            "total": t_end - t0, "analysis_sum": sum(analysis), "write_sum": sum(writing)}
 
 
 def main() -> None:
@@ -133,18 +134,22 @@ def main() -> None:
     threads = args.threads or "default"
     print(f"triage of {n} small snapshots on {cpus} CPUs, torch threads per worker: {threads}, best of {args.repeats} "
           f"({best[args.jobs[0]]['groups']} root causes, {best[args.jobs[0]]['failed']} failed)")
-    print(f"{'jobs':>4} {'end to end':>16} {'steady':>14} {'start-up':>9} {'analysis':>10} {'overhead':>10}")
+    print(f"{'jobs':>4} {'end to end':>16} {'steady':>14} {'start-up':>9} {'analysis':>10} {'overhead':>10} "
+          f"{'(outputs':>9} {'other)':>8}")
     for jobs, r in best.items():
         per_analysis = r["analysis_sum"] / n
         overhead = r["steady"] * jobs / n - per_analysis
+        writing = r["write_sum"] / n
         print(f"{jobs:>4} {n / r['end_to_end']:>8.1f} snaps/s {n / r['steady']:>7.1f} snaps/s "
-              f"{r['startup']:>7.2f} s {per_analysis * 1e3:>7.1f} ms {overhead * 1e3:>7.1f} ms")
+              f"{r['startup']:>7.2f} s {per_analysis * 1e3:>7.1f} ms {overhead * 1e3:>7.1f} ms "
+              f"{writing * 1e3:>6.1f} ms {(overhead - writing) * 1e3:>5.1f} ms")
     if len(best) >= 2:
         a, b = args.jobs[0], args.jobs[1]
         print(f"speed-up {a} -> {b} jobs: steady {best[a]['steady'] / best[b]['steady']:.2f}x, "
               f"end to end {best[a]['end_to_end'] / best[b]['end_to_end']:.2f}x (target: steady >= 1.7x on 2 cores)")
-    print("analysis = analyze() per snapshot, timed in the worker; overhead = worker-seconds per snapshot "
-          "beyond it (IPC, report + JSON rendering and writing); start-up = fork server importing torch, once per run")
+    print("analysis = analyze() per snapshot, timed in the worker; overhead = worker-seconds per snapshot beyond "
+          "it: outputs (rendering and writing its HTML + JSON) and other (IPC, scheduling, the first replay's "
+          "warm-up); start-up = fork server importing torch, once per run")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ WORKER_PRELOAD = ("torch", "torch._dynamo", "jinja2", "nanreplay.analysis", "nan
 COLUMNS = ["file", "name", "status", "group", "verdict", "cause", "title", "op", "forward_op", "backward_node",
            "phase", "kind", "module", "source", "source_path", "source_line", "code", "fix_kind", "fix_code",
            "fix_verified", "step", "rank", "world_size", "created", "format", "trigger", "failure", "reason",
-           "duplicate_of", "cached", "seconds", "sha256", "report", "json"]
+           "duplicate_of", "cached", "seconds", "write_seconds", "sha256", "report", "json"]
 
 
 @dataclass(frozen=True)
@@ -364,7 +364,8 @@ def analyze_task(task: dict) -> dict:
             (out / f).unlink(missing_ok=True)
         return _failed("output_error", str(e))
     fields = analysis_fields(d)
-    fields.update(seconds=round(seconds, 4), report=report, json=js)
+    fields.update(seconds=round(seconds, 4), write_seconds=round(time.perf_counter() - t0 - seconds, 4),
+                  report=report, json=js)
     return fields
 
 
