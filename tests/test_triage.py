@@ -165,6 +165,8 @@ class Sleepy(nn.Module):
             time.sleep(600)
         if float(x.sum()) < -1000:  # this one kills its worker
             os.kill(os.getpid(), signal.SIGKILL)
+        if float(x[0, 0]) == 7.0:  # and this one raises
+            raise RuntimeError("boom")
         return torch.log(torch.relu(self.fc(x))).mean()
 
 
@@ -184,20 +186,23 @@ def test_a_hung_replay_is_killed_and_the_run_goes_on(tmp_path, monkeypatch):
     torch.save({"x": torch.full((8, 4), 100.0), "state": state}, d / "a_hangs.pt")
     torch.save({"x": torch.full((8, 4), -100.0), "state": state}, d / "b_crashes.pt")
     torch.save({"x": torch.randn(8, 4), "state": state}, d / "c_ok.pt")
+    torch.save({"x": torch.full((8, 4), 7.0), "state": state}, d / "d_raises.pt")
     # One worker: the run can only finish if the hung and the dead worker are both replaced.
     res = run(d, "-o", tmp_path / "out", "--model", "sleepy_model:build", "--jobs", "1", "--timeout", "3")
     assert res.exit_code == 1, res.output
     doc = json.loads((tmp_path / "out" / "groups.json").read_text())
-    assert {f["file"]: f["failure"] for f in doc["failures"]} == {"a_hangs.pt": "timeout", "b_crashes.pt": "crashed"}
+    failures = {f["file"]: f for f in doc["failures"]}
+    assert {k: f["failure"] for k, f in failures.items()} == {
+        "a_hangs.pt": "timeout", "b_crashes.pt": "crashed", "d_raises.pt": "replay_error"}
+    assert "boom" in failures["d_raises.pt"]["reason"] and "SIGKILL" in failures["b_crashes.pt"]["reason"]
     assert [s["file"] for g in doc["groups"] for s in g["snapshots"]] == ["c_ok.pt"]
-    assert "SIGKILL" in next(f["reason"] for f in doc["failures"] if f["failure"] == "crashed")
     pid = int((tmp_path / "hung.pid").read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # the hung worker is really gone
     assert not list((tmp_path / "out").glob(".*.tmp"))
     # timeouts and crashes are not cached: the next run tries them again
     entries = json.loads((tmp_path / "out" / triage.CACHE_FILE).read_text())["entries"]
-    assert set(entries) == {"c_ok.pt"}
+    assert set(entries) == {"c_ok.pt", "d_raises.pt"}
 
 
 def test_recursive_name_collisions_and_missing_model(tmp_path):
