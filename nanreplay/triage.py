@@ -135,6 +135,10 @@ def default_outdir(directory: str) -> str:
 def plan(directory: str, outdir: str, *, options: Options, recursive: bool = False, use_cache: bool = True) -> Plan:
     """Validate DIR and OUTDIR, find the snapshots and reuse what the cache already knows."""
     d, out = Path(directory), Path(outdir)
+    for opt, spec in (("--model", options.model), ("--loss", options.loss)):
+        # Only the spelling is checked here: importing user code is the workers' job.
+        if spec and (":" in spec or opt == "--model") and not _SPEC.fullmatch(spec):
+            raise UsageError(f"{opt} {spec!r}: expected MODULE:NAME, e.g. mypkg.models:build")
     if not d.exists():
         raise UsageError(f"{directory}: no such folder")
     if not d.is_dir():
@@ -187,6 +191,7 @@ def discover(d: Path, out: Path, *, recursive: bool) -> tuple[list[str], list[st
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 
 def _base_name(rel: str) -> str:

@@ -240,6 +240,7 @@ def test_recursive_name_collisions_and_missing_model(tmp_path):
     (["{tmp}", "-o", "{tmp}/file.pt"], "not a folder"),
     (["{tmp}", "--jobs", "0"], "--jobs"),
     (["{tmp}", "--timeout", "-1"], "--timeout"),
+    (["{tmp}", "--model", "nanmodels"], "expected MODULE:NAME"),
 ])
 def test_usage_errors_exit_2(tmp_path, args, needle):
     (tmp_path / "file.pt").write_bytes(b"x")
