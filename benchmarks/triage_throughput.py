@@ -13,6 +13,11 @@ process so that every run pays its own worker start-up. Prints, best of N:
                 torch once, in the fork server);
 * overhead    — per snapshot, beyond the analysis itself (analyze() as timed inside the
                 worker): hashing, IPC, rendering and writing its HTML and JSON.
+
+A control shows what the machine itself allows: the same analyze() calls in 1 and in 2
+plain processes that share the snapshots, no triage at all. On a machine that other
+work keeps busy, 2 processes cannot reach 2x, with or without triage; compare the
+triage speed-up with the control's.
 """
 
 from __future__ import annotations
@@ -99,6 +104,31 @@ def measure(folder: str, jobs: int, threads: int | None) -> dict:
             "total": t_end - t0, "analysis_sum": sum(analysis), "write_sum": sum(writing)}
 
 
+def control(folder: str, share: int, of: int, start_at: float) -> dict:
+    """Plain analyze() over every `of`-th snapshot, no triage: what the machine allows."""
+    import torch
+
+    from nanreplay.analysis import analyze
+
+    torch.set_num_threads(1)
+    files = sorted(Path(folder).glob("*.pt"))
+    for f in files[:2]:
+        analyze(f, model="triage_throughput:build")  # warm-up, like a worker's first snapshot
+    time.sleep(max(0.0, start_at - time.time()))  # start together with the other processes
+    for f in files[share::of]:
+        analyze(f, model="triage_throughput:build")
+    return {"end": time.time()}
+
+
+def run_control(folder: Path, procs: int) -> float:
+    start_at = time.time() + 15  # time for every process to import torch and warm up
+    ps = [subprocess.Popen([sys.executable, __file__, "--control", str(folder), "--share", str(i), "--of", str(procs),
+                            "--start-at", str(start_at)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+          for i in range(procs)]
+    ends = [json.loads(p.communicate()[0])["end"] for p in ps]
+    return max(ends) - start_at
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--snapshots", type=int, default=50)
@@ -109,9 +139,17 @@ def main() -> None:
                          "0: triage's default, the CPUs shared out among the workers)")
     ap.add_argument("--measure", metavar="DIR", help=argparse.SUPPRESS)
     ap.add_argument("--measure-jobs", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--control", metavar="DIR", help=argparse.SUPPRESS)
+    ap.add_argument("--share", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--of", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--no-control", action="store_true", help="skip the control measurement")
     args = ap.parse_args()
     if args.measure:
         print(json.dumps(measure(args.measure, args.measure_jobs, args.threads or None)))
+        return
+    if args.control:
+        print(json.dumps(control(args.control, args.share, args.of, args.start_at)))
         return
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -120,8 +158,12 @@ def main() -> None:
         folder.mkdir()
         make_snapshots(folder, args.snapshots)
         best: dict[int, dict] = {}
+        ctl: dict[int, float] = {}
         for _ in range(args.repeats):
-            for jobs in args.jobs:  # interleaved, so drifts in machine load hit both alike
+            if not args.no_control:
+                for k in args.jobs:
+                    ctl[k] = min(ctl.get(k, float("inf")), run_control(folder, k))
+            for jobs in args.jobs:  # interleaved, so drifts in machine load hit all alike
                 t = time.perf_counter()
                 out = subprocess.run([sys.executable, __file__, "--measure", str(folder), "--measure-jobs", str(jobs),
                                       "--threads", str(args.threads)],
@@ -147,6 +189,9 @@ def main() -> None:
         a, b = args.jobs[0], args.jobs[1]
         print(f"speed-up {a} -> {b} jobs: steady {best[a]['steady'] / best[b]['steady']:.2f}x, "
               f"end to end {best[a]['end_to_end'] / best[b]['end_to_end']:.2f}x (target: steady >= 1.7x on 2 cores)")
+        if ctl:
+            print(f"control, plain analyze() in {a} vs {b} processes, no triage: {n / ctl[a]:.1f} vs "
+                  f"{n / ctl[b]:.1f} snaps/s, {ctl[a] / ctl[b]:.2f}x — what this machine allows right now")
     print("analysis = analyze() per snapshot, timed in the worker; overhead = worker-seconds per snapshot beyond "
           "it: outputs (rendering and writing its HTML + JSON) and other (IPC, scheduling, the first replay's "
           "warm-up); start-up = fork server importing torch, once per run")

@@ -540,7 +540,7 @@ def write(p: Plan) -> Result:
     try:
         atomic.write_text(p.outdir / "groups.json", json.dumps(doc, indent=2, allow_nan=False))
         atomic.write_text(p.outdir / "summary.csv", summary_csv(rows))
-        atomic.write_text(p.outdir / "index.html", render_index(doc, rows))
+        atomic.write_text(p.outdir / "index.html", render_index(doc))
     except OSError as e:
         raise UsageError(f"{p.outdir}: cannot write the triage outputs: {e.strerror or e}") from None
     return Result(rows=rows, groups=groups, failures=failures, ranks=ranks, summary=summary,
@@ -641,7 +641,7 @@ def _module(m: str | None) -> str:
     return m or "<root>"
 
 
-def index_view(doc: dict, rows: list[dict]) -> dict:
+def index_view(doc: dict) -> dict:
     """Everything index.html shows, as plain data; the template only lays it out."""
     groups = []
     for g in doc["groups"]:
@@ -659,5 +659,5 @@ def index_view(doc: dict, rows: list[dict]) -> dict:
             "generated": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
-def render_index(doc: dict, rows: list[dict]) -> str:
-    return _template_env().get_template("triage.html.j2").render(**index_view(doc, rows))
+def render_index(doc: dict) -> str:
+    return _template_env().get_template("triage.html.j2").render(**index_view(doc))
