@@ -67,6 +67,50 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
     click.echo(summary, err=json_dest == "-")
 
 
+@main.command()
+@click.argument("directory", metavar="DIR")
+@click.option("-o", "--output", "outdir", metavar="OUTDIR",
+              help="Folder for index.html, groups.json, summary.csv and one report per snapshot "
+                   "[default: ./<DIR name>.nanreplay]. Must not be DIR itself.")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), metavar="N",
+              help="Worker processes, each analyzing one snapshot at a time [default: the CPU count].")
+@click.option("--model", metavar="MODULE:FACTORY", help="Model factory for seed-format snapshots (as for analyze).")
+@click.option("--loss", metavar="SPEC", help="Loss spec (as for analyze).")
+@click.option("--trust", is_flag=True, help="Allow running code the snapshots name or contain (as for analyze).")
+@click.option("-r", "--recursive", is_flag=True, help="Also look in subfolders (hidden ones and OUTDIR excepted).")
+@click.option("--timeout", type=click.FloatRange(min=0), default=600, show_default=True, metavar="SECONDS",
+              help="Per-snapshot limit; a replay that runs longer is killed and listed as timed out (0: none).")
+@click.option("--no-cache", is_flag=True, help="Re-analyze every snapshot, ignoring results stored in OUTDIR.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar and no per-failure lines; only the summary.")
+def triage(directory: str, outdir: str | None, jobs: int | None, model: str | None, loss: str | None, trust: bool,
+           recursive: bool, timeout: float, no_cache: bool, quiet: bool) -> None:
+    """Analyze every snapshot in DIR in parallel and group them by root cause.
+
+    Exit code 0 when every snapshot was analyzed, 1 when any could not be (they are
+    listed), 2 for usage errors. Re-running only analyzes new or changed snapshots.
+    """
+    from nanreplay import triage as triage_mod
+
+    try:
+        plan = triage_mod.plan(directory, outdir or triage_mod.default_outdir(directory),
+                               options=triage_mod.Options(model=model, loss=loss, trust=trust),
+                               recursive=recursive, use_cache=not no_cache)
+        run = dict(jobs=jobs or triage_mod.default_jobs(), timeout=timeout or None)
+        if plan.todo and not quiet and sys.stderr.isatty():
+            with click.progressbar(length=len(plan.todo), label="analyzing", file=sys.stderr) as bar:
+                triage_mod.analyze(plan, progress=bar.update, **run)
+        else:
+            triage_mod.analyze(plan, **run)
+        result = triage_mod.write(plan)
+    except NanReplayError as e:
+        _fail(e)
+    if not quiet:
+        for f in result.failures:
+            click.echo(f"nanreplay: {f['file']}: {f['label']}: {f['reason']}", err=True)
+    click.echo(f"nanreplay: {result.summary}; index: {result.index}")
+    sys.exit(result.exit_code)
+
+
 def _output_path(path: str, snapshot: str) -> str:
     """Validate an output path: never the snapshot itself, and its folder must exist."""
     p = Path(path)

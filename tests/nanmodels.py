@@ -482,3 +482,40 @@ def half_mlp_fp32():
     """The fp16 case's model as a factory would usually build it: in float32."""
     torch.manual_seed(0)
     return HalfMLP()
+
+
+# ---------------------------------------------------------------- one model, three causes (for triage)
+
+
+class ThreeCauses(nn.Module):
+    """`branch` (a 0-d tensor in the batch) picks which of three classic bugs the step runs into,
+    so a folder of snapshots of one model can hold several root causes (one --model for all)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.embed = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x, branch):
+        k = int(branch)
+        if k == 0:
+            return -torch.log(F.relu(self.fc(x))).mean()  # CULPRIT: triage_log_zero
+        h = self.embed(x)
+        if k == 1:
+            return (h / h.norm(dim=-1, keepdim=True)).sum()  # CULPRIT: triage_zero_norm
+        return (h ** 2).sum(-1).sqrt().mean()  # CULPRIT: triage_sqrt_zero
+
+
+@_seeded
+def three_causes():
+    return ThreeCauses()
+
+
+def save_three_causes(branch: int, path: Path, seed: int = 0) -> Path:
+    """A seed-format snapshot of ThreeCauses that fails in `branch` (0 log(0), 1 0/0, 2 sqrt(0))."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, 4, generator=g)
+    if branch:
+        x[seed % 8] = 0  # an all-zero row: zero norm, zero distance
+    torch.save({"x": (x, torch.tensor(branch)), "state": three_causes().state_dict()}, path)
+    return path
