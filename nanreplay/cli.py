@@ -77,13 +77,15 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
 @click.option("--model", metavar="MODULE:FACTORY", help="Model factory for seed-format snapshots (as for analyze).")
 @click.option("--loss", metavar="SPEC", help="Loss spec (as for analyze).")
 @click.option("--trust", is_flag=True, help="Allow running code the snapshots name or contain (as for analyze).")
+@click.option("--device", metavar="DEV", help="Device to replay on (as for analyze) [default: cpu].")
+@click.option("--no-verify", is_flag=True, help="Skip replaying the suggested fixes (faster).")
 @click.option("-r", "--recursive", is_flag=True, help="Also look in subfolders (hidden ones and OUTDIR excepted).")
 @click.option("--timeout", type=click.FloatRange(min=0), default=600, show_default=True, metavar="SECONDS",
               help="Per-snapshot limit; a replay that runs longer is killed and listed as timed out (0: none).")
 @click.option("--no-cache", is_flag=True, help="Re-analyze every snapshot, ignoring results stored in OUTDIR.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no per-failure lines; only the summary.")
 def triage(directory: str, outdir: str | None, jobs: int | None, model: str | None, loss: str | None, trust: bool,
-           recursive: bool, timeout: float, no_cache: bool, quiet: bool) -> None:
+           device: str | None, no_verify: bool, recursive: bool, timeout: float, no_cache: bool, quiet: bool) -> None:
     """Analyze every snapshot in DIR in parallel and group them by root cause.
 
     Exit code 0 when every snapshot was analyzed, 1 when any could not be (they are
@@ -93,7 +95,8 @@ def triage(directory: str, outdir: str | None, jobs: int | None, model: str | No
 
     try:
         plan = triage_mod.plan(directory, outdir or triage_mod.default_outdir(directory),
-                               options=triage_mod.Options(model=model, loss=loss, trust=trust),
+                               options=triage_mod.Options(model=model, loss=loss, trust=trust, device=device,
+                                                          verify=not no_verify),
                                recursive=recursive, use_cache=not no_cache)
         run = dict(jobs=jobs or triage_mod.default_jobs(), timeout=timeout or None)
         if plan.todo and not quiet and sys.stderr.isatty():

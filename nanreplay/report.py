@@ -1197,7 +1197,9 @@ def _sha256(text: str) -> str:
 
 
 @functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)
 def _env():
+    """One jinja2 environment per process: templates compile once (triage renders many reports)."""
     import jinja2
 
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(_template_dir())),

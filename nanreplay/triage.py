@@ -72,10 +72,12 @@ class Options:
     model: str | None = None
     loss: str | None = None
     trust: bool = False
+    device: str | None = None
+    verify: bool = True
 
     def fingerprint(self) -> dict:
-        return {"model": self.model, "loss": self.loss, "trust": self.trust, "nanreplay": __version__,
-                "torch": _torch_version()}
+        return {"model": self.model, "loss": self.loss, "trust": self.trust, "device": self.device,
+                "verify": self.verify, "nanreplay": __version__, "torch": _torch_version()}
 
 
 @dataclass
@@ -274,7 +276,8 @@ def analyze(p: Plan, *, jobs: int, timeout: float | None = DEFAULT_TIMEOUT, prog
         return None
     by_name = {it.name: it for it in todo}
     tasks = [{"path": it.path, "name": it.name, "outdir": str(p.outdir), "model": p.options.model,
-              "loss": p.options.loss, "trust": p.options.trust} for it in todo]
+              "loss": p.options.loss, "trust": p.options.trust, "device": p.options.device,
+              "verify": p.options.verify} for it in todo]
     workers = min(jobs, len(todo))
     threads = threads or max(1, _cpu_count() // workers)
     pool = WorkerPool(analyze_task, jobs=workers, timeout=timeout, init=worker_init, init_args=(threads,),
@@ -354,7 +357,8 @@ def analyze_task(task: dict) -> dict:
 
     t0 = time.perf_counter()
     try:
-        a = analyze_one(task["path"], model=task["model"], loss=task["loss"], trust=task["trust"])
+        a = analyze_one(task["path"], model=task["model"], loss=task["loss"], trust=task["trust"],
+                        device=task.get("device"), verify=task.get("verify", True))
     except NanReplayError as e:
         return _failed(_category(e), str(e), path=task["path"])
     seconds = time.perf_counter() - t0
@@ -572,6 +576,11 @@ def summary_csv(rows: list[dict]) -> str:
     df = pd.DataFrame(rows, columns=COLUMNS)
     for col in ("step", "rank", "world_size", "source_line"):  # integers with gaps: not 12.0
         df[col] = df[col].astype("Int64")
+    # A cell a spreadsheet would read as a formula (=, +, -, @) is quoted: file names and code come
+    # from the snapshots, and a CSV must not run anything when opened.
+    for col in df.columns:
+        if not (pd.api.types.is_numeric_dtype(df[col]) or pd.api.types.is_bool_dtype(df[col])):
+            df[col] = df[col].map(lambda v: "'" + v if isinstance(v, str) and v[:1] in "=+-@\t\r" and v else v)
     return df.to_csv(index=False)
 
 

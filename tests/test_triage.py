@@ -287,3 +287,17 @@ def test_output_names_are_distinct_and_stable():
     again = [triage.Item(path=r, rel=r) for r in reversed(rels)]
     triage.assign_names(again)
     assert {it.rel: it.name for it in again} == dict(zip(rels, names, strict=True))
+
+
+def test_summary_csv_never_holds_a_live_formula():
+    import csv
+    import io
+
+    from nanreplay.triage import summary_csv
+
+    rows = [{"file": "=HYPERLINK(\"http://x\")", "name": "+cmd", "status": "analyzed", "code": "-1 + x",
+             "reason": "@SUM(A1)"}, {"file": "ok.pt", "name": "ok", "status": "analyzed"}]
+    parsed = list(csv.DictReader(io.StringIO(summary_csv(rows))))
+    assert [parsed[0][k] for k in ("file", "name", "code", "reason")] == \
+        ["'=HYPERLINK(\"http://x\")", "'+cmd", "'-1 + x", "'@SUM(A1)"]
+    assert parsed[1]["file"] == "ok.pt"
