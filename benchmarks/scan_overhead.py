@@ -11,6 +11,7 @@ interleaved, best of N. Target: replay <= 1.25x plain.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 import warnings
@@ -45,16 +46,23 @@ def nanreplay_scan(model, idx, y, names):
     return culprit.culprit(step.events, ch), step
 
 
-def measure(fns: dict, repeats: int) -> dict:
+def measure(fns: dict, repeats: int) -> tuple[dict, dict]:
+    """Best time per variant, and the median over rounds of each variant's time / plain's time
+    in the same round (paired: a slow moment of a shared machine slows both sides)."""
     best = {k: float("inf") for k in fns}
+    ratios: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():
         fn()  # warm up
     for _ in range(repeats):
+        t = {}
         for k, fn in fns.items():
             t0 = time.perf_counter()
             fn()
-            best[k] = min(best[k], time.perf_counter() - t0)
-    return best
+            t[k] = time.perf_counter() - t0
+            best[k] = min(best[k], t[k])
+        for k in fns:
+            ratios[k].append(t[k] / t["plain"])
+    return best, {k: statistics.median(v) for k, v in ratios.items()}
 
 
 def main() -> None:
@@ -71,7 +79,7 @@ def main() -> None:
         names = {id(m): n for n, m in model.named_modules()}
         c, step = nanreplay_scan(model, idx, y, names)
         found = step.events[c] if c is not None else None
-        t = measure({"plain": lambda m=model: plain(m, idx, y),
+        t, ratio = measure({"plain": lambda m=model: plain(m, idx, y),
                      "detect_anomaly": lambda m=model: anomaly(m, idx, y),
                      "nanreplay replay": lambda m=model, n=names: nanreplay_scan(m, idx, y, n)}, args.repeats)
         print(f"\n{label}: {args.layers} layers, d={tf.D}, seq {tf.SEQ}, batch {tf.BATCH}, "
@@ -79,7 +87,7 @@ def main() -> None:
         if found is not None:
             print(f"  culprit: {found.op} ({found.phase}) in {step.module_of(found)!r}")
         for k, v in t.items():
-            print(f"  {k:18s} {v * 1e3:9.1f} ms   {v / t['plain']:5.2f}x plain")
+            print(f"  {k:18s} {v * 1e3:9.1f} ms (best)   {ratio[k]:5.2f}x plain (median of paired rounds)")
 
 
 if __name__ == "__main__":

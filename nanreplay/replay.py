@@ -334,9 +334,9 @@ class Recorder:
         mutates = bool(_mutated(func)[0])
         for t in _tensors(out):
             if t.is_floating_point() and t.numel() and not math.isfinite(t.sum().item()):
-                k = stats.kinds_slow(t)
-                if k[0] or k[1]:
-                    bad.append((t, k))
+                c = stats.counts(t, (True, True))  # exact counts straight away: most such sums are NaN/Inf
+                if c["nan"] or c["posinf"] or c["neginf"]:
+                    bad.append((t, c))
                     continue
             if mutates:
                 self.nonfinite.pop(t, None)  # an in-place op made it finite again
@@ -347,7 +347,7 @@ class Recorder:
         nf = self.nonfinite
         return any(isinstance(a, torch.Tensor) and a in nf for a in args)
 
-    def _record(self, func, args, kwargs, bad: list[tuple[torch.Tensor, tuple[bool, bool]]], fwd: int | None) -> None:
+    def _record(self, func, args, kwargs, bad: list[tuple[torch.Tensor, dict]], fwd: int | None) -> None:
         node = torch._C._current_autograd_node() if self.phase == "backward" else None
         node_name = node_seq = None
         if node is not None:
@@ -389,8 +389,8 @@ class Recorder:
                 else:  # made by no op we saw: a constant (wrapped scalar, torch.tensor(inf), inf buffer)
                     lit_nan, lit_inf = lit_nan or n, lit_inf or i
         out = {"numel": 0, "nan": 0, "posinf": 0, "neginf": 0}
-        for t, _ in bad:
-            for k, v in stats.counts(t).items():
+        for _, c in bad:
+            for k, v in c.items():
                 out[k] += v
         has_nan = out["nan"] > 0
         if not parents:
@@ -407,8 +407,8 @@ class Recorder:
             ev.inputs = [stats.tensor_stats(t) for t in inputs]
             ev.scalars = scalars
         self.events.append(ev)
-        for t, (n, i) in bad:
-            self.nonfinite[t] = (ev.index, n, i)
+        for t, c in bad:
+            self.nonfinite[t] = (ev.index, c["nan"] > 0, c["posinf"] + c["neginf"] > 0)
             key = _storage_key(t)
             if key is not None:
                 self.by_storage[key] = ev.index

@@ -62,13 +62,29 @@ def kinds(t: torch.Tensor) -> tuple[bool, bool]:
 
 
 @torch.no_grad()
-def counts(t: torch.Tensor) -> dict:
-    """Output counts as in the JSON contract: numel, nan, posinf, neginf."""
+def counts(t: torch.Tensor, known: tuple[bool, bool] | None = None) -> dict:
+    """Output counts as in the JSON contract: numel, nan, posinf, neginf.
+
+    `known` is (has_nan, has_inf) when the caller already checked (as kinds_slow
+    reports it: has_inf is only meaningful without NaN); it spares the passes that
+    cannot find anything.
+    """
     out = {"numel": t.numel(), "nan": 0, "posinf": 0, "neginf": 0}
-    if t.is_floating_point() and not finite_fast(t):
+    if not t.is_floating_point():
+        return out
+    if known is None:
+        known = kinds(t)
+    has_nan, has_inf = known
+    if not (has_nan or has_inf):
+        return out
+    if has_nan:
         out["nan"] = _count(torch.isnan(t))
-        out["posinf"] = _count(torch.isposinf(t))
-        out["neginf"] = _count(torch.isneginf(t))
+    if has_nan or has_inf:  # with NaN present, Inf was not looked for: count it
+        inf = torch.isinf(t)
+        n_inf = _count(inf)
+        if n_inf:
+            out["posinf"] = _count(inf & (t > 0))
+            out["neginf"] = n_inf - out["posinf"]
     return out
 
 
