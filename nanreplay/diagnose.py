@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -37,7 +37,7 @@ FIX_KINDS = ("epsilon", "clamp", "log_softmax", "logsigmoid", "xlogy", "bce_with
 @dataclass
 class Fix:
     kind: str
-    code: str  # the change, as code for this site
+    code: str  # the change, as code for this site (a generic snippet where the source is not known)
     epsilon: float | None = None
     reasoning: str = ""
     before: str | None = None  # the user's statement as written (when the source is readable)
@@ -46,10 +46,13 @@ class Fix:
     variant: dict | None = None  # a whole-step change for verification (dtype / autocast)
     verified: bool | None = None
     verification: str | None = None
+    rewrite: InitVar[codefix.Rewrite | None] = None  # the user's line rewritten: becomes code/before/after
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, rewrite: codefix.Rewrite | None) -> None:
         if self.kind not in FIX_KINDS:
             raise ValueError(f"unknown fix kind {self.kind!r}")
+        if rewrite is not None:
+            self.code, self.before, self.after = rewrite.after, rewrite.before, rewrite.after
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "code": self.code, "epsilon": self.epsilon, "verified": self.verified,
@@ -476,8 +479,7 @@ def _log_of_sigmoid(s: Site) -> Diagnosis | None:
         "logsigmoid", "log(sigmoid(x)): sigmoid saturated to 0 and log made it -inf",
         f"sigmoid(x) rounds to exactly 0 in {s.dtype} for x below about {_sigmoid_zero(s.finfo):.0f}, and "
         f"log(0) = -inf at {s.where}.",
-        [Fix("logsigmoid", rw.after if rw else generic, before=rw.before if rw else None,
-             after=rw.after if rw else None, patch=patch,
+        [Fix("logsigmoid", generic, rewrite=rw, patch=patch,
              reasoning="logsigmoid(x) = -softplus(-x) is exact for any x")])
 
 
@@ -495,8 +497,7 @@ def _log_of_softmax(s: Site) -> Diagnosis | None:
         f"softmax returned exactly 0 for some entries (their logits were far below the row's maximum), "
         f"and log(0) = -inf {'in forward' if s.forward else 'gave 0/0 = NaN in its backward (grad / p)'}. "
         f"This is the seed's `log(softmax(x))` collapse at {s.where}.",
-        [Fix("log_softmax", rw.after if rw else generic, before=rw.before if rw else None,
-             after=rw.after if rw else None, patch=patch,
+        [Fix("log_softmax", generic, rewrite=rw, patch=patch,
              reasoning="log_softmax computes x - logsumexp(x) directly, so it never takes log(0)")])
 
 
@@ -535,8 +536,8 @@ def _zero_log_zero(s: Site) -> Diagnosis | None:
                                    "to y is x/y, still 0/0 = NaN at p == 0"))
     for e in eps_candidates(eps):
         rw = s.rewrite(codefix.with_operand("input", lambda t, e=e: f"{codefix.paren(t)}.clamp_min({_fmt(e)})"))
-        fixes.append(Fix("clamp", rw.after if rw else f"p * torch.log(p.clamp_min({_fmt(e)}))", epsilon=e,
-                         before=rw.before if rw else None, after=rw.after if rw else None,
+        fixes.append(Fix("clamp", f"p * torch.log(p.clamp_min({_fmt(e)}))", epsilon=e,
+                         rewrite=rw,
                          patch={s.call: _replace_arg(0, lambda t, e=e: t.clamp_min(e))} if s.call else None,
                          reasoning=f"clamping inside the log keeps p*log(p) = 0 at p = 0 with finite gradients; {why}"))
     return Diagnosis(
@@ -584,8 +585,8 @@ def _where_trap(s: Site) -> Diagnosis | None:
         f"is False. Forward discards them, but backward multiplies their gradient (0) by {fn_name}'s derivative "
         f"there (Inf or NaN), and 0 * Inf = NaN reaches the gradients ({s.where}). The fix is the double where: "
         f"make the input safe *before* the op, so the discarded branch is finite too.",
-        [Fix("double_where", rw.after if rw else f"torch.where(cond, {fn_name}(torch.where({cond}, x, {safe})), other)",
-             before=rw.before if rw else None, after=rw.after if rw else None, patch=patch,
+        [Fix("double_where", f"torch.where(cond, {fn_name}(torch.where({cond}, x, {safe})), other)",
+             rewrite=rw, patch=patch,
              reasoning="the inner where feeds the op only values where it is defined; the outer where "
                        "keeps the result exactly as before")])
 
@@ -603,8 +604,8 @@ def _edge_fix(s: Site, kind: str, scale: float | None, what: str, change_code: C
     fixes = []
     for e in eps_candidates(eps):
         rw = s.rewrite(codefix.with_operand(which, lambda t, e=e: change_code(t, e)), call_name, line)
-        fixes.append(Fix(kind, rw.after if rw else generic(e), epsilon=e, reasoning=why,
-                         before=rw.before if rw else None, after=rw.after if rw else None,
+        fixes.append(Fix(kind, generic(e), epsilon=e, reasoning=why,
+                         rewrite=rw,
                          patch={call: _replace_arg(arg, lambda t, e=e: change(t, e))} if call else None))
     return fixes
 
@@ -780,8 +781,8 @@ def _acos(s: Site) -> Diagnosis | None:
     for e in (eps, eps * 10, eps * 100):
         lo, hi = f"-1 + {_fmt(e)}", f"1 - {_fmt(e)}"
         rw = s.rewrite(codefix.with_operand("input", lambda t, lo=lo, hi=hi: f"{codefix.paren(t)}.clamp({lo}, {hi})"))
-        fixes.append(Fix("clamp", rw.after if rw else f"torch.{name}(x.clamp({lo}, {hi}))", epsilon=e,
-                         before=rw.before if rw else None, after=rw.after if rw else None,
+        fixes.append(Fix("clamp", f"torch.{name}(x.clamp({lo}, {hi}))", epsilon=e,
+                         rewrite=rw,
                          patch={s.call: _replace_arg(0, lambda t, e=e: t.clamp(-1 + e, 1 - e))} if s.call else None,
                          reasoning=f"the derivative ∓1/sqrt(1 - x²) is Inf at |x| = 1 and {name} is NaN beyond; "
                                    f"{s.dtype} tells 1 - {_fmt(e)} apart from 1 (its spacing below 1 is "
@@ -859,8 +860,7 @@ def _std_one(s: Site) -> Diagnosis | None:
     for e in (None, eps) if denominator else (None,):
         rw = s.rewrite(lambda src, node, e=e: _population_text(src, node, e))
         generic = f"x.{name}(dim, correction=0)" + (f".clamp_min({_fmt(e)})" if e else "")
-        fixes.append(Fix("correction", rw.after if rw else generic, epsilon=e, before=rw.before if rw else None,
-                         after=rw.after if rw else None, patch={s.call: _population(e)} if s.call else None,
+        fixes.append(Fix("correction", generic, epsilon=e, rewrite=rw, patch={s.call: _population(e)} if s.call else None,
                          reasoning=f"correction=0 (the population {name}) is 0, not NaN, for one element"
                                    + (f"; it is then a zero denominator, hence clamp_min — {why}" if e else "")))
     return Diagnosis("std_single_element", f"unbiased {name} over a single element",
@@ -892,8 +892,8 @@ def _empty_reduction(s: Site) -> Diagnosis | None:
             return t.sum() / max(t.numel(), 1)
         rw = s.rewrite(lambda src, node: _guarded_mean_text(src, node))
         fix = Fix("guard_empty_reduction",
-                  rw.after if rw else "x.sum() / max(x.numel(), 1)  # mean of an empty tensor is NaN",
-                  before=rw.before if rw else None, after=rw.after if rw else None,
+                  "x.sum() / max(x.numel(), 1)  # mean of an empty tensor is NaN",
+                  rewrite=rw,
                   patch={s.call: guarded_mean} if s.call else None,
                   reasoning="an empty selection contributes 0 instead of 0/0 (or skip the term when it is empty)")
         return Diagnosis("empty_reduction", "mean over zero elements",
@@ -918,8 +918,7 @@ def _empty_reduction(s: Site) -> Diagnosis | None:
     Fn = codefix.functional(s.source["path"] if s.source else None)
     generic = (f"n = (y != {ignore}).sum()\nloss = {Fn}.cross_entropy(logits, y, ignore_index={ignore}, "
                "reduction='sum') / n.clamp_min(1)")
-    fix = Fix("guard_empty_reduction", rw.after if rw else generic, before=rw.before if rw else None,
-              after=rw.after if rw else None,
+    fix = Fix("guard_empty_reduction", generic, rewrite=rw,
               patch={s.call: guarded} if s.call and s.call_is("cross_entropy", "nll_loss") else None,
               reasoning="the same mean over the targets that count, but a batch whose targets are all ignored "
                         "contributes 0 instead of 0/0")
@@ -1076,7 +1075,7 @@ def _handwritten_softmax(s: Site) -> Diagnosis | None:
         fr = frame_json(log_rec.frame)
         lname = s.step.call_names[log_rec.call] if 0 < log_rec.call < len(s.step.call_names) else None
         rw = s.rewrite(lambda src, node: _logsumexp_text(src, node, f"dim={dim!r}"), lname, fr and fr["line"])
-        code = rw.after if rw else f"torch.logsumexp(x, dim={dim!r})  # not torch.log(torch.exp(x).sum({dim!r}))"
+        code = f"torch.logsumexp(x, dim={dim!r})  # not torch.log(torch.exp(x).sum({dim!r}))"
         title, stable = "hand-written logsumexp overflowed", "torch.logsumexp"
         then = "and log(Inf) = Inf"
     else:
@@ -1089,14 +1088,14 @@ def _handwritten_softmax(s: Site) -> Diagnosis | None:
         if len(siblings) == 1:  # one exp call to rewrite on the user's line
             rw = s.rewrite(codefix.with_operand(
                 "input", lambda t: codefix.plus(t, f"{codefix.paren(t)}.amax(dim={dim!r}, keepdim=True)", "-")))
-        code = rw.after if rw else f"torch.softmax(x, dim={dim!r})  # not x.exp() / x.exp().sum({dim!r}, keepdim=True)"
+        code = f"torch.softmax(x, dim={dim!r})  # not x.exp() / x.exp().sum({dim!r}, keepdim=True)"
         title, stable = "hand-written softmax overflowed", "torch.softmax"
         then = "then the normalisation made Inf/Inf = NaN"
     return Diagnosis("handwritten_softmax", title,
                      f"exp overflowed to Inf for inputs above {lim:.1f} ({s.dtype}; max seen {x.get('max')}) at "
                      f"{s.where}, {then}. Subtracting the maximum over the summed dim first (what torch.softmax and "
                      f"torch.logsumexp do) keeps exp ≤ 1 and changes nothing mathematically.",
-                     [Fix("max_subtraction", code, before=rw.before if rw else None, after=rw.after if rw else None,
+                     [Fix("max_subtraction", code, rewrite=rw,
                           patch=patch, reasoning=f"{stable} is the stable form: exp(x - max) never overflows"
                           + assumed)])
 
@@ -1109,8 +1108,7 @@ def _exp_overflow(s: Site) -> Diagnosis | None:
     lim = math.floor(math.log(s.finfo.max)) - 1
     fixes = []
     rw = s.rewrite(codefix.with_operand("input", lambda t: f"{codefix.paren(t)}.clamp(max={lim})"))
-    fixes.append(Fix("clamp", rw.after if rw else f"torch.exp(x.clamp(max={lim}))", before=rw.before if rw else None,
-                     after=rw.after if rw else None,
+    fixes.append(Fix("clamp", f"torch.exp(x.clamp(max={lim}))", rewrite=rw,
                      patch={s.call: _replace_arg(0, lambda t: t.clamp(max=lim))} if s.call else None,
                      reasoning=f"exp(x) overflows {s.dtype} above x ≈ {math.log(s.finfo.max):.1f}"))
     return Diagnosis("exp_overflow", "exp overflow",
