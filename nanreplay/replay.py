@@ -182,16 +182,24 @@ def user_frame(depth: int = 2) -> Frame | None:
 
 @functools.lru_cache(maxsize=256)
 def local_copy(path: str) -> str:
-    """The file here that a path recorded on another machine most likely refers to.
+    """The file here that a path recorded on another machine (or checkout) most likely refers to.
 
-    A snapshot from /home/alice/proj/model.py analyzed in a checkout of proj finds
-    ./model.py (or ./proj/model.py): the longest tail of the recorded path that
-    exists below the current folder. Falls back to the recorded path.
+    A snapshot from /home/alice/proj/pkg/model.py analyzed in a checkout of proj finds
+    ./pkg/model.py: the longest tail of the recorded path that exists below the current
+    folder. Where the recorded path itself exists (another checkout on this machine), a
+    local file must share at least its folder and name to be preferred. Falls back to
+    the recorded path.
     """
-    if os.path.exists(path) or not os.path.isabs(path):
+    if not os.path.isabs(path):
         return path
+    try:
+        if not os.path.relpath(path).startswith(".."):
+            return path  # already below the current folder
+    except ValueError:
+        pass
     parts = path.replace("\\", "/").split("/")
-    for k in range(min(len(parts) - 1, 6), 0, -1):
+    shortest = 2 if os.path.exists(path) else 1
+    for k in range(min(len(parts) - 1, 6), shortest - 1, -1):
         cand = os.path.join(*parts[-k:])
         if os.path.isfile(cand):
             return cand
@@ -203,6 +211,8 @@ def frame_json(frame: Frame | None) -> dict | None:
         return None
     recorded, line, func, code = frame
     file = local_copy(recorded)
+    if file != recorded and code is not None and linecache.getline(file, line).strip() != code.strip():
+        file = recorded  # the local copy has changed at that line: it is not the code that ran
     if code is None:
         code = linecache.getline(file, line).strip() or None
     shown = file

@@ -73,3 +73,27 @@ def test_ci_runs_the_readme_commands():
     blocks = [b.split("```", 1)[0].strip() for b in readme.split("```bash\n")[1:3]]
     assert blocks[1] in ci
     assert blocks[0].startswith(blocks[1].rsplit("&&", 1)[0].strip())
+
+
+def test_recorded_source_paths_resolve_to_this_checkout(tmp_path, monkeypatch):
+    """A snapshot records absolute paths of the machine that wrote it; analysis maps them to the local copy."""
+    import shutil
+
+    from nanreplay import replay
+    from nanreplay.analysis import analyze
+
+    checkout = tmp_path / "elsewhere" / "proj"
+    shutil.copytree(SAMPLES, checkout / "sample_snapshots")
+    monkeypatch.chdir(checkout)
+    replay.local_copy.cache_clear()
+    src = analyze("sample_snapshots/sqrt_zero.pt", verify=False).to_json()["culprit"]["source"]
+    assert src["file"] == "sample_snapshots/models.py" and src["recorded_path"].endswith("sample_snapshots/models.py")
+    # the local file changed at that line: it is not the code that ran, so the recorded path stays
+    models = checkout / "sample_snapshots" / "models.py"
+    models.write_text(models.read_text().replace("d = ((a - p) ** 2).sum(-1).sqrt()", "d = (a - p).norm(dim=-1)"))
+    replay.local_copy.cache_clear()
+    import linecache
+    linecache.checkcache()
+    src = analyze("sample_snapshots/sqrt_zero.pt", verify=False).to_json()["culprit"]["source"]
+    assert src["path"] == src.get("recorded_path", src["path"]) and "recorded_path" not in src
+    assert src["code"] == "d = ((a - p) ** 2).sum(-1).sqrt()"
