@@ -79,7 +79,8 @@ class Analysis:
 def analyze(path: str | Path, *, model: str | None = None, loss: str | None = None, device: str | None = None,
             trust: bool = False, verify: bool = True) -> Analysis:
     """Analyze one snapshot file. Raises NanReplayError subclasses for bad input."""
-    from nanreplay import diagnose, rebuild, verify
+    from nanreplay import diagnose, rebuild
+    from nanreplay import verify as verify_mod  # (`verify` is this function's flag)
 
     t0 = time.perf_counter()
     snap = snapshot.load(path, trust=trust)
@@ -126,7 +127,7 @@ def analyze(path: str | Path, *, model: str | None = None, loss: str | None = No
     result.diagnosis = diagnose.diagnose(result, subject, step, c, verify_fixes=verify)
     t_diag = time.perf_counter()
     if c is not None or step.failure is not None:
-        result.precision = verify.precision_probe(subject, _step_dtype(subject),
+        result.precision = verify_mod.precision_probe(subject, _step_dtype(subject),
                                                   failure=step.failure.what if step.failure else None)
         note = precision_sentence(result.precision, _step_label(subject))
         if note:

@@ -86,3 +86,9 @@ def test_registry_fails_loudly():
     with pytest.raises(TypeError, match="not an aten op"):
         rule("new_cause", "aten.sqrt")
     assert len({r.cause for r in diagnose.RULES}) == len(diagnose.RULES)
+
+
+def test_no_verify_skips_the_fix_replays(analyzed):
+    d = analyzed("masked_row", verify=False)
+    assert d["diagnosis"]["fix"]["kind"] == "finite_mask_value"
+    assert d["diagnosis"]["fix"]["verified"] is None and d["diagnosis"]["candidates"] == []
