@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import logging
 import re
 import warnings
 from collections.abc import Callable
@@ -267,9 +268,17 @@ class ExportedModel(nn.Module):
 
 def load_exported(data: torch.Tensor):
     buf = io.BytesIO(data.numpy().tobytes())
+    quiet = [logging.getLogger(n) for n in ("torch.export", "torch._export")]
+    levels = [lg.level for lg in quiet]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecation chatter from torch's deserializer
-        return torch.export.load(buf)
+        for lg in quiet:  # a damaged program is reported by the caller in one line, not a logged traceback
+            lg.setLevel(logging.CRITICAL)
+        try:
+            return torch.export.load(buf)
+        finally:
+            for lg, lv in zip(quiet, levels, strict=True):
+                lg.setLevel(lv)
 
 
 # ------------------------------------------------------------------ reading

@@ -421,3 +421,23 @@ def test_readme_loop_is_the_documented_one():
     loop = textwrap.dedent(readme.split("<!-- guard-loop -->")[1].split("```python\n")[1].split("```")[0])
     assert "guard.loss_ok(loss)" in loop and "guard.grads_ok()" in loop and "guard.begin(" in loop
     compile(loop, "README", "exec")
+
+
+def test_rank_and_world_size_come_from_torch_distributed(tmp_path):
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not built in")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model = nanmodels.tiny()
+        guard = NanGuard(model, folder=tmp_path / "snaps", loss_fn=F.cross_entropy, export=False)
+        x, y = torch.randn(2, 4), torch.tensor([0, 1])
+        guard.begin(x, y)
+        assert not guard.loss_ok(F.cross_entropy(model(x), y) * float("nan"))
+    finally:
+        dist.destroy_process_group()
+    d = torch.load(guard.last_snapshot, weights_only=True)
+    assert (d["rank"], d["world_size"]) == (0, 1) and "_rank0_" in Path(guard.last_snapshot).name
+    info = analyze(guard.last_snapshot, model="nanmodels:tiny", verify=False).to_json()["snapshot_info"]
+    assert (info["rank"], info["world_size"], info["trigger"]) == (0, 1, "loss")
