@@ -253,6 +253,7 @@ def culprit_json(step: Step, ev) -> dict:
         "backward_node": ev.node,
         "module": _module_of(step, ev),
         "source": frame_json(step.frame_of(ev)),
+        "forward_source": frame_json(step.forward_frame_of(ev)) if ev.frame else None,
         "inputs": ev.inputs or [],
         "output": dict(ev.out),
         "role": ev.role,

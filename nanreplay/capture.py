@@ -107,6 +107,7 @@ class NanGuard:
         # autocast settings of the step: a dict (given), False (none), None (detect on the first loss_ok)
         self._autocast: dict | bool | None = _autocast_arg(autocast)
         self._overflows = 0
+        self._custom_functions: list[str] | None = None  # custom autograd.Functions in the graph (None: not looked)
         self._in_step = False
         self._norms: deque = deque(maxlen=spike_window)
         self._cap_warned = False
@@ -129,8 +130,10 @@ class NanGuard:
         if not self._in_step:  # begin() was not called: still count steps
             self._new_step(None)
         value = float(loss.detach().float())  # the one host sync; most loops log this value anyway
-        if self._autocast is None:  # once: is this loop running under autocast?
-            self._autocast = _autocast_state(self.model) or _detect_autocast(loss, self.model) or False
+        if self._custom_functions is None:  # once, on the first step: what does the autograd graph hold?
+            found_autocast, self._custom_functions = _inspect_graph(loss, self.model)
+            if self._autocast is None:
+                self._autocast = _autocast_state(self.model) or found_autocast or False
         self._record(loss=value)
         if math.isfinite(value):
             return True
@@ -257,7 +260,11 @@ class NanGuard:
                       "factory": self.factory or _derived_factory(model), "factory_source":
                       "given" if self.factory else "derived from the model's class",
                       "exported": None, "export_error": None}
-        if self.export:
+        if self.export and self._custom_functions:
+            model_info["export_error"] = (
+                f"the model uses custom autograd.Function(s) {', '.join(self._custom_functions)}; torch.export "
+                "keeps their forward but not their hand-written backward, so replay needs the model's code")
+        elif self.export:
             t0 = time.perf_counter()
             try:
                 with warnings.catch_warnings():
@@ -328,15 +335,17 @@ def _autocast_arg(autocast: dict | bool | None) -> dict | bool | None:
     return False if autocast is False else None
 
 
-def _detect_autocast(loss: torch.Tensor, model: nn.Module, limit: int = 20000) -> dict | None:
-    """Did the forward that made `loss` run in fp16/bf16 while the weights are fp32? (i.e. under autocast)
+def _inspect_graph(loss: torch.Tensor, model: nn.Module, limit: int = 20000) -> tuple[dict | None, list[str]]:
+    """Walk the autograd graph behind `loss` once (first step only).
 
-    Called once, on the first step, when loss_ok() runs outside the autocast block:
-    the autograd graph still holds the tensors each op saved, with their dtypes.
+    Returns the autocast setting the forward evidently ran under — ops that saved
+    fp16/bf16 tensors while the weights are fp32, i.e. loss_ok() was called outside
+    the autocast block — and the custom autograd.Functions the graph holds (their
+    hand-written backward does not survive torch.export).
     """
     p = next(model.parameters(), None)
-    if p is None or p.dtype != torch.float32 or loss.grad_fn is None:
-        return None
+    check_dtype = p is not None and p.dtype == torch.float32
+    autocast, custom = None, []
     seen, todo = set(), [loss.grad_fn]
     while todo and len(seen) < limit:
         node = todo.pop()
@@ -344,6 +353,12 @@ def _detect_autocast(loss: torch.Tensor, model: nn.Module, limit: int = 20000) -
             continue
         seen.add(node)
         todo.extend(n for n, _ in node.next_functions)
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            name = type(node).__name__.removesuffix("Backward")
+            if name not in custom:
+                custom.append(name)
+        if autocast is not None or not check_dtype:
+            continue
         for attr in dir(node):
             if not attr.startswith("_saved_"):
                 continue
@@ -352,8 +367,9 @@ def _detect_autocast(loss: torch.Tensor, model: nn.Module, limit: int = 20000) -
             except RuntimeError:
                 continue
             if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16):
-                return {"device_type": v.device.type, "dtype": str(v.dtype).removeprefix("torch."), "enabled": True}
-    return None
+                autocast = {"device_type": v.device.type, "dtype": str(v.dtype).removeprefix("torch."), "enabled": True}
+                break
+    return autocast, custom
 
 
 def _derived_factory(model: nn.Module) -> str | None:

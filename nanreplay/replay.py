@@ -80,6 +80,8 @@ class Event:
     node_seq: int | None = None
     inputs: list[dict] | None = None  # input stats, for every event that can be a culprit
     scalars: list | None = None  # non-tensor arguments (exponents, eps, dims), same events
+    frame: Frame | None = None  # backward only: the user's own line, when backward ran Python code
+                                 # (a custom autograd.Function's backward, a tensor hook)
 
 
 @dataclass
@@ -129,6 +131,10 @@ class Step:
         return self.ops[ev.fwd].module if ev.fwd is not None else None
 
     def frame_of(self, ev: Event) -> Frame | None:
+        """The line to blame: where the op itself ran if that was user code, else its forward call."""
+        return ev.frame or self.forward_frame_of(ev)
+
+    def forward_frame_of(self, ev: Event) -> Frame | None:
         return self.ops[ev.fwd].frame if ev.fwd is not None else None
 
     def forward_op_of(self, ev: Event) -> str | None:
@@ -412,7 +418,8 @@ class Recorder:
             role = "conversion" if has_nan and not (in_nan or lit_nan) else "propagation"
         ev = Event(index=len(self.events), phase="backward" if self.phase == "backward" else "forward",
                    op=str(func), kind="nan" if has_nan else "inf", role=role,
-                   parents=tuple(dict.fromkeys(parents)), out=out, fwd=fwd, node=node_name, node_seq=node_seq)
+                   parents=tuple(dict.fromkeys(parents)), out=out, fwd=fwd, node=node_name, node_seq=node_seq,
+                   frame=user_frame(4) if self.phase == "backward" else None)
         if role in ("origin", "conversion"):  # only these can be culprits: worth the input statistics
             ev.inputs = [stats.tensor_stats(t) for t in inputs]
             ev.scalars = scalars

@@ -519,3 +519,36 @@ def save_three_causes(branch: int, path: Path, seed: int = 0) -> Path:
         x[seed % 8] = 0  # an all-zero row: zero norm, zero distance
     torch.save({"x": (x, torch.tensor(branch)), "state": three_causes().state_dict()}, path)
     return path
+
+
+# ---------------------------------------------------------------- a bug in a custom autograd.Function's backward
+
+
+class SafeInv(torch.autograd.Function):
+    """1/x with a clamp in forward — and none in the hand-written backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clamp_min(1e-3).reciprocal()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return -g / (x * x)  # CULPRIT: custom_backward
+
+
+class InvFeatures(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return SafeInv.apply(x * self.w).mean()
+
+
+@case("custom_backward", _sparse_batch, phase="backward", kind="inf", op="aten.div.Tensor",
+      forward_op="aten.clamp_min.default", backward_node="SafeInvBackward", module="", failure="gradient")
+@_seeded
+def inv_features():
+    return InvFeatures()
