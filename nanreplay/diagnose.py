@@ -158,7 +158,7 @@ class Site:
 
     @property
     def call(self) -> int:
-        return self.rec.call if self.rec else 0
+        return self.step.call_of(self.event)
 
     @property
     def call_name(self) -> str:
@@ -977,7 +977,8 @@ def _normalize(s: Site) -> Diagnosis | None:
 
 @rule("division_by_zero", aten.div, aten.reciprocal)
 def _div_zero(s: Site) -> Diagnosis | None:
-    if s.op_packet not in ("aten.div", "aten.reciprocal") or not s.forward:
+    # in forward, or in backward code the user wrote (a custom autograd.Function's backward)
+    if s.op_packet not in ("aten.div", "aten.reciprocal") or not (s.forward or s.event.frame is not None):
         return None
     if s.op_packet == "aten.div":
         if not s.call_is(*_DIVS):

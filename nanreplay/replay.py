@@ -19,7 +19,6 @@ Inf. The exact, more expensive checks run only for outputs that fail it.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import linecache
 import math
@@ -81,7 +80,8 @@ class Event:
     inputs: list[dict] | None = None  # input stats, for every event that can be a culprit
     scalars: list | None = None  # non-tensor arguments (exponents, eps, dims), same events
     frame: Frame | None = None  # backward only: the user's own line, when backward ran Python code
-                                 # (a custom autograd.Function's backward, a tensor hook)
+                                 # (a custom autograd.Function's backward, a tensor hook) ...
+    call: int = 0  # ... and the number of the user-level call that ran it there
 
 
 @dataclass
@@ -141,6 +141,8 @@ class Step:
         return str(self.ops[ev.fwd].op) if ev.fwd is not None else None
 
     def call_of(self, ev: Event) -> int:
+        if ev.frame is not None:
+            return ev.call
         return self.ops[ev.fwd].call if ev.fwd is not None else 0
 
     def node_seq_of_op(self, fwd: int) -> int | None:
@@ -420,6 +422,8 @@ class Recorder:
                    op=str(func), kind="nan" if has_nan else "inf", role=role,
                    parents=tuple(dict.fromkeys(parents)), out=out, fwd=fwd, node=node_name, node_seq=node_seq,
                    frame=user_frame(4) if self.phase == "backward" else None)
+        if ev.frame is not None:
+            ev.call = self.current_call
         if role in ("origin", "conversion"):  # only these can be culprits: worth the input statistics
             ev.inputs = [stats.tensor_stats(t) for t in inputs]
             ev.scalars = scalars
@@ -640,7 +644,12 @@ def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any]
             instrument = loss_finite
             rec.nan_in_backward = not instrument
             try:
-                with _OpMode(rec) if instrument else contextlib.nullcontext():
+                # the call mode numbers Python-level calls in backward too (custom Functions' backward),
+                # so a fix can be verified there; C++ backward formulas never reach it
+                if instrument:
+                    with _CallMode(rec), _OpMode(rec):
+                        _backward(loss_t)
+                else:
                     loss_t.backward()
             except Exception as e:  # noqa: BLE001
                 raise AnalysisError(_replay_error("backward", e, rec)) from e
@@ -656,6 +665,16 @@ def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any]
                 grads=grads, call_names=[call_name(f) for f in rec.call_funcs],
                 internal_errors=rec.internal_errors, backward_error=backward_error,
                 activations=rec.activations, grad_shapes=rec.grad_shapes)
+
+
+def _backward(loss: torch.Tensor) -> None:
+    """loss.backward() without going through a torch function: under the call mode, Tensor.backward
+    would itself be a numbered call, and the mode is switched off inside a call it handles — so the
+    Python code backward runs (custom Functions) would go unseen."""
+    from torch.autograd.variable import Variable
+
+    Variable._execution_engine.run_backward((loss,), (torch.ones_like(loss),), False, False, (),
+                                            allow_unreachable=True, accumulate_grad=True)
 
 
 def run_subject(subject, **kw) -> Step:

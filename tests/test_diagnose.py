@@ -92,3 +92,14 @@ def test_no_verify_skips_the_fix_replays(analyzed):
     d = analyzed("masked_row", verify=False)
     assert d["diagnosis"]["fix"]["kind"] == "finite_mask_value"
     assert d["diagnosis"]["fix"]["verified"] is None and d["diagnosis"]["candidates"] == []
+
+
+def test_a_bug_in_a_custom_backward_is_fixed_where_it_is(analyzed):
+    """The division by zero is in the user's hand-written backward(): the fix is verified there."""
+    import nanmodels
+
+    d = analyzed("custom_backward")
+    assert d["culprit"]["source"]["line"] == nanmodels.marker_line("custom_backward")
+    fix = d["diagnosis"]["fix"]
+    assert d["diagnosis"]["cause"] == "division_by_zero" and fix["verified"] is True
+    assert fix["before"].startswith("return -g / (x * x)") and ".clamp_min(" in fix["after"]
