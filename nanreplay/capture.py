@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 
 from nanreplay import __version__, atomic, native
+from nanreplay.errors import first_line
 from nanreplay.snapshot import FORMAT, VERSION, map_tensors
 
 log = logging.getLogger("nanreplay")
@@ -271,8 +272,7 @@ class NanGuard:
                     warnings.simplefilter("ignore")
                     model_info["exported"] = native.export_step(model, self.loss_fn, self._inputs, self._target)
             except Exception as e:  # noqa: BLE001 - data-dependent control flow, unsupported ops, ...
-                msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                model_info["export_error"] = f"{type(e).__name__}: {msg}"[:500]
+                model_info["export_error"] = f"{type(e).__name__}: {first_line(e, 500)}"
             model_info["export_seconds"] = round(time.perf_counter() - t0, 3)
         return {
             "format": FORMAT,

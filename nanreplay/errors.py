@@ -26,3 +26,9 @@ class AnalysisError(NanReplayError):
 
 class TrustError(UsageError):
     """The snapshot names code, and the user has not said to run it."""
+
+
+def first_line(e: BaseException | str, limit: int = 200) -> str:
+    """The first line of an exception's message (or any text): what a one-line error can carry."""
+    text = str(e).strip()
+    return text.splitlines()[0][:limit] if text else ""

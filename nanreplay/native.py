@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanreplay.errors import TrustError, UsageError
+from nanreplay.errors import TrustError, UsageError, first_line
 from nanreplay.snapshot import VERSION, Snapshot
 
 # ------------------------------------------------------------------ loss specs (data, not code)
@@ -346,7 +346,7 @@ def subject(snap: Snapshot, *, model: str | None, loss: str | None, device: str 
             ep = load_exported(info["exported"])
         except Exception as e:  # noqa: BLE001 - a damaged program is one line, not a traceback
             raise UsageError(f"{snap.path}: the embedded exported program cannot be loaded "
-                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                             f"({type(e).__name__}: {first_line(e)}); "
                              "analyze it with --model MODULE:FACTORY instead") from None
         m = ExportedModel(ep)
         m.to(dev)

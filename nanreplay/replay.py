@@ -19,6 +19,7 @@ Inf. The exact, more expensive checks run only for outputs that fail it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import linecache
 import math
@@ -35,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from nanreplay import stats
-from nanreplay.errors import AnalysisError, NanReplayError
+from nanreplay.errors import AnalysisError, NanReplayError, first_line
 
 try:  # the autograd sequence number links a forward op to its backward node
     from torch._C._autograd import _get_sequence_nr
@@ -144,12 +145,6 @@ class Step:
         if ev.frame is not None:
             return ev.call
         return self.ops[ev.fwd].call if ev.fwd is not None else 0
-
-    def node_seq_of_op(self, fwd: int) -> int | None:
-        for seq, i in self.op_by_seq.items():
-            if i == fwd:
-                return seq
-        return None
 
 
 # ------------------------------------------------------------------ source lines
@@ -331,6 +326,7 @@ class Recorder:
     # ---- called by _OpMode for every aten op
     def on_op(self, func, args: tuple, kwargs: dict, out: Any, seq: int) -> None:
         fwd = None
+        view = _is_view(func)
         if self.phase != "backward":
             fwd = len(self.ops)
             if self.site is not None:
@@ -338,7 +334,7 @@ class Recorder:
                 self._site_exits(scopes, None if func is _DETACH else out)
             else:
                 module = self.module_stack[-1] if self.module_stack else ""
-                frame = None if _is_view(func) else user_frame(3)
+                frame = None if view else user_frame(3)
             prod = self.producer
             src = tuple(prod.get(a) for a in args if isinstance(a, torch.Tensor))
             self.ops.append(OpRecord(func, module, frame, self.current_call, src))
@@ -346,7 +342,7 @@ class Recorder:
                 self.op_by_seq[seq - 1] = fwd
             for t in _tensors(out):
                 prod[t] = fwd
-        if _is_view(func) and not self._has_nonfinite_input(args):
+        if view and not self._has_nonfinite_input(args):
             return  # a view of finite data is finite
         bad = []
         mutates = bool(_mutated(func)[0])
@@ -609,54 +605,52 @@ def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any]
     """
     rec = Recorder(names, site)
     rec.intercepts = intercepts or {}
-    anomaly_was = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
-    torch.autograd.set_detect_anomaly(False)  # it would raise mid-backward and hide the rest
     handles = rec.install_module_hooks() if site is None else []  # exported programs: the site knows
     node_handles: list = []
     model.zero_grad(set_to_none=True)
     loss_t = None
     backward_error = None
     try:
-        if prepare is not None:
-            prepare()
-        try:
-            with _CallMode(rec), _OpMode(rec), _autocast(autocast):
-                rec.phase = "forward"
-                output = forward()
-                rec.phase = "loss"
-                rec.module_stack[:] = [loss_module]
-                loss_t = loss(output)
-                rec.finish_forward()
-        except NanReplayError:
-            raise
-        except Exception as e:  # noqa: BLE001 - user code
-            raise AnalysisError(_replay_error("forward" if rec.phase == "forward" else "loss", e, rec)) from e
-        rec.phase = "backward"
-        loss_finite = stats.finite_fast(loss_t.detach())
-        skipped = not loss_finite and not backward_after_bad_loss
-        if not (loss_t.requires_grad and loss_t.grad_fn is not None):
-            backward_error = "the loss does not require grad: no backward pass to replay"
-        elif not skipped:
-            node_handles = rec.watch_anomaly(loss_t.grad_fn)
-            # With a non-finite loss the failure is the loss: its chain is all forward, and backward
-            # events could not change the culprit. Backward then runs uninstrumented; only the
-            # anomaly-mode emulation watches it (armed from the start: NaN may flow from the loss).
-            instrument = loss_finite
-            rec.nan_in_backward = not instrument
+        with anomaly_off():  # it would raise mid-backward and hide the rest
+            if prepare is not None:
+                prepare()
             try:
-                # the call mode numbers Python-level calls in backward too (custom Functions' backward),
-                # so a fix can be verified there; C++ backward formulas never reach it
-                if instrument:
-                    with _CallMode(rec), _OpMode(rec):
-                        _backward(loss_t)
-                else:
-                    loss_t.backward()
-            except Exception as e:  # noqa: BLE001
-                raise AnalysisError(_replay_error("backward", e, rec)) from e
+                with _CallMode(rec), _OpMode(rec), autocast_from(autocast):
+                    rec.phase = "forward"
+                    output = forward()
+                    rec.phase = "loss"
+                    rec.module_stack[:] = [loss_module]
+                    loss_t = loss(output)
+                    rec.finish_forward()
+            except NanReplayError:
+                raise
+            except Exception as e:  # noqa: BLE001 - user code
+                raise AnalysisError(_replay_error("forward" if rec.phase == "forward" else "loss", e, rec)) from e
+            rec.phase = "backward"
+            loss_finite = stats.finite_fast(loss_t.detach())
+            skipped = not loss_finite and not backward_after_bad_loss
+            if not (loss_t.requires_grad and loss_t.grad_fn is not None):
+                backward_error = "the loss does not require grad: no backward pass to replay"
+            elif not skipped:
+                node_handles = rec.watch_anomaly(loss_t.grad_fn)
+                # With a non-finite loss the failure is the loss: its chain is all forward, and backward
+                # events could not change the culprit. Backward then runs uninstrumented; only the
+                # anomaly-mode emulation watches it (armed from the start: NaN may flow from the loss).
+                instrument = loss_finite
+                rec.nan_in_backward = not instrument
+                try:
+                    # the call mode numbers Python-level calls in backward too (custom Functions' backward),
+                    # so a fix can be verified there; C++ backward formulas never reach it
+                    if instrument:
+                        with _CallMode(rec), _OpMode(rec):
+                            _backward(loss_t)
+                    else:
+                        loss_t.backward()
+                except Exception as e:  # noqa: BLE001
+                    raise AnalysisError(_replay_error("backward", e, rec)) from e
     finally:
         for h in handles + node_handles:
             h.remove()
-        torch.autograd.set_detect_anomaly(*anomaly_was)
     grads = [stats.grad_stats(n, p) for n, p in model.named_parameters()]
     failure = _failure(rec, loss_t, model)
     anomaly = None if skipped else rec.anomaly or Anomaly(False)
@@ -683,17 +677,20 @@ def run_subject(subject, **kw) -> Step:
                autocast=subject.autocast, site=subject.site, **kw)
 
 
-class _autocast:
+def autocast_from(setting: dict | None):
     """torch.autocast from a recorded setting, or nothing."""
+    return torch.autocast(**setting) if setting else contextlib.nullcontext()
 
-    def __init__(self, setting: dict | None):
-        self.ctx = torch.autocast(**setting) if setting else None
 
-    def __enter__(self):
-        return self.ctx.__enter__() if self.ctx else None
-
-    def __exit__(self, *exc):
-        return self.ctx.__exit__(*exc) if self.ctx else False
+@contextlib.contextmanager
+def anomaly_off():
+    """Anomaly mode off for the duration (a replay must see the whole step); restored as it was, even on error."""
+    was = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+    torch.autograd.set_detect_anomaly(False)
+    try:
+        yield
+    finally:
+        torch.autograd.set_detect_anomaly(*was)
 
 
 def _replay_error(stage: str, e: BaseException, rec: Recorder) -> str:
@@ -703,8 +700,7 @@ def _replay_error(stage: str, e: BaseException, rec: Recorder) -> str:
         where = f" (after {len(rec.ops)} ops; last in module {last.module or '<root>'!r}"
         fj = frame_json(last.frame)
         where += f", {fj['file']}:{fj['line']})" if fj else ")"
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"the {stage} pass raised {type(e).__name__}: {msg}{where}"
+    return f"the {stage} pass raised {type(e).__name__}: {first_line(e)}{where}"
 
 
 def _failure(rec: Recorder, loss: torch.Tensor | None, model: torch.nn.Module) -> Failure | None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from nanreplay.errors import TrustError, UsageError
+from nanreplay.errors import TrustError, UsageError, first_line
 
 # The native format. Bump VERSION on any incompatible change and say why here.
 #   1 — first version.
@@ -80,9 +80,9 @@ def read_file(path: str | Path, *, trust: bool = False) -> Any:
         msg = str(e)
         if "Weights only load failed" not in msg:
             if "zip archive" in msg or isinstance(e, EOFError):
-                why = _first_line(msg) or "unexpected end of file"
+                why = first_line(msg) or "unexpected end of file"
                 raise UsageError(f"{path}: corrupt or truncated snapshot ({why})") from None
-            raise UsageError(f"{path}: cannot load snapshot: {type(e).__name__}: {_first_line(msg)}") from None
+            raise UsageError(f"{path}: cannot load snapshot: {type(e).__name__}: {first_line(msg)}") from None
         what = _needed_global(msg)
         if not trust:
             raise TrustError(
@@ -93,11 +93,7 @@ def read_file(path: str | Path, *, trust: bool = False) -> Any:
     try:
         return torch.load(p, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001
-        raise UsageError(f"{path}: cannot load snapshot even with --trust: {type(e).__name__}: {_first_line(str(e))}") from None
-
-
-def _first_line(msg: str) -> str:
-    return msg.strip().splitlines()[0][:200] if msg.strip() else ""
+        raise UsageError(f"{path}: cannot load snapshot even with --trust: {type(e).__name__}: {first_line(e)}") from None
 
 
 def _needed_global(msg: str) -> str:

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ import torch
 
 from nanreplay import culprit as culprit_mod
 from nanreplay import replay, stats
+from nanreplay.errors import first_line
 from nanreplay.rebuild import Subject
 
 
@@ -54,7 +54,7 @@ def try_patch(subject: Subject, intercepts: dict[int, Callable] | None = None, *
     try:
         step = replay.run_subject(subject, intercepts=intercepts, backward_after_bad_loss=False)
     except Exception as e:  # noqa: BLE001 - a fix that breaks the model is a failed fix, not a crash
-        return Outcome(False, f"replaying {label} raised {type(e).__name__}: {_first_line(e)}")
+        return Outcome(False, f"replaying {label} raised {type(e).__name__}: {first_line(e)}")
     finally:
         subject.model.zero_grad(set_to_none=True)
     out = _outcome(step)
@@ -68,12 +68,8 @@ def try_variant(subject: Subject, *, dtype: torch.dtype | None = None, autocast:
     try:
         variant = subject.converted(dtype, autocast)
     except Exception as e:  # noqa: BLE001
-        return Outcome(False, f"converting the step {label} raised {type(e).__name__}: {_first_line(e)}")
+        return Outcome(False, f"converting the step {label} raised {type(e).__name__}: {first_line(e)}")
     return try_patch(variant, label=label or "with the fix")
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else ""
 
 
 def plain_step(subject: Subject, *, forward_first: bool = False) -> dict:
@@ -87,24 +83,20 @@ def plain_step(subject: Subject, *, forward_first: bool = False) -> dict:
     if subject.prepare is not None:
         subject.prepare()
     subject.model.zero_grad(set_to_none=True)
-    anomaly_was = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
-    torch.autograd.set_detect_anomaly(False)
-    try:
+    with replay.anomaly_off():
         if forward_first:
-            with torch.no_grad(), _autocast(subject.autocast):
+            with torch.no_grad(), replay.autocast_from(subject.autocast):
                 loss = subject.loss(subject.forward())
             if not stats.finite_fast(loss):
                 return _row(loss, None)
             if subject.prepare is not None:
                 subject.prepare()  # the same RNG for the full pass
-        with _autocast(subject.autocast):
+        with replay.autocast_from(subject.autocast):
             loss = subject.loss(subject.forward())
         if not stats.finite_fast(loss.detach()):
             return _row(loss, None)
         if loss.requires_grad:
             loss.backward()
-    finally:
-        torch.autograd.set_detect_anomaly(*anomaly_was)
     bad = [n for n, p in subject.model.named_parameters() if p.grad is not None and not stats.finite_fast(p.grad)]
     subject.model.zero_grad(set_to_none=True)
     return {**_row(loss, not bad), "nonfinite_grads": len(bad)}
@@ -113,10 +105,6 @@ def plain_step(subject: Subject, *, forward_first: bool = False) -> dict:
 def _row(loss: torch.Tensor, grads_finite: bool | None) -> dict:
     loss_ok = stats.finite_fast(loss.detach())
     return {"loss": stats._num(float(loss.detach().double())), "loss_finite": loss_ok, "grads_finite": grads_finite}
-
-
-def _autocast(setting: dict | None):
-    return torch.autocast(**setting) if setting else contextlib.nullcontext()
 
 
 def precision_probe(subject: Subject, step_dtype: str | None, *, failure: str | None = None) -> list[dict]:
@@ -143,6 +131,6 @@ def precision_probe(subject: Subject, step_dtype: str | None, *, failure: str | 
             row = plain_step(variant, forward_first=failure == "loss")
             del variant
         except Exception as e:  # noqa: BLE001 - e.g. an op without a float64 kernel on this device
-            row = {"error": f"{type(e).__name__}: {_first_line(e)}"}
+            row = {"error": f"{type(e).__name__}: {first_line(e)}"}
         rows.append({"dtype": label, **row})
     return rows
