@@ -124,7 +124,7 @@ def analyze(path: str | Path, *, model: str | None = None, loss: str | None = No
     result.activations = activation_rows(step)
     result.gradient_shapes = [{"module": m, "output_shape": o, "grad_shape": g, "mismatch": g is not None and g != o}
                               for m, o, g in step.grad_shapes]
-    result.diagnosis = diagnose.diagnose(result, subject, step, c, verify_fixes=verify)
+    result.diagnosis = diagnose.diagnose(result, subject, step, c, chain, verify_fixes=verify)
     t_diag = time.perf_counter()
     if c is not None or step.failure is not None:
         result.precision = verify_mod.precision_probe(subject, _step_dtype(subject),

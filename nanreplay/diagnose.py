@@ -1296,13 +1296,11 @@ def _generic(s: Site) -> Diagnosis:
 # ------------------------------------------------------------------ entry points
 
 
-def diagnose(result, subject, step: Step, c: int | None, *, verify_fixes: bool = True) -> dict:
+def diagnose(result, subject, step: Step, c: int | None, chain: list[int], *, verify_fixes: bool = True) -> dict:
     """The `diagnosis` object of the JSON contract, with fixes verified by replay."""
     if c is None:
         return _not_reproduced(result, subject)
-    from nanreplay.culprit import chain
-
-    site = Site(step, step.events[c], chain(step.events, step.failure.event if step.failure else None), subject)
+    site = Site(step, step.events[c], chain, subject)
     diag = None
     for r in RULES:
         if r.ops and site.packet not in r.ops and site.op_packet not in r.ops:

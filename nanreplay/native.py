@@ -336,8 +336,9 @@ def subject(snap: Snapshot, *, model: str | None, loss: str | None, device: str 
     dev = rebuild.parse_device(device)
     info = d.get("model") or {}
     scale = d.get("grad_scale")
-    common = dict(device=dev, autocast=_autocast(d, dev), prepare=_prepare(d),
-                  input_label="inputs", target_label="target")
+    # a GradScaler step replays as it ran: backward of the scaled loss
+    common = dict(autocast=_autocast(d, dev), prepare=_prepare(d),
+                  loss_scale=float(scale) if scale and scale != 1.0 else None)
     if model is None and info.get("exported") is not None:
         if loss is not None:
             raise UsageError(f"{snap.path}: the snapshot's exported program includes its own loss; to replay it "
@@ -350,13 +351,12 @@ def subject(snap: Snapshot, *, model: str | None, loss: str | None, device: str 
                              "analyze it with --model MODULE:FACTORY instead") from None
         m = ExportedModel(ep)
         m.to(dev)
-        s = rebuild.Subject(model=m, inputs=(rebuild.to_device(snap.inputs, dev), rebuild.to_device(snap.target, dev)),
-                            target=None, loss_fn=None, loss_name=_loss_label(d.get("loss_spec") or {}),
-                            how="exported program in the snapshot (no training code needed)", **common)
-        s.site = m.site
-        s.model_class = str(info.get("class") or "").rsplit(".", 1)[-1] or None
-        s.input_label, s.target_label = "inputs[0]", "inputs[1]"
-        return _scaled(s, scale)
+        return rebuild.Subject(
+            model=m, inputs=(rebuild.to_device(snap.inputs, dev), rebuild.to_device(snap.target, dev)),
+            target=None, loss_fn=None, loss_name=_loss_label(d.get("loss_spec") or {}), device=dev,
+            how="exported program in the snapshot (no training code needed)", site=m.site,
+            model_class=str(info.get("class") or "").rsplit(".", 1)[-1] or None,
+            input_label="inputs[0]", target_label="inputs[1]", **common)
     if model is not None:
         m, how = rebuild.build_model(model), f"--model {model}"
     else:
@@ -369,24 +369,12 @@ def subject(snap: Snapshot, *, model: str | None, loss: str | None, device: str 
             raise TrustError(f"{snap.path}: the snapshot names code to rebuild its model ({spec!r}){why}; "
                              f"it runs only with --trust, or name the model yourself with --model MODULE:FACTORY")
         m, how = rebuild.build_model(spec), f"factory {spec} from the snapshot (--trust){why}"
-    if snap.state is not None:
-        rebuild.load_state(m, snap.state)
     m.train(bool(d.get("model_training", True)))
-    m.to(dev)
     if loss is not None:
         loss_fn, loss_name = rebuild.resolve_loss(loss), loss
     else:
         loss_fn, loss_name = loss_from_spec(d.get("loss_spec") or {"kind": "output"}, trust=trust)
-    s = rebuild.Subject(model=m, inputs=rebuild.to_device(snap.inputs, dev), target=rebuild.to_device(snap.target, dev),
-                        loss_fn=loss_fn, loss_name=loss_name, how=how, **common)
-    return _scaled(s, scale)
-
-
-def _scaled(s, scale: float | None):
-    """Replay a GradScaler step as it ran: backward of the scaled loss."""
-    if scale and scale != 1.0:
-        s.loss_scale = float(scale)
-    return s
+    return rebuild.eager_subject(snap, m, how, loss_fn, loss_name, dev, **common)
 
 
 def _loss_label(spec: dict) -> str | None:

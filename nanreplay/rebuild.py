@@ -249,13 +249,19 @@ def from_seed(snap: Snapshot, *, model: str | None, loss: str | None, device: st
     else:
         raise UsageError(f"{snap.path}: a seed-format snapshot holds only weights; say which model they belong to "
                          "with --model MODULE:FACTORY (a zero-argument callable returning the nn.Module)")
+    return eager_subject(snap, m, how, resolve_loss(loss) if loss else None, loss, dev,
+                         input_label=snap.keys.get("inputs", "inputs"),
+                         target_label=snap.keys.get("target", "target"))
+
+
+def eager_subject(snap: Snapshot, model: nn.Module, how: str, loss_fn: Callable | None, loss_name: str | None,
+                  device: torch.device, **extra: Any) -> Subject:
+    """A Subject that runs `model`, with the snapshot's state loaded, on the snapshot's batch."""
     if snap.state is not None:
-        load_state(m, snap.state)
-    loss_fn = resolve_loss(loss) if loss else None
-    m.to(dev)
-    return Subject(model=m, inputs=to_device(snap.inputs, dev), target=to_device(snap.target, dev),
-                   loss_fn=loss_fn, loss_name=loss, how=how, device=dev,
-                   input_label=snap.keys.get("inputs", "inputs"), target_label=snap.keys.get("target", "target"))
+        load_state(model, snap.state)
+    model.to(device)
+    return Subject(model=model, inputs=to_device(snap.inputs, device), target=to_device(snap.target, device),
+                   loss_fn=loss_fn, loss_name=loss_name, how=how, device=device, **extra)
 
 
 def subject(snap: Snapshot, *, model: str | None, loss: str | None, device: str | None, trust: bool) -> Subject:
