@@ -177,10 +177,6 @@ class Site:
             return None
         return self.step.ops[rec.src[i]]
 
-    def src_packet(self, i: int, rec: OpRecord | None = None) -> str | None:
-        r = self.src(i, rec)
-        return packet(str(r.op)) if r else None
-
     def origin(self, i: int, rec: OpRecord | None = None) -> OpRecord | None:
         """Like src(), looking through views and copies (squeeze, view, clone, ...) to the op that computed it."""
         r = self.src(i, rec)
