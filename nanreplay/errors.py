@@ -1,6 +1,18 @@
-"""The error types the CLI turns into one clear line and an exit code.
+"""nanreplay's one error hierarchy.
 
-Anything else that escapes is a bug in nanreplay and keeps its traceback.
+The CLI turns a `NanReplayError` into one line and its `exit_code`; anything else
+that escapes is a bug in nanreplay and keeps its traceback.
+
+    NanReplayError                 exit 1
+    ├── UsageError                 exit 2: the input or the invocation cannot work
+    │   ├── SnapshotError          the file is not a readable, valid snapshot
+    │   ├── TrustError             the snapshot names code and --trust was not given
+    │   ├── ModelError             the model / loss / state cannot be rebuilt for this snapshot
+    │   └── OutputError            an output path that must not or cannot be written
+    ├── ReplayError                exit 1: the inputs were fine, the replay itself failed
+    ├── GuardError                 training side: the guard was used in a way that cannot work
+    ├── NonFiniteStep              training side: raised by NanGuard(on_nonfinite="raise")
+    └── PoolError                  triage: the worker pool itself failed
 """
 
 from __future__ import annotations
@@ -18,14 +30,46 @@ class UsageError(NanReplayError):
     exit_code = 2
 
 
-class AnalysisError(NanReplayError):
+class SnapshotError(UsageError):
+    """The file cannot be read as a snapshot: missing, corrupt, hostile, or outside the format's schema."""
+
+
+class TrustError(UsageError):
+    """The snapshot names code, and the user has not said to run it."""
+
+
+class ModelError(UsageError):
+    """The snapshot was read, but its step cannot be rebuilt (no model for it, a state that does not fit)."""
+
+
+class OutputError(UsageError):
+    """An output path that nanreplay must not or cannot write."""
+
+
+class ReplayError(NanReplayError):
     """The inputs were fine but the replay itself failed."""
 
     exit_code = 1
 
 
-class TrustError(UsageError):
-    """The snapshot names code, and the user has not said to run it."""
+AnalysisError = ReplayError  # the name used before 0.2; kept for scripts that catch it
+
+
+class GuardError(NanReplayError, ValueError):
+    """NanGuard was used in a way that cannot work (e.g. step() without an optimizer)."""
+
+
+class NonFiniteStep(NanReplayError, RuntimeError):
+    """Raised by a guard built with on_nonfinite="raise"."""
+
+    def __init__(self, trigger: str, snapshot: str | None):
+        where = f"; snapshot: {snapshot}" if snapshot else "; no snapshot was written"
+        super().__init__(f"non-finite {trigger} at this step{where}")
+        self.trigger, self.snapshot = trigger, snapshot
+
+
+class PoolError(NanReplayError, RuntimeError):
+    """The worker pool could not start or lost all its workers."""
 
 
 def first_line(e: BaseException | str, limit: int = 200) -> str:

@@ -17,7 +17,7 @@ import torch
 from nanreplay import culprit as culprit_mod
 from nanreplay import replay, stats
 from nanreplay.errors import first_line
-from nanreplay.rebuild import Subject
+from nanreplay.replay.subject import Subject
 
 
 @dataclass

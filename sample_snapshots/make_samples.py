@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from nanreplay import NanGuard  # noqa: E402
-from nanreplay.rebuild import call_model  # noqa: E402
+from nanreplay.replay.subject import call_model  # noqa: E402
 from sample_snapshots import models  # noqa: E402
 
 SAMPLES = {}

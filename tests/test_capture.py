@@ -16,10 +16,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import nanmodels
-from nanreplay import NanGuard, native, snapshot
+from nanreplay import NanGuard
 from nanreplay.analysis import analyze
 from nanreplay.errors import TrustError, UsageError
-from nanreplay.rebuild import call_model, compute_loss, resolve_loss
+from nanreplay.formats import native
+from nanreplay.formats.usercode import resolve_loss
+from nanreplay.replay.subject import call_model, compute_loss
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -187,7 +189,7 @@ def test_autocast_step_replays_under_autocast(trained):
 def test_snapshot_is_plain_data(trained):
     path, _ = trained["gradient"]
     d = torch.load(path, weights_only=True)
-    assert d["format"] == snapshot.FORMAT and d["version"] == snapshot.VERSION
+    assert d["format"] == native.FORMAT and d["version"] == native.VERSION
     assert d["model"]["exported"].dtype == torch.uint8 and d["model"]["export_error"] is None
     assert d["optimizer_state"]["param_groups"][0]["lr"] == 0.01
     assert d["rng"]["cpu"].dtype == torch.uint8 and d["model_training"] is True
@@ -338,7 +340,7 @@ def test_hostile_factory_via_cli_is_one_line(tmp_path):
 def test_newer_format_version_is_refused(tmp_path):
     p = _hostile_native(tmp_path, "x:y")
     d = torch.load(p, weights_only=True)
-    d["version"] = snapshot.VERSION + 1
+    d["version"] = native.VERSION + 1
     torch.save(d, p)
     with pytest.raises(UsageError, match="newer than this nanreplay understands"):
         analyze(p)

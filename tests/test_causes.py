@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import causes
 import nanmodels
-from nanreplay import analysis, rebuild, snapshot, verify
+from nanreplay import analysis, formats, verify
 from nanreplay.diagnose import RULES, choose_eps
 
 # std over one element warns, in the user's model as in torch: that is the case under test.
@@ -40,13 +40,13 @@ def run_case(tmp_path, monkeypatch):
         ac = c.expect.get("autocast")
         with monkeypatch.context() as m:
             if ac:  # what a native snapshot carries: the step ran under torch.autocast
-                make = rebuild.subject
+                make = formats.rebuild
 
                 def with_autocast(*a, **k):
                     sub = make(*a, **k)
                     sub.autocast = dict(ac)
                     return sub
-                m.setattr(rebuild, "subject", with_autocast)
+                m.setattr(formats, "rebuild", with_autocast)
             res = analysis.analyze(path, model=f"{module.__name__}:{c.factory}", loss=c.loss, **kw)
         return res, path
     return run
@@ -176,7 +176,7 @@ def test_epsilon_fits_float16(run_case):
     assert fix["after"].startswith("return (x / (self.s + 1e-2)).mean()")
     assert "float16" in fix["reasoning"] and "x / eps²" in fix["reasoning"] and "1e-4" in fix["reasoning"]
     c = causes.CASES["signed_zero_fp16"]
-    subject = rebuild.subject(snapshot.load(path), model=f"causes:{c.factory}", loss=None, device=None, trust=False)
+    subject = formats.rebuild(formats.load(path), model=f"causes:{c.factory}", loss=None, device=None, trust=False)
     call = res.step.call_of(res.step.events[res.culprit["event"]])
     small = verify.try_patch(subject, {call: lambda f, a, k: f(a[0], a[1] + 1e-4, **k)})
     assert small.ok is False and "gradient of s" in small.detail

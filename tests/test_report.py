@@ -25,8 +25,8 @@ import pytest
 import torch
 from test_samples import EXPECTED, SAMPLES
 
-from nanreplay import report
 from nanreplay.analysis import Analysis, analyze
+from nanreplay.report import html as report
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE_BUDGET = 500_000
@@ -658,7 +658,7 @@ def test_wheel_installed_non_editably_renders_a_report(tmp_path):
     work = tmp_path / "elsewhere"  # not the checkout: only the installed package can be imported
     shutil.copytree(SAMPLES, work / "sample_snapshots", ignore=shutil.ignore_patterns("__pycache__"))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    where = subprocess.run([str(py), "-c", "import nanreplay.report as r; print(r.__file__); print(r._template_dir())"],
+    where = subprocess.run([str(py), "-c", "import nanreplay.report.html as r; print(r.__file__); print(r._template_dir())"],
                            cwd=work, env=env, capture_output=True, text=True, check=True)
     module_file, template_dir = where.stdout.split()
     assert Path(module_file).is_relative_to(venv) and Path(template_dir).is_relative_to(venv)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import nanmodels
-from nanreplay import snapshot
+from nanreplay import formats
 from nanreplay.analysis import analyze
 
 
@@ -35,8 +35,8 @@ def test_step_from_file_name(tmp_path):
     x, y, s = _parts()
     p = tmp_path / "nan_snapshot_step_12.pt"
     torch.save({"x": x, "y": y, "state": s}, p)
-    snap = snapshot.load(p)
-    assert snap.step == 12 and snap.format == "seed" and snap.keys == {"inputs": "x", "target": "y", "state": "state"}
+    snap = formats.load(p)
+    assert snap.step == 12 and snap.format == "state_dict" and snap.keys == {"inputs": "x", "target": "y", "state": "state"}
 
 
 def test_nonfinite_input_is_reported_before_replay(tmp_path):

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanreplay import atomic, charts
-from nanreplay.analysis import Analysis
-from nanreplay.errors import UsageError
+from nanreplay import atomic
+from nanreplay.analysis.contract import Analysis
+from nanreplay.errors import OutputError
+from nanreplay.report import charts
 
 # ------------------------------------------------------------------ limits
 
@@ -1184,8 +1185,7 @@ def build_view(a: Analysis | dict) -> ReportView:
 
 
 def _template_dir() -> Path:
-    inside = Path(__file__).parent / "templates"  # installed wheel
-    return inside if inside.is_dir() else Path(__file__).parent.parent / "templates"  # source checkout
+    return Path(__file__).parent / "templates"
 
 
 def _asset(name: str) -> str:
@@ -1197,8 +1197,7 @@ def _sha256(text: str) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-@functools.lru_cache(maxsize=1)
-def _env():
+def jinja_env():
     """One jinja2 environment per process: templates compile once (triage renders many reports)."""
     import jinja2
 
@@ -1214,7 +1213,7 @@ def render_html(a: Analysis | dict) -> str:
 
     v = build_view(a)
     # The page's own CSS and JS are trusted files shipped with nanreplay; inlined verbatim so their CSP hashes match.
-    return _env().get_template("report.html.j2").render(v=v, css=Markup(v.css), js=Markup(v.js))
+    return jinja_env().get_template("report.html.j2").render(v=v, css=Markup(v.css), js=Markup(v.js))
 
 
 def write_report(a: Analysis | dict, path: str) -> None:
@@ -1223,7 +1222,7 @@ def write_report(a: Analysis | dict, path: str) -> None:
     try:
         atomic.write_text(path, html)
     except OSError as e:
-        raise UsageError(f"{path}: cannot write the report: {e.strerror or e}") from None
+        raise OutputError(f"{path}: cannot write the report: {e.strerror or e}") from None
 
 
 # ------------------------------------------------------------------ terminal

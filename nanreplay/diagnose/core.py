@@ -24,7 +24,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from nanreplay import codefix, verify
+from nanreplay import torch_internals as ti
+from nanreplay import verify
+from nanreplay.diagnose import codefix
 from nanreplay.replay import Event, OpRecord, Step, frame_json
 
 aten = torch.ops.aten
@@ -82,7 +84,7 @@ def rule(cause: str, *ops: Any) -> Callable:
     """Register a cause rule for culprits whose forward op is one of `ops` (none: any op)."""
     names = set()
     for op in ops:
-        if not isinstance(op, torch._ops.OpOverloadPacket):
+        if not isinstance(op, ti.OpOverloadPacket):
             raise TypeError(f"rule {cause!r}: {op!r} is not an aten op (use torch.ops.aten.<name>)")
         names.add(str(op))
 

@@ -30,8 +30,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanreplay.errors import TrustError, UsageError, first_line
-from nanreplay.snapshot import VERSION, Snapshot
+from nanreplay.errors import ModelError, SnapshotError, TrustError, first_line
+from nanreplay.formats import rebuild
+from nanreplay.formats.base import Format, Snapshot
+from nanreplay.formats.usercode import build_model, resolve_callable, resolve_loss
+from nanreplay.replay.subject import Subject, call_model, compute_loss, to_device
+
+# The native format. Bump VERSION on any incompatible change and say why here.
+#   1 — first version.
+FORMAT = "nanreplay.snapshot"
+VERSION = 1
 
 # ------------------------------------------------------------------ loss specs (data, not code)
 
@@ -68,14 +76,14 @@ def loss_from_spec(spec: dict, *, trust: bool) -> tuple[Callable | None, str | N
     if kind == "functional":
         fn = getattr(F, spec["name"], None)
         if fn is None:
-            raise UsageError(f"the snapshot's loss F.{spec['name']} does not exist in this torch; pass --loss")
+            raise ModelError(f"the snapshot's loss F.{spec['name']} does not exist in this torch; pass --loss")
         kw = spec.get("kwargs") or {}
         label = f"F.{spec['name']}" + (f"({', '.join(f'{k}={v!r}' for k, v in kw.items())})" if kw else "")
         return (lambda out, tgt: fn(out, tgt, **kw)), label
     if kind == "module":
         cls = getattr(nn, spec["class"], None)
         if not (inspect.isclass(cls) and issubclass(cls, nn.Module)):
-            raise UsageError(f"the snapshot's loss nn.{spec['class']} does not exist in this torch; pass --loss")
+            raise ModelError(f"the snapshot's loss nn.{spec['class']} does not exist in this torch; pass --loss")
         kw = spec.get("kwargs") or {}
         shown = ", ".join(f"{k}={v!r}" for k, v in kw.items() if not isinstance(v, torch.Tensor))
         return cls(**kw), f"nn.{spec['class']}({shown})"
@@ -83,10 +91,8 @@ def loss_from_spec(spec: dict, *, trust: bool) -> tuple[Callable | None, str | N
         if not trust:
             raise TrustError(f"the snapshot's loss is code ({spec['spec']}); it runs only with --trust, "
                              "or name a loss yourself with --loss")
-        from nanreplay.rebuild import resolve_callable
-
         return resolve_callable(spec["spec"], "snapshot loss"), spec["spec"]
-    raise UsageError(f"the snapshot's loss ({spec.get('repr', kind)}) cannot be rebuilt; pass --loss")
+    raise ModelError(f"the snapshot's loss ({spec.get('repr', kind)}) cannot be rebuilt; pass --loss")
 
 
 # ------------------------------------------------------------------ the exported step
@@ -101,8 +107,6 @@ class ExportStep(nn.Module):
         self.loss_fn = loss_fn
 
     def forward(self, inputs, target):
-        from nanreplay.rebuild import call_model, compute_loss
-
         return compute_loss(call_model(self.model, inputs), target, self.loss_fn)
 
 
@@ -152,7 +156,7 @@ def export_step(model: nn.Module, loss_fn: Callable | None, inputs: Any, target:
 
 _TRACE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n(?P<code>[^\n]*)')
 _INTERNAL = ("/site-packages/torch/", "/dist-packages/torch/", "<frozen", "<eval_with_key")
-_DRIVER = ("nanreplay/native.py", "nanreplay/rebuild.py", "nanreplay/capture.py")
+_DRIVER = ("nanreplay/formats/native.py", "nanreplay/replay/subject.py", "nanreplay/capture/guard.py")
 
 
 def _user_frame(stack_trace: str | None) -> tuple | None:
@@ -287,16 +291,20 @@ def load_exported(data: torch.Tensor):
 _REQUIRED = ("batch", "model_state", "model", "loss_spec")
 
 
-def from_dict(path: str, d: dict) -> Snapshot:
+def sniff(obj: dict) -> bool:
+    return obj.get("format") == FORMAT
+
+
+def parse(path: str, d: dict) -> Snapshot:
     v = d.get("version")
     if not isinstance(v, int):
-        raise UsageError(f"{path}: native snapshot without a version number")
+        raise SnapshotError(f"{path}: native snapshot without a version number")
     if v > VERSION:
-        raise UsageError(f"{path}: snapshot format version {v} is newer than this nanreplay understands "
+        raise SnapshotError(f"{path}: snapshot format version {v} is newer than this nanreplay understands "
                          f"({VERSION}); upgrade nanreplay")
     missing = [k for k in _REQUIRED if k not in d]
     if missing:
-        raise UsageError(f"{path}: damaged native snapshot: missing {', '.join(missing)}")
+        raise SnapshotError(f"{path}: damaged native snapshot: missing {', '.join(missing)}")
     batch = d["batch"] or {}
     return Snapshot(path=path, format="native", inputs=batch.get("inputs"), target=batch.get("target"),
                     state=d["model_state"], keys={"inputs": "inputs", "target": "target"}, raw=d,
@@ -328,10 +336,8 @@ def _autocast(d: dict, device: torch.device) -> dict | None:
     return {"device_type": device.type, "dtype": dtype}
 
 
-def subject(snap: Snapshot, *, model: str | None, loss: str | None, device: str | None, trust: bool):
+def rebuild_subject(snap: Snapshot, *, model: str | None, loss: str | None, device: str | None, trust: bool):
     """Rebuild a native snapshot's step: the user's --model, else the exported program, else (trusted) factory."""
-    from nanreplay import rebuild
-
     d = snap.raw
     dev = rebuild.parse_device(device)
     info = d.get("model") or {}
@@ -341,37 +347,37 @@ def subject(snap: Snapshot, *, model: str | None, loss: str | None, device: str 
                   loss_scale=float(scale) if scale and scale != 1.0 else None)
     if model is None and info.get("exported") is not None:
         if loss is not None:
-            raise UsageError(f"{snap.path}: the snapshot's exported program includes its own loss; to replay it "
+            raise ModelError(f"{snap.path}: the snapshot's exported program includes its own loss; to replay it "
                              "with a different --loss, also name the model with --model MODULE:FACTORY")
         try:
             ep = load_exported(info["exported"])
         except Exception as e:  # noqa: BLE001 - a damaged program is one line, not a traceback
-            raise UsageError(f"{snap.path}: the embedded exported program cannot be loaded "
+            raise SnapshotError(f"{snap.path}: the embedded exported program cannot be loaded "
                              f"({type(e).__name__}: {first_line(e)}); "
                              "analyze it with --model MODULE:FACTORY instead") from None
         m = ExportedModel(ep)
         m.to(dev)
-        return rebuild.Subject(
-            model=m, inputs=(rebuild.to_device(snap.inputs, dev), rebuild.to_device(snap.target, dev)),
+        return Subject(
+            model=m, inputs=(to_device(snap.inputs, dev), to_device(snap.target, dev)),
             target=None, loss_fn=None, loss_name=_loss_label(d.get("loss_spec") or {}), device=dev,
             how="exported program in the snapshot (no training code needed)", site=m.site,
             model_class=str(info.get("class") or "").rsplit(".", 1)[-1] or None,
             input_label="inputs[0]", target_label="inputs[1]", **common)
     if model is not None:
-        m, how = rebuild.build_model(model), f"--model {model}"
+        m, how = build_model(model), f"--model {model}"
     else:
         spec = info.get("factory")
         why = f" (export failed: {info['export_error']})" if info.get("export_error") else ""
         if not spec:
-            raise UsageError(f"{snap.path}: the snapshot holds no exported program{why} and names no factory; "
+            raise ModelError(f"{snap.path}: the snapshot holds no exported program{why} and names no factory; "
                              "pass --model MODULE:FACTORY")
         if not trust:
             raise TrustError(f"{snap.path}: the snapshot names code to rebuild its model ({spec!r}){why}; "
                              f"it runs only with --trust, or name the model yourself with --model MODULE:FACTORY")
-        m, how = rebuild.build_model(spec), f"factory {spec} from the snapshot (--trust){why}"
+        m, how = build_model(spec), f"factory {spec} from the snapshot (--trust){why}"
     m.train(bool(d.get("model_training", True)))
     if loss is not None:
-        loss_fn, loss_name = rebuild.resolve_loss(loss), loss
+        loss_fn, loss_name = resolve_loss(loss), loss
     else:
         loss_fn, loss_name = loss_from_spec(d.get("loss_spec") or {"kind": "output"}, trust=trust)
     return rebuild.eager_subject(snap, m, how, loss_fn, loss_name, dev, **common)
@@ -381,3 +387,16 @@ def _loss_label(spec: dict) -> str | None:
     k = spec.get("kind")
     return {"functional": f"F.{spec.get('name')}", "module": f"nn.{spec.get('class')}",
             "callable": spec.get("spec")}.get(k)
+
+
+def describe(snap: Snapshot) -> dict:
+    raw, model = snap.raw, snap.raw.get("model") or {}
+    return dict(loss_value=raw.get("loss_value"), grad_norm=raw.get("grad_norm"),
+                environment=raw.get("environment"), export_error=model.get("export_error"),
+                factory=model.get("factory"), model_class=model.get("class"),
+                loss_spec={k: v for k, v in (raw.get("loss_spec") or {}).items() if k != "kwargs"},
+                autocast=raw.get("autocast"), grad_scale=raw.get("grad_scale"),
+                nanreplay_version=raw.get("nanreplay_version"))
+
+
+NATIVE = Format("native", "native snapshot", sniff, parse, rebuild_subject, describe)

@@ -28,8 +28,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from nanreplay import __version__, atomic
-from nanreplay.errors import AnalysisError, NanReplayError, TrustError, UsageError
-from nanreplay.workpool import Outcome, PoolError, PoolStats, WorkerPool
+from nanreplay.errors import NanReplayError, PoolError, ReplayError, SnapshotError, TrustError, UsageError
+from nanreplay.triage.workpool import Outcome, PoolStats, WorkerPool
 
 SCHEMA = "nanreplay.triage/1"  # groups.json
 # The result cache kept in OUTDIR. Bump CACHE_SCHEMA on any incompatible change and say why here.
@@ -57,7 +57,7 @@ RETRY = frozenset({"timeout", "crashed", "internal_error", "output_error"})  # n
 # fork) or, without one, by each worker at start. torch._dynamo is what the first replay
 # would otherwise import lazily (it is behind TorchDispatchMode): about 1.5 s.
 WORKER_PRELOAD = ("torch", "torch._dynamo", "jinja2", "nanreplay.analysis", "nanreplay.diagnose",
-                  "nanreplay.verify", "nanreplay.report", "nanreplay.triage")
+                  "nanreplay.verify", "nanreplay.report.html", "nanreplay.triage")
 
 COLUMNS = ["file", "name", "status", "group", "verdict", "cause", "title", "op", "forward_op", "backward_node",
            "phase", "kind", "module", "source", "source_path", "source_line", "code", "fix_kind", "fix_code",
@@ -295,7 +295,7 @@ def analyze(p: Plan, *, jobs: int, timeout: float | None = DEFAULT_TIMEOUT, prog
                 save_cache(p)
                 saved = time.monotonic()
     except PoolError as e:
-        raise AnalysisError(f"cannot run the analysis workers: {e}") from None
+        raise PoolError(f"cannot run the analysis workers: {e}") from None
     finally:
         save_cache(p)
     p.stats = pool.stats
@@ -353,7 +353,7 @@ def worker_init(threads: int) -> None:
 def analyze_task(task: dict) -> dict:
     """Worker side: analyze one snapshot, write its report and JSON, return its row's fields."""
     from nanreplay.analysis import analyze as analyze_one
-    from nanreplay.report import write_report
+    from nanreplay.report.html import write_report
 
     t0 = time.perf_counter()
     try:
@@ -381,21 +381,11 @@ def analyze_task(task: dict) -> dict:
 def _category(e: NanReplayError) -> str:
     if isinstance(e, TrustError):
         return "refused"
-    if isinstance(e, AnalysisError):
+    if isinstance(e, ReplayError):
         return "replay_error"
-    return "unreadable" if _raised_while_loading(e) else "not_replayable"
-
-
-def _raised_while_loading(e: BaseException) -> bool:
-    """Did `e` come out of reading the file (snapshot.load), rather than rebuilding the model?"""
-    from nanreplay import snapshot
-
-    tb = e.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code is snapshot.load.__code__:
-            return True
-        tb = tb.tb_next
-    return False
+    if isinstance(e, SnapshotError):
+        return "unreadable"
+    return "not_replayable"
 
 
 def analysis_fields(d: dict) -> dict:
@@ -629,15 +619,6 @@ def save_cache(p: Plan) -> None:
 # ================================================================== index.html
 
 
-def _template_env():
-    import jinja2
-
-    inside = Path(__file__).parent / "templates"  # installed wheel
-    tdir = inside if inside.is_dir() else Path(__file__).parent.parent / "templates"  # source checkout
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(tdir)), autoescape=True,
-                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-
-
 def _steps(first: int | None, last: int | None) -> str:
     if first is None:
         return "—"
@@ -669,4 +650,6 @@ def index_view(doc: dict) -> dict:
 
 
 def render_index(doc: dict) -> str:
-    return _template_env().get_template("triage.html.j2").render(**index_view(doc))
+    from nanreplay.report.html import jinja_env
+
+    return jinja_env().get_template("triage.html.j2").render(**index_view(doc))

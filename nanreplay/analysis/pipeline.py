@@ -1,4 +1,4 @@
-"""`analyze()`: one snapshot in, one `Analysis` out.
+"""`analyze()`: one snapshot in, one `Analysis` out — the only orchestrator.
 
 It reads as a pipeline — load → rebuild → check leaves → replay → culprit →
 diagnose — and returns data. Printing and rendering are the caller's business.
@@ -8,70 +8,15 @@ from __future__ import annotations
 
 import platform
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from nanreplay import __version__, replay, snapshot, stats
 from nanreplay import culprit as culprit_mod
-from nanreplay.rebuild import Subject, batch_tensors
-from nanreplay.replay import Step, frame_json
-
-SCHEMA = "nanreplay.analysis/1"
-VERDICTS = ("culprit_found", "nonfinite_input", "nonfinite_parameters", "not_reproduced")
-
-
-@dataclass
-class Analysis:
-    snapshot: str
-    verdict: str
-    culprit: dict | None = None
-    chain: list[dict] = field(default_factory=list)
-    nonfinite_leaves: list[dict] = field(default_factory=list)
-    anomaly_mode: dict = field(default_factory=lambda: {"raises": None, "node": None, "agrees_with_culprit": None})
-    diagnosis: dict = field(default_factory=dict)
-    failure: dict | None = None
-    loss: float | None = None
-    gradients: list[dict] = field(default_factory=list)
-    model: dict = field(default_factory=dict)  # how it was rebuilt
-    environment: dict = field(default_factory=dict)
-    stats: dict = field(default_factory=dict)  # ops, events, timings
-    warnings: list[str] = field(default_factory=list)
-    step: Step | None = field(default=None, repr=False)  # the raw replay, for renderers; not in JSON
-    snapshot_info: dict = field(default_factory=dict)
-    precision: list[dict] = field(default_factory=list)  # the step replayed in other dtypes
-    activations: list[dict] = field(default_factory=list)  # max |output| per module call, forward order
-    gradient_shapes: list[dict] = field(default_factory=list)
-    invocation: dict = field(default_factory=dict)  # model/loss/device/trust exactly as the caller gave them
-
-    def to_json(self) -> dict:
-        d = {
-            "schema": SCHEMA,
-            "snapshot": self.snapshot,
-            "verdict": self.verdict,
-            "culprit": self.culprit,
-            "chain": self.chain,
-            "nonfinite_leaves": self.nonfinite_leaves,
-            "anomaly_mode": self.anomaly_mode,
-            "diagnosis": self.diagnosis,
-            "failure": self.failure,
-            "loss": self.loss,
-            "gradients": self.gradients,
-            "model": self.model,
-            "snapshot_info": self.snapshot_info,
-            "environment": self.environment,
-            "stats": self.stats,
-            "precision": self.precision,
-            "activations": self.activations,
-            "near_overflow": [a for a in self.activations if a.get("near_overflow")],
-            "gradient_shapes": self.gradient_shapes,
-            "invocation": self.invocation,
-            "warnings": self.warnings,
-            "nanreplay_version": __version__,
-        }
-        return stats.jsonable(d)
-
+from nanreplay import diagnose, formats, replay, stats
+from nanreplay import verify as verify_mod
+from nanreplay.analysis.contract import Analysis, activation_rows, anomaly_json, culprit_json, event_json
+from nanreplay.replay.subject import Subject, batch_tensors
 
 # ------------------------------------------------------------------ pipeline
 
@@ -79,12 +24,9 @@ class Analysis:
 def analyze(path: str | Path, *, model: str | None = None, loss: str | None = None, device: str | None = None,
             trust: bool = False, verify: bool = True) -> Analysis:
     """Analyze one snapshot file. Raises NanReplayError subclasses for bad input."""
-    from nanreplay import diagnose, rebuild
-    from nanreplay import verify as verify_mod  # (`verify` is this function's flag)
-
     t0 = time.perf_counter()
-    snap = snapshot.load(path, trust=trust)
-    subject = rebuild.subject(snap, model=model, loss=loss, device=device, trust=trust)
+    snap = formats.load(path, trust=trust)
+    subject = formats.rebuild(snap, model=model, loss=loss, device=device, trust=trust)
     t_load = time.perf_counter()
     result = Analysis(snapshot=str(path), verdict="not_reproduced", model=_model_info(subject),
                       environment=_environment(subject), snapshot_info=_snapshot_info(snap),
@@ -141,20 +83,6 @@ def analyze(path: str | Path, *, model: str | None = None, loss: str | None = No
                     "precision": t_end - t_diag, "total": t_end - t0},
     }
     return result
-
-
-NEAR_OVERFLOW = 0.1  # flag activations above this fraction of the dtype's largest value
-
-
-def activation_rows(step: Step) -> list[dict]:
-    rows = []
-    for module, mx, dtype in step.activations:
-        fmax = torch.finfo(getattr(torch, dtype)).max
-        ratio = mx / fmax if isinstance(mx, float) else None
-        # Inf output: it overflowed (past "near"). NaN output: its magnitude is unknown, not an overflow.
-        rows.append({"module": module, "absmax": mx, "dtype": dtype, "ratio": ratio,
-                     "near_overflow": bool(ratio is not None and ratio >= NEAR_OVERFLOW) or mx in ("inf", "-inf")})
-    return rows
 
 
 def _step_dtype(subject: Subject) -> str:
@@ -217,76 +145,6 @@ def _bad_samples(t: torch.Tensor, limit: int = 20) -> list[int]:
     return bad.nonzero().flatten()[:limit].tolist()
 
 
-# ------------------------------------------------------------------ JSON pieces
-
-
-def _module_of(step: Step, ev) -> str | None:
-    return step.module_of(ev)
-
-
-def event_json(step: Step, ev) -> dict:
-    return {
-        "index": ev.index,
-        "phase": ev.phase,
-        "kind": ev.kind,
-        "op": ev.op,
-        "module": _module_of(step, ev),
-        "role": ev.role,
-        "forward_op": step.forward_op_of(ev),
-        "backward_node": ev.node,
-        "source": frame_json(step.frame_of(ev)),
-        "nan": ev.out["nan"],
-        "posinf": ev.out["posinf"],
-        "neginf": ev.out["neginf"],
-        "numel": ev.out["numel"],
-        "parents": list(ev.parents),
-    }
-
-
-def culprit_json(step: Step, ev) -> dict:
-    call = step.call_of(ev)
-    return {
-        "phase": ev.phase,
-        "kind": ev.kind,
-        "op": ev.op,
-        "forward_op": step.forward_op_of(ev),
-        "backward_node": ev.node,
-        "module": _module_of(step, ev),
-        "source": frame_json(step.frame_of(ev)),
-        "forward_source": frame_json(step.forward_frame_of(ev)) if ev.frame else None,
-        "inputs": ev.inputs or [],
-        "output": dict(ev.out),
-        "role": ev.role,
-        "event": ev.index,
-        "call": step.call_names[call] if 0 < call < len(step.call_names) else None,
-        "scalars": ev.scalars or [],
-    }
-
-
-def anomaly_json(step: Step, c: int | None) -> dict:
-    a = step.anomaly
-    if a is None:
-        return {"raises": None, "node": None, "agrees_with_culprit": None}
-    agrees = None
-    if a.raises and c is not None:
-        ev = step.events[c]
-        if ev.phase == "backward":
-            agrees = ev.node_seq == a.node_seq
-        else:  # a forward culprit: does anomaly mode stop at the node that op created?
-            agrees = step.op_by_seq.get(a.node_seq) == ev.fwd
-    elif c is not None:
-        agrees = False
-    out = {"raises": a.raises, "node": a.node, "agrees_with_culprit": agrees, "message": a.message}
-    if a.raises:
-        fwd = step.op_by_seq.get(a.node_seq)
-        if fwd is not None:
-            rec = step.ops[fwd]
-            out["forward_op"] = str(rec.op)
-            out["module"] = rec.module
-            out["source"] = frame_json(rec.frame)
-    return out
-
-
 def _model_info(subject: Subject) -> dict:
     params = list(subject.model.parameters())
     dtypes = sorted({stats.dtype_name(p.dtype) for p in params})
@@ -314,12 +172,5 @@ def _snapshot_info(snap) -> dict:
     info = {"format": snap.format, "keys": snap.keys, "step": snap.step, "rank": snap.rank,
             "world_size": snap.world_size, "trigger": snap.trigger, "history": snap.history,
             "created": snap.created}
-    if snap.format == "native":
-        raw, model = snap.raw, snap.raw.get("model") or {}
-        info.update(loss_value=raw.get("loss_value"), grad_norm=raw.get("grad_norm"),
-                    environment=raw.get("environment"), export_error=model.get("export_error"),
-                    factory=model.get("factory"), model_class=model.get("class"),
-                    loss_spec={k: v for k, v in (raw.get("loss_spec") or {}).items() if k != "kwargs"},
-                    autocast=raw.get("autocast"), grad_scale=raw.get("grad_scale"),
-                    nanreplay_version=raw.get("nanreplay_version"))
+    info.update(formats.describe(snap))
     return info

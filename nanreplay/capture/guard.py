@@ -40,20 +40,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from nanreplay import __version__, atomic, native
-from nanreplay.errors import first_line
-from nanreplay.snapshot import FORMAT, VERSION, map_tensors
+from nanreplay import __version__, atomic
+from nanreplay import torch_internals as ti
+from nanreplay.errors import GuardError, NonFiniteStep, first_line
+from nanreplay.formats import native
+from nanreplay.formats.native import FORMAT, VERSION
+from nanreplay.pytree import map_tensors
 
 log = logging.getLogger("nanreplay")
-
-
-class NonFiniteStep(RuntimeError):
-    """Raised by a guard built with on_nonfinite="raise"."""
-
-    def __init__(self, trigger: str, snapshot: str | None):
-        where = f"; snapshot: {snapshot}" if snapshot else "; no snapshot was written"
-        super().__init__(f"non-finite {trigger} at this step{where}")
-        self.trigger, self.snapshot = trigger, snapshot
 
 
 class NanGuard:
@@ -132,7 +126,11 @@ class NanGuard:
             self._new_step(None)
         value = float(loss.detach().float())  # the one host sync; most loops log this value anyway
         if self._custom_functions is None:  # once, on the first step: what does the autograd graph hold?
-            found_autocast, self._custom_functions = _inspect_graph(loss, self.model)
+            try:
+                found_autocast, self._custom_functions = _inspect_graph(loss, self.model)
+            except Exception as e:  # noqa: BLE001 - an observer must never break the training step
+                found_autocast, self._custom_functions = None, []
+                log.debug("nanreplay: could not inspect the autograd graph: %s", e)
             if self._autocast is None:
                 self._autocast = _autocast_state(self.model) or found_autocast or False
         self._record(loss=value)
@@ -169,7 +167,7 @@ class NanGuard:
         loss or the gradients are non-finite. `clip` clips gradients to that norm.
         """
         if self.optimizer is None:
-            raise ValueError("NanGuard.step() needs the optimizer: NanGuard(model, optimizer, ...)")
+            raise GuardError("NanGuard.step() needs the optimizer: NanGuard(model, optimizer, ...)")
         if not self.loss_ok(loss):
             self.optimizer.zero_grad(set_to_none=True)
             return False
@@ -353,20 +351,14 @@ def _inspect_graph(loss: torch.Tensor, model: nn.Module, limit: int = 20000) -> 
             continue
         seen.add(node)
         todo.extend(n for n, _ in node.next_functions)
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
+        if ti.is_custom_function_node(node):
             name = type(node).__name__.removesuffix("Backward")
             if name not in custom:
                 custom.append(name)
         if autocast is not None or not check_dtype:
             continue
-        for attr in dir(node):
-            if not attr.startswith("_saved_"):
-                continue
-            try:
-                v = getattr(node, attr)
-            except RuntimeError:
-                continue
-            if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16):
+        for v in ti.saved_tensors_of(node):
+            if v.dtype in (torch.float16, torch.bfloat16):
                 autocast = {"device_type": v.device.type, "dtype": str(v.dtype).removeprefix("torch."), "enabled": True}
                 break
     return autocast, custom

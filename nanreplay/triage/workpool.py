@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
 
+from nanreplay.errors import PoolError
+
 
 @dataclass
 class Outcome:
@@ -36,10 +38,6 @@ class Outcome:
     value: Any = None  # the task's return value when ok
     error: str = ""  # one line when not ok
     detail: str = ""  # a traceback, when the task raised
-
-
-class PoolError(RuntimeError):
-    """The pool cannot run at all (workers fail to start)."""
 
 
 @dataclass

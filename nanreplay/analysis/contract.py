@@ -1,0 +1,145 @@
+"""The analysis as data: `Analysis` and the pieces of the JSON contract (see DESIGN's CLI/JSON contract).
+
+Fields are only ever added, never renamed; `tests/analysis/test_contract.py` pins them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from nanreplay import __version__, stats
+from nanreplay.replay import Step, frame_json
+
+SCHEMA = "nanreplay.analysis/1"
+
+
+@dataclass
+class Analysis:
+    snapshot: str
+    verdict: str
+    culprit: dict | None = None
+    chain: list[dict] = field(default_factory=list)
+    nonfinite_leaves: list[dict] = field(default_factory=list)
+    anomaly_mode: dict = field(default_factory=lambda: {"raises": None, "node": None, "agrees_with_culprit": None})
+    diagnosis: dict = field(default_factory=dict)
+    failure: dict | None = None
+    loss: float | None = None
+    gradients: list[dict] = field(default_factory=list)
+    model: dict = field(default_factory=dict)  # how it was rebuilt
+    environment: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # ops, events, timings
+    warnings: list[str] = field(default_factory=list)
+    step: Step | None = field(default=None, repr=False)  # the raw replay, for renderers; not in JSON
+    snapshot_info: dict = field(default_factory=dict)
+    precision: list[dict] = field(default_factory=list)  # the step replayed in other dtypes
+    activations: list[dict] = field(default_factory=list)  # max |output| per module call, forward order
+    gradient_shapes: list[dict] = field(default_factory=list)
+    invocation: dict = field(default_factory=dict)  # model/loss/device/trust exactly as the caller gave them
+
+    def to_json(self) -> dict:
+        d = {
+            "schema": SCHEMA,
+            "snapshot": self.snapshot,
+            "verdict": self.verdict,
+            "culprit": self.culprit,
+            "chain": self.chain,
+            "nonfinite_leaves": self.nonfinite_leaves,
+            "anomaly_mode": self.anomaly_mode,
+            "diagnosis": self.diagnosis,
+            "failure": self.failure,
+            "loss": self.loss,
+            "gradients": self.gradients,
+            "model": self.model,
+            "snapshot_info": self.snapshot_info,
+            "environment": self.environment,
+            "stats": self.stats,
+            "precision": self.precision,
+            "activations": self.activations,
+            "near_overflow": [a for a in self.activations if a.get("near_overflow")],
+            "gradient_shapes": self.gradient_shapes,
+            "invocation": self.invocation,
+            "warnings": self.warnings,
+            "nanreplay_version": __version__,
+        }
+        return stats.jsonable(d)
+
+
+NEAR_OVERFLOW = 0.1  # flag activations above this fraction of the dtype's largest value
+
+
+def activation_rows(step: Step) -> list[dict]:
+    rows = []
+    for module, mx, dtype in step.activations:
+        fmax = torch.finfo(getattr(torch, dtype)).max
+        ratio = mx / fmax if isinstance(mx, float) else None
+        # Inf output: it overflowed (past "near"). NaN output: its magnitude is unknown, not an overflow.
+        rows.append({"module": module, "absmax": mx, "dtype": dtype, "ratio": ratio,
+                     "near_overflow": bool(ratio is not None and ratio >= NEAR_OVERFLOW) or mx in ("inf", "-inf")})
+    return rows
+
+
+def event_json(step: Step, ev) -> dict:
+    return {
+        "index": ev.index,
+        "phase": ev.phase,
+        "kind": ev.kind,
+        "op": ev.op,
+        "module": step.module_of(ev),
+        "role": ev.role,
+        "forward_op": step.forward_op_of(ev),
+        "backward_node": ev.node,
+        "source": frame_json(step.frame_of(ev)),
+        "nan": ev.out["nan"],
+        "posinf": ev.out["posinf"],
+        "neginf": ev.out["neginf"],
+        "numel": ev.out["numel"],
+        "parents": list(ev.parents),
+    }
+
+
+def culprit_json(step: Step, ev) -> dict:
+    call = step.call_of(ev)
+    return {
+        "phase": ev.phase,
+        "kind": ev.kind,
+        "op": ev.op,
+        "forward_op": step.forward_op_of(ev),
+        "backward_node": ev.node,
+        "module": step.module_of(ev),
+        "source": frame_json(step.frame_of(ev)),
+        "forward_source": frame_json(step.forward_frame_of(ev)) if ev.frame else None,
+        "inputs": ev.inputs or [],
+        "output": dict(ev.out),
+        "role": ev.role,
+        "event": ev.index,
+        "call": step.call_names[call] if 0 < call < len(step.call_names) else None,
+        "scalars": ev.scalars or [],
+    }
+
+
+def anomaly_json(step: Step, c: int | None) -> dict:
+    a = step.anomaly
+    if a is None:
+        return {"raises": None, "node": None, "agrees_with_culprit": None}
+    agrees = None
+    if a.raises and c is not None:
+        ev = step.events[c]
+        if ev.phase == "backward":
+            agrees = ev.node_seq == a.node_seq
+        else:  # a forward culprit: does anomaly mode stop at the node that op created?
+            agrees = step.op_by_seq.get(a.node_seq) == ev.fwd
+    elif c is not None:
+        agrees = False
+    out = {"raises": a.raises, "node": a.node, "agrees_with_culprit": agrees, "message": a.message}
+    if a.raises:
+        fwd = step.op_by_seq.get(a.node_seq)
+        if fwd is not None:
+            rec = step.ops[fwd]
+            out["forward_op"] = str(rec.op)
+            out["module"] = rec.module
+            out["source"] = frame_json(rec.frame)
+    return out
+
+

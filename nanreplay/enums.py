@@ -1,0 +1,73 @@
+"""The closed vocabularies of the analysis, as string enums.
+
+Each member *is* its string (`Phase.FORWARD == "forward"`), so JSON, templates and
+comparisons with plain strings keep working; what the enum adds is one place that
+lists the values and a loud failure on a typo (`Phase("fwd")` raises).
+Values are part of the JSON contract: members are only ever added, never renamed.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+try:
+    from enum import StrEnum
+except ImportError:  # Python 3.10
+    class StrEnum(str, Enum):  # type: ignore[no-redef]
+        def __str__(self) -> str:
+            return str(self.value)
+
+
+class Phase(StrEnum):
+    FORWARD = "forward"  # the model's forward and the loss
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"  # inside optimizer.step()
+
+
+class Role(StrEnum):
+    LITERAL = "literal"  # the non-finite value came from a constant argument
+    ORIGIN = "origin"  # finite inputs, non-finite output
+    CONVERSION = "conversion"  # Inf in, NaN out
+    PROPAGATION = "propagation"
+
+
+class Kind(StrEnum):
+    NAN = "nan"
+    INF = "inf"
+
+
+class Verdict(StrEnum):
+    CULPRIT_FOUND = "culprit_found"
+    NONFINITE_INPUT = "nonfinite_input"
+    NONFINITE_PARAMETERS = "nonfinite_parameters"
+    NOT_REPRODUCED = "not_reproduced"
+
+
+class Trigger(StrEnum):
+    """What made the guard write a snapshot."""
+
+    LOSS = "loss"  # the loss was NaN/Inf
+    GRADIENT = "gradient"  # a gradient was NaN/Inf with a finite loss
+    GRAD_NORM_OVERFLOW = "grad_norm_overflow"  # every gradient finite, their float32 norm is not
+    GRAD_SPIKE = "grad_spike"  # a finite gradient-norm spike
+    UPDATE = "update"  # optimizer.step() made the weights NaN/Inf
+
+
+class FixKind(StrEnum):
+    EPSILON = "epsilon"
+    CLAMP = "clamp"
+    LOG_SOFTMAX = "log_softmax"
+    LOGSIGMOID = "logsigmoid"
+    XLOGY = "xlogy"
+    BCE_WITH_LOGITS = "bce_with_logits"
+    MAX_SUBTRACTION = "max_subtraction"
+    FINITE_MASK_VALUE = "finite_mask_value"
+    DOUBLE_WHERE = "double_where"
+    CORRECTION = "correction"
+    BF16_OR_GRAD_SCALER = "bf16_or_grad_scaler"
+    LOWER_LR_CLIP_GRADS = "lower_lr_clip_grads"
+    CLEAN_INPUT = "clean_input"
+    RESTORE_PARAMETERS = "restore_parameters"
+    GUARD_EMPTY_REDUCTION = "guard_empty_reduction"
+    OPTIMIZER_EPS = "optimizer_eps"
+    NONE = "none"

@@ -1,0 +1,72 @@
+"""Rebuilding an eager step: a model the user's code builds, the snapshot's weights, its batch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from nanreplay.errors import ModelError, UsageError
+from nanreplay.formats.base import Snapshot
+from nanreplay.replay.subject import Subject, to_device
+
+_PREFIXES = ("module.", "_orig_mod.")  # DistributedDataParallel, torch.compile
+
+
+def _strip_prefixes(state: dict, own: dict) -> dict:
+    for p in _PREFIXES:
+        if state and not (state.keys() & own.keys()) and all(k.startswith(p) for k in state):
+            state = {k[len(p):]: v for k, v in state.items()}
+    return state
+
+
+def load_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a snapshot's state dict, naming exactly what does not fit.
+
+    Floating tensors keep the snapshot's dtype (a model trained in fp16 must
+    replay in fp16, whatever dtype the factory builds it in).
+    """
+    own = model.state_dict()
+    state = _strip_prefixes(state, own)
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [f"{k} (snapshot {list(state[k].shape)}, model {list(own[k].shape)})"
+              for k in own if k in state and state[k].shape != own[k].shape]
+    if missing or unexpected or shapes:
+        parts = []
+        for label, keys in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatch", shapes)):
+            if keys:
+                more = f" (+{len(keys) - 5} more)" if len(keys) > 5 else ""
+                parts.append(f"{label}: {', '.join(keys[:5])}{more}")
+        raise ModelError("the snapshot's state dict does not fit the model: " + "; ".join(parts))
+    with torch.no_grad():
+        tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+        for name, t in tensors:
+            s = state.get(name)
+            if s is not None and s.is_floating_point() and t.is_floating_point() and s.dtype != t.dtype:
+                t.data = t.data.to(s.dtype)
+    model.load_state_dict(state)
+
+
+def parse_device(spec: str | None) -> torch.device:
+    try:
+        dev = torch.device(spec or "cpu")
+    except (RuntimeError, ValueError) as e:
+        raise UsageError(f"--device {spec!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {spec!r}: CUDA is not available on this machine (use --device cpu)")
+    return dev
+
+
+def eager_subject(snap: Snapshot, model: nn.Module, how: str, loss_fn: Callable | None, loss_name: str | None,
+                  device: torch.device, **extra: Any) -> Subject:
+    """A Subject that runs `model`, with the snapshot's state loaded, on the snapshot's batch."""
+    if snap.state is not None:
+        load_state(model, snap.state)
+    model.to(device)
+    return Subject(model=model, inputs=to_device(snap.inputs, device), target=to_device(snap.target, device),
+                   loss_fn=loss_fn, loss_name=loss_name, how=how, device=device, **extra)
+
+

@@ -1,0 +1,78 @@
+"""Importing code the user named (`--model`, `--loss`, or a snapshot's factory with `--trust`).
+
+Code runs here only where the user asked for it: `--model` / `--loss` name code
+the user chose, and specs stored *inside* a snapshot run only with `--trust`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanreplay.errors import ModelError
+
+
+def resolve_callable(spec: str, what: str) -> Callable:
+    """`pkg.mod:attr` -> the object, with one clear line for each way it can fail."""
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise ModelError(f"{what} {spec!r}: expected MODULE:NAME, e.g. mypkg.models:build")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)  # like `python -m`: code next to where you run it is importable
+    try:
+        obj: Any = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        if e.name and mod_name.split(".")[0] == e.name.split(".")[0] and mod_name.startswith(e.name):
+            raise ModelError(f"{what} {spec!r}: cannot import module {e.name!r} "
+                             "(is it installed, or on PYTHONPATH? run from the folder that holds it)") from None
+        raise ModelError(f"{what} {spec!r}: importing {mod_name!r} failed: {e}") from None
+    except Exception as e:  # noqa: BLE001 - user code; any error is one line
+        raise ModelError(f"{what} {spec!r}: importing {mod_name!r} raised {type(e).__name__}: {e}") from None
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ModelError(f"{what} {spec!r}: module {mod_name!r} has no attribute {attr!r}") from None
+    if not callable(obj):
+        raise ModelError(f"{what} {spec!r}: {attr!r} is a {type(obj).__name__}, not callable")
+    return obj
+
+
+def build_model(spec: str) -> nn.Module:
+    factory = resolve_callable(spec, "--model")
+    try:
+        model = factory()
+    except Exception as e:  # noqa: BLE001
+        raise ModelError(f"--model {spec!r}: the factory raised {type(e).__name__}: {e}") from None
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"--model {spec!r}: the factory returned a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def resolve_loss(spec: str) -> Callable:
+    """A torch.nn.functional name, a torch.nn loss class name, or MODULE:CALLABLE."""
+    if ":" in spec:
+        fn = resolve_callable(spec, "--loss")
+    elif callable(getattr(F, spec, None)) and not spec.startswith("_"):
+        return getattr(F, spec)
+    elif inspect.isclass(getattr(nn, spec, None)) and issubclass(getattr(nn, spec), nn.Module):
+        fn = getattr(nn, spec)
+    else:
+        raise ModelError(f"--loss {spec!r}: not a torch.nn.functional function (e.g. cross_entropy, mse_loss), "
+                         "a torch.nn loss class (e.g. CrossEntropyLoss) or MODULE:CALLABLE")
+    if inspect.isclass(fn) and issubclass(fn, nn.Module):
+        try:
+            fn = fn()
+        except Exception as e:  # noqa: BLE001
+            raise ModelError(f"--loss {spec!r}: constructing {fn.__name__}() raised {type(e).__name__}: {e}") from None
+    return fn
+
+

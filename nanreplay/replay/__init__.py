@@ -1,0 +1,17 @@
+"""Instrumented replay of one training step (see docs/architecture.md).
+
+    step = replay.run_subject(subject)     # forward, loss, backward under the Recorder
+
+`records` (what is kept), `recorder` (the Recorder and its two thin modes), `frames`
+(source lines), `run` (the step), `subject` (what every format rebuilds into).
+"""
+
+from __future__ import annotations
+
+from nanreplay.replay.frames import Frame, frame_json, local_copy, user_frame
+from nanreplay.replay.recorder import Recorder, call_name
+from nanreplay.replay.records import Anomaly, Event, Failure, OpRecord, Step
+from nanreplay.replay.run import anomaly_off, autocast_from, run, run_subject
+
+__all__ = ["Anomaly", "Event", "Failure", "Frame", "OpRecord", "Recorder", "Step", "anomaly_off", "autocast_from",
+           "call_name", "frame_json", "local_copy", "run", "run_subject", "user_frame"]

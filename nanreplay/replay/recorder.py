@@ -1,0 +1,366 @@
+"""The Recorder and the two thin modes that feed it.
+
+* `_OpMode` (a TorchDispatchMode) sees every aten op, forward and backward;
+* `_CallMode` (a TorchFunctionMode) numbers the user-level torch calls, so a
+  later pass can rewrite exactly one call site (fix verification);
+* global module forward hooks keep the stack of qualified module names.
+
+The modes stay tiny; the Recorder holds state and logic. Per forward op the
+Recorder keeps a small `OpRecord` (op, module, user source line, call number);
+for each op whose floating output holds a NaN or an Inf it keeps an `Event`
+(summaries only — never a reference to an intermediate tensor). A weak map from
+non-finite tensors to the event that made them links events by provenance.
+
+Checking an output costs one reduction: a finite sum proves there is no NaN or
+Inf. The exact, more expensive checks run only for outputs that fail it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from nanreplay import stats
+from nanreplay import torch_internals as ti
+from nanreplay.replay.frames import _SKIP, Frame, _frame_kind, user_frame
+from nanreplay.replay.records import Anomaly, Event, OpRecord
+
+ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
+_DETACH = torch.ops.aten.detach.default
+
+
+# ------------------------------------------------------------------ op properties
+
+def _tensors(out: Any):
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                yield o
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _scalar_kinds(x: Any) -> tuple[bool, bool]:
+    if isinstance(x, float) and not math.isfinite(x):
+        return math.isnan(x), math.isinf(x)
+    if isinstance(x, complex) and not (math.isfinite(x.real) and math.isfinite(x.imag)):
+        return True, True
+    return False, False
+
+
+def _simple(x: Any) -> Any:
+    """A JSON-friendly stand-in for a non-tensor op argument."""
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
+    if isinstance(x, float):
+        return stats._num(x)
+    if isinstance(x, (list, tuple)) and all(isinstance(v, (int, float, bool)) for v in x):
+        return [_simple(v) for v in x]
+    return str(x)
+
+
+# ------------------------------------------------------------------ the recorder
+
+
+class Recorder:
+    """Holds everything one replay observes. The modes and hooks only call into it."""
+
+    def __init__(self, names: dict[int, str], site: Callable[[], tuple[str | None, Frame | None, tuple]] | None = None):
+        self.names = names
+        self.site = site  # alternative attribution (exported programs); None: module stack + frames
+        self.phase = "forward"
+        self.module_stack: list[str] = []
+        self.ops: list[OpRecord] = []
+        self.op_by_seq: dict[int, int] = {}
+        self.events: list[Event] = []
+        self.nonfinite = ti.WeakTensorKeyDictionary()  # tensor -> (event, has_nan, has_inf)
+        self.by_storage: dict[int, int] = {}  # storage address -> last event that wrote NaN/Inf there
+        self.busy = False
+        self.calls = 0
+        self.current_call = 0
+        self.call_funcs: list[Any] = [None]
+        self.intercepts: dict[int, Callable] = {}  # call number -> fn(func, args, kwargs): fix verification
+        self.producer = ti.WeakTensorKeyDictionary()  # forward output tensor -> forward op index
+        self.activations: list[list] = []  # [module, max |output|, dtype] in forward completion order
+        self.grad_shapes: list[list] = []  # [module, output shape, gradient shape or None]
+        self.nan_in_backward = False
+        self.anomaly: Anomaly | None = None
+        self.internal_errors: list[str] = []
+        self._site_scopes: tuple = ()  # exported programs: the module calls around the previous op ...
+        self._site_out: torch.Tensor | None = None  # ... and its output
+
+    # ---- called by _OpMode for every aten op
+    def on_op(self, func, args: tuple, kwargs: dict, out: Any, seq: int) -> None:
+        fwd = None
+        view = ti.op_is_view(func)
+        if self.phase != "backward":
+            fwd = len(self.ops)
+            if self.site is not None:
+                module, frame, scopes = self.site()
+                self._site_exits(scopes, None if func is _DETACH else out)
+            else:
+                module = self.module_stack[-1] if self.module_stack else ""
+                frame = None if view else user_frame(3)
+            prod = self.producer
+            src = tuple(prod.get(a) for a in args if isinstance(a, torch.Tensor))
+            self.ops.append(OpRecord(func, module, frame, self.current_call, src))
+            if seq - 1 not in self.op_by_seq:  # the node an op creates takes the number just before it
+                self.op_by_seq[seq - 1] = fwd
+            for t in _tensors(out):
+                prod[t] = fwd
+        if view and not self._has_nonfinite_input(args):
+            return  # a view of finite data is finite
+        bad = []
+        mutates = bool(ti.op_mutated_args(func)[0])
+        for t in _tensors(out):
+            if t.is_floating_point() and t.numel() and not math.isfinite(t.sum().item()):
+                c = stats.counts(t, (True, True))  # exact counts straight away: most such sums are NaN/Inf
+                if c["nan"] or c["posinf"] or c["neginf"]:
+                    bad.append((t, c))
+                    continue
+            if mutates:
+                self.nonfinite.pop(t, None)  # an in-place op made it finite again
+        if bad:
+            self._record(func, args, kwargs, bad, fwd)
+
+    def _has_nonfinite_input(self, args: tuple) -> bool:
+        nf = self.nonfinite
+        return any(isinstance(a, torch.Tensor) and a in nf for a in args)
+
+    def _record(self, func, args, kwargs, bad: list[tuple[torch.Tensor, dict]], fwd: int | None) -> None:
+        node = ti.current_autograd_node() if self.phase == "backward" else None
+        node_name = node_seq = None
+        if node is not None:
+            node_name, node_seq = ti.node_name(node), ti.node_sequence_nr(node)
+            fwd = self.op_by_seq.get(node_seq)
+        parents: list[int] = []
+        in_nan = in_inf = False  # kinds among linked (computed) non-finite inputs
+        lit_nan = lit_inf = False  # kinds among literal constants
+        inputs: list[torch.Tensor] = []
+        scalars: list = []
+        mut_pos, mut_names = ti.op_mutated_args(func)
+        items = list(enumerate(args)) + list(kwargs.items())
+        for key, a in items:
+            written = key in mut_pos if isinstance(key, int) else key in mut_names
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                if not isinstance(t, torch.Tensor):
+                    n, i = _scalar_kinds(t)
+                    lit_nan, lit_inf = lit_nan or n, lit_inf or i
+                    if t is not None:
+                        scalars.append(_simple(t))
+                    continue
+                inputs.append(t)
+                if not t.is_floating_point():
+                    continue
+                hit = self.nonfinite.get(t)
+                if hit is not None:  # computed by an op we saw: provenance link
+                    parents.append(hit[0])
+                    in_nan, in_inf = in_nan or hit[1], in_inf or hit[2]
+                    continue
+                if written:
+                    continue  # its value before this op was finite, or the map would know it
+                n, i = stats.kinds(t)
+                if not (n or i):
+                    continue
+                ev = self.by_storage.get(_storage_key(t))
+                if ev is not None:  # a view or a saved copy of a tensor we saw made non-finite
+                    parents.append(ev)
+                    in_nan, in_inf = in_nan or n, in_inf or i
+                else:  # made by no op we saw: a constant (wrapped scalar, torch.tensor(inf), inf buffer)
+                    lit_nan, lit_inf = lit_nan or n, lit_inf or i
+        out = {"numel": 0, "nan": 0, "posinf": 0, "neginf": 0}
+        for _, c in bad:
+            for k, v in c.items():
+                out[k] += v
+        has_nan = out["nan"] > 0
+        if not parents:
+            if lit_nan or lit_inf:
+                role = "conversion" if has_nan and not lit_nan else "literal"
+            else:
+                role = "origin"
+        else:
+            role = "conversion" if has_nan and not (in_nan or lit_nan) else "propagation"
+        ev = Event(index=len(self.events), phase="backward" if self.phase == "backward" else "forward",
+                   op=str(func), kind="nan" if has_nan else "inf", role=role,
+                   parents=tuple(dict.fromkeys(parents)), out=out, fwd=fwd, node=node_name, node_seq=node_seq,
+                   frame=user_frame(4) if self.phase == "backward" else None)
+        if ev.frame is not None:
+            ev.call = self.current_call
+        if role in ("origin", "conversion"):  # only these can be culprits: worth the input statistics
+            ev.inputs = [stats.tensor_stats(t) for t in inputs]
+            ev.scalars = scalars
+        self.events.append(ev)
+        for t, c in bad:
+            self.nonfinite[t] = (ev.index, c["nan"] > 0, c["posinf"] + c["neginf"] > 0)
+            key = _storage_key(t)
+            if key is not None:
+                self.by_storage[key] = ev.index
+        if has_nan and self.phase == "backward":
+            self.nan_in_backward = True
+
+    # ---- module stack
+    def install_module_hooks(self) -> list:
+        names, stack = self.names, self.module_stack
+
+        def pre(mod, args):
+            n = names.get(id(mod))
+            if n is not None:
+                stack.append(n)
+
+        def post(mod, args, output):
+            n = names.get(id(mod))
+            if n is None:
+                return
+            if stack:
+                stack.pop()
+            if self.phase != "backward" and not isinstance(output, dict):
+                self.busy = True
+                try:
+                    self.module_output(n, next(_tensors(output), None))
+                finally:
+                    self.busy = False
+
+        return [torch.nn.modules.module.register_module_forward_pre_hook(pre),
+                torch.nn.modules.module.register_module_forward_hook(post)]
+
+    def module_output(self, name: str, t: torch.Tensor | None) -> None:
+        """A module call finished with output `t`: its max |activation| and, later, its gradient's shape."""
+        if t is None or not t.is_floating_point():
+            return
+        mx = stats.absmax(t) if t.numel() else 0.0
+        self.activations.append([name, mx, stats.dtype_name(t.dtype)])
+        if t.requires_grad:
+            row = [name, list(t.shape), None]
+            self.grad_shapes.append(row)
+            t.register_hook(lambda g, row=row: row.__setitem__(2, list(g.shape)))
+
+    def _site_exits(self, scopes: tuple, out: Any) -> None:
+        """Module boundaries for programs without module calls (exported): when the module calls
+        around consecutive ops change, every call left behind ended with the previous op's output."""
+        last = self._site_scopes
+        if scopes != last:
+            now = {key for key, _ in scopes}
+            for key, path in reversed(last):
+                if key not in now and not path.startswith("<"):
+                    self.module_output(path, self._site_out)
+        self._site_scopes = scopes
+        if out is not None:  # (autograd's own detach of a saved output is not the module's output)
+            self._site_out = next(_tensors(out), None)
+
+    def finish_forward(self) -> None:
+        if self.site is not None:
+            self.busy = True
+            try:
+                self._site_exits((), None)
+            finally:
+                self.busy = False
+
+    # ---- anomaly mode, emulated exactly: the first node whose outputs hold NaN
+    def watch_anomaly(self, root) -> list:
+        handles = []
+        seen = set()
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            stack.extend(n for n, _ in node.next_functions)
+            if ti.node_name(node) == ACCUMULATE_GRAD:
+                continue  # returns nothing: anomaly mode has nothing to check there
+            handles.append(node.register_hook(self._anomaly_hook(node)))
+        return handles
+
+    def _anomaly_hook(self, node):
+        def hook(grad_inputs, grad_outputs):
+            # No op has produced a NaN in backward yet: no node output can hold one.
+            if self.anomaly is not None or not self.nan_in_backward:
+                return
+            self.busy = True
+            try:
+                for i, g in enumerate(grad_inputs):
+                    if isinstance(g, torch.Tensor) and g.is_floating_point() and bool(torch.isnan(g).any()):
+                        self.anomaly = Anomaly(True, ti.node_name(node), ti.node_sequence_nr(node), i)
+                        return
+            finally:
+                self.busy = False
+        return hook
+
+
+class _OpMode(ti.TorchDispatchMode):
+    def __init__(self, rec: Recorder):
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rec = self.rec
+        if rec.busy:
+            return func(*args, **kwargs)
+        seq = ti.sequence_nr()
+        out = func(*args, **kwargs)
+        rec.busy = True
+        try:
+            rec.on_op(func, args, kwargs, out, seq)
+        except Exception as e:  # noqa: BLE001 - an observer must not crash what it observes
+            rec.internal_errors.append(f"{func}: {type(e).__name__}: {e}")
+        finally:
+            rec.busy = False
+        return out
+
+
+class _CallMode(TorchFunctionMode):
+    def __init__(self, rec: Recorder):
+        super().__init__()
+        self.rec = rec
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rec = self.rec
+        if rec.busy:
+            return func(*args, **kwargs)
+        rec.calls += 1
+        n = rec.calls
+        rec.call_funcs.append(func)
+        rec.current_call = n
+        try:
+            fix = rec.intercepts.get(n)
+            if fix is not None:
+                return fix(func, args, kwargs)
+            return func(*args, **kwargs)
+        finally:
+            rec.current_call = 0
+
+
+# The modes' own frames sit between the user's line and the op: look through them.
+for _code in (_OpMode.__torch_dispatch__.__code__, _CallMode.__torch_function__.__code__):
+    _frame_kind[_code] = _SKIP
+
+
+def call_name(func: Any) -> str:
+    """`torch.log`, `Tensor.sqrt`, `F.softmax`: how the user spelled the call."""
+    if func is None:
+        return ""
+    if isinstance(func, ti.OpOverload):
+        return f"torch.ops.{func.overloadpacket}"  # exported programs call aten ops directly
+    name = getattr(func, "__name__", None) or str(func)
+    qual = getattr(func, "__qualname__", name)
+    mod = getattr(func, "__module__", None) or ""
+    if "TensorBase" in qual or "Tensor." in qual or mod == "torch._tensor":
+        return f"Tensor.{name}"
+    if mod.startswith("torch.nn.functional"):
+        return f"F.{name}"
+    if mod.startswith("torch"):
+        return f"torch.{name}"
+    return name

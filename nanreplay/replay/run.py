@@ -1,0 +1,156 @@
+"""One instrumented replay of a training step: forward, loss and backward.
+
+`run()` installs the Recorder's modes and hooks, runs the step, removes them again
+(even when the replay raises) and returns a `Step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nanreplay import stats
+from nanreplay import torch_internals as ti
+from nanreplay.errors import NanReplayError, ReplayError, first_line
+from nanreplay.replay.frames import frame_json
+from nanreplay.replay.recorder import Anomaly, Recorder, _CallMode, _OpMode, _storage_key, call_name
+from nanreplay.replay.records import Failure, Step
+
+
+def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor], *,
+        names: dict[int, str], prepare: Callable[[], None] | None = None, autocast: dict | None = None,
+        site: Callable | None = None, intercepts: dict[int, Callable] | None = None,
+        loss_module: str = "<loss>", backward_after_bad_loss: bool = True) -> Step:
+    """Replay forward, loss and backward once, instrumented, and return what happened.
+
+    Global state is restored on the way out, even when the replay raises: module
+    hooks removed, modes popped, anomaly mode as it was. With
+    backward_after_bad_loss=False a non-finite loss ends the replay there: the
+    failure is then known and complete (fix verification needs no more).
+    """
+    rec = Recorder(names, site)
+    rec.intercepts = intercepts or {}
+    handles = rec.install_module_hooks() if site is None else []  # exported programs: the site knows
+    node_handles: list = []
+    model.zero_grad(set_to_none=True)
+    loss_t = None
+    backward_error = None
+    try:
+        with anomaly_off():  # it would raise mid-backward and hide the rest
+            if prepare is not None:
+                prepare()
+            try:
+                with _CallMode(rec), _OpMode(rec), autocast_from(autocast):
+                    rec.phase = "forward"
+                    output = forward()
+                    rec.phase = "loss"
+                    rec.module_stack[:] = [loss_module]
+                    loss_t = loss(output)
+                    rec.finish_forward()
+            except NanReplayError:
+                raise
+            except Exception as e:  # noqa: BLE001 - user code
+                raise ReplayError(_replay_error("forward" if rec.phase == "forward" else "loss", e, rec)) from e
+            rec.phase = "backward"
+            loss_finite = stats.finite_fast(loss_t.detach())
+            skipped = not loss_finite and not backward_after_bad_loss
+            if not (loss_t.requires_grad and loss_t.grad_fn is not None):
+                backward_error = "the loss does not require grad: no backward pass to replay"
+            elif not skipped:
+                node_handles = rec.watch_anomaly(loss_t.grad_fn)
+                # With a non-finite loss the failure is the loss: its chain is all forward, and backward
+                # events could not change the culprit. Backward then runs uninstrumented; only the
+                # anomaly-mode emulation watches it (armed from the start: NaN may flow from the loss).
+                instrument = loss_finite
+                rec.nan_in_backward = not instrument
+                try:
+                    # the call mode numbers Python-level calls in backward too (custom Functions' backward),
+                    # so a fix can be verified there; C++ backward formulas never reach it
+                    if instrument:
+                        with _CallMode(rec), _OpMode(rec):
+                            _backward(loss_t)
+                    else:
+                        loss_t.backward()
+                except Exception as e:  # noqa: BLE001
+                    raise ReplayError(_replay_error("backward", e, rec)) from e
+    finally:
+        for h in handles + node_handles:
+            h.remove()
+    grads = [stats.grad_stats(n, p) for n, p in model.named_parameters()]
+    failure = _failure(rec, loss_t, model)
+    anomaly = None if skipped else rec.anomaly or Anomaly(False)
+    return Step(loss=float(loss_t.detach().double()) if loss_t is not None else None,
+                events=rec.events, ops=rec.ops, op_by_seq=rec.op_by_seq, failure=failure, anomaly=anomaly,
+                grads=grads, call_names=[call_name(f) for f in rec.call_funcs],
+                internal_errors=rec.internal_errors, backward_error=backward_error,
+                activations=rec.activations, grad_shapes=rec.grad_shapes)
+
+
+def _backward(loss: torch.Tensor) -> None:
+    """loss.backward() without going through a torch function: under the call mode, Tensor.backward
+    would itself be a numbered call, and the mode is switched off inside a call it handles — so the
+    Python code backward runs (custom Functions) would go unseen."""
+    ti.run_backward(loss)
+
+
+def run_subject(subject, **kw) -> Step:
+    """`run` for a rebuilt snapshot (a `rebuild.Subject`)."""
+    return run(subject.model, subject.forward, subject.loss, names=subject.names, prepare=subject.prepare,
+               autocast=subject.autocast, site=subject.site, **kw)
+
+
+def autocast_from(setting: dict | None):
+    """torch.autocast from a recorded setting, or nothing."""
+    return torch.autocast(**setting) if setting else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def anomaly_off():
+    """Anomaly mode off for the duration (a replay must see the whole step); restored as it was, even on error."""
+    was = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+    torch.autograd.set_detect_anomaly(False)
+    try:
+        yield
+    finally:
+        torch.autograd.set_detect_anomaly(*was)
+
+
+def _replay_error(stage: str, e: BaseException, rec: Recorder) -> str:
+    where = ""
+    if rec.ops:
+        last = rec.ops[-1]
+        where = f" (after {len(rec.ops)} ops; last in module {last.module or '<root>'!r}"
+        fj = frame_json(last.frame)
+        where += f", {fj['file']}:{fj['line']})" if fj else ")"
+    return f"the {stage} pass raised {type(e).__name__}: {first_line(e)}{where}"
+
+
+def _failure(rec: Recorder, loss: torch.Tensor | None, model: torch.nn.Module) -> Failure | None:
+    if loss is None:
+        return None
+    n, i = stats.kinds(loss.detach())
+    if n or i:
+        hit = rec.nonfinite.get(loss)
+        ev = hit[0] if hit is not None else _last_forward_event(rec)
+        return Failure("loss", "loss", "nan" if n else "inf", ev)
+    best: Failure | None = None
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        n, i = stats.kinds(p.grad)
+        if not (n or i):
+            continue
+        hit = rec.nonfinite.get(p.grad)
+        ev = hit[0] if hit is not None else rec.by_storage.get(_storage_key(p.grad))
+        cand = Failure("gradient", name, "nan" if n else "inf", ev)
+        if best is None or (ev is not None and (best.event is None or ev < best.event)):
+            best = cand
+    return best
+
+
+def _last_forward_event(rec: Recorder) -> int | None:
+    fwd = [e.index for e in rec.events if e.phase == "forward"]
+    return fwd[-1] if fwd else None

@@ -1,0 +1,123 @@
+"""The runnable step every format rebuilds into: a `Subject` (model, batch, loss, how to run it)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from nanreplay.errors import UsageError
+from nanreplay.pytree import iter_tensors, map_tensors
+
+LOSS_MODULE = "<loss>"
+
+
+@dataclass
+class Subject:
+    """Everything one replay needs; `forward()` and `loss()` are what the step runs."""
+
+    model: nn.Module
+    inputs: Any
+    target: Any
+    loss_fn: Callable | None
+    loss_name: str | None
+    how: str  # how the model was rebuilt, for the report
+    device: torch.device
+    autocast: dict | None = None  # {"device_type": ..., "dtype": ...} when the step ran under autocast
+    names: dict[int, str] = field(default_factory=dict)  # id(module) -> qualified name
+    # Restores RNG and any other global state the step depends on; called before every replay.
+    prepare: Callable[[], None] = lambda: torch.manual_seed(0)
+    input_label: str = "inputs"  # how the snapshot named the batch parts, for messages
+    target_label: str = "target"
+    site: Callable | None = None  # op attribution for programs without Python frames (exported)
+    loss_scale: float | None = None  # a GradScaler's scale: backward ran on the scaled loss
+    model_class: str | None = None  # the user's class name, where `model` is a stand-in (exported program)
+
+    def __post_init__(self) -> None:
+        self.names = {id(m): n for n, m in self.model.named_modules()}
+
+    def forward(self) -> Any:
+        return call_model(self.model, self.inputs)
+
+    def converted(self, dtype: torch.dtype | None = None, autocast: dict | None | str = "same") -> Subject:
+        """A copy of this step in another floating dtype and/or autocast setting; this one stays untouched."""
+        model = copy.deepcopy(self.model)
+        loss_fn = self.loss_fn
+        conv = (lambda t: t.to(dtype) if t.is_floating_point() else t) if dtype is not None else (lambda t: t)
+        if dtype is not None:
+            model.to(dtype)
+            if isinstance(loss_fn, nn.Module):  # e.g. CrossEntropyLoss(weight=...)
+                loss_fn = copy.deepcopy(loss_fn).to(dtype)
+        return dataclasses.replace(
+            self, model=model, loss_fn=loss_fn, inputs=map_tensors(self.inputs, conv),
+            target=map_tensors(self.target, conv), autocast=self.autocast if autocast == "same" else autocast,
+            site=getattr(model, "site", None) if self.site is not None else None)
+
+    def loss(self, output: Any) -> torch.Tensor:
+        loss = compute_loss(output, self.target, self.loss_fn)
+        return loss * self.loss_scale if self.loss_scale else loss
+
+
+def call_model(model: Callable, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _prediction(output: Any) -> Any:
+    """The tensor a loss function should see, from common model output shapes."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict) or hasattr(output, "keys"):
+        for k in ("logits", "output", "out", "pred", "prediction"):
+            if k in output:
+                return output[k]
+    if isinstance(output, (tuple, list)) and output:
+        return output[0]
+    return output
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {list(x.shape)}"
+    return f"a {type(x).__name__}"
+
+
+def compute_loss(output: Any, target: Any, loss_fn: Callable | None) -> torch.Tensor:
+    if loss_fn is None:
+        loss = output
+        if not isinstance(output, torch.Tensor):
+            if (isinstance(output, dict) or hasattr(output, "keys")) and "loss" in output:
+                loss = output["loss"]
+            elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor) \
+                    and output[0].numel() == 1:
+                loss = output[0]
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+            raise UsageError(
+                f"the model's output is {_describe(output)}, not a scalar loss, and no loss is known: "
+                "pass --loss (e.g. --loss cross_entropy or --loss mypkg.losses:my_loss)"
+            )
+        return loss.reshape(())
+    if target is None:
+        raise UsageError("the loss needs a target, but the snapshot holds no target (y / targets / labels)")
+    loss = loss_fn(_prediction(output), target)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise UsageError(f"the loss returned {_describe(loss)}, not a scalar (use a reduction such as 'mean')")
+    return loss.reshape(())
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    return map_tensors(obj, lambda t: t.to(device))
+
+
+def batch_tensors(subject: Subject):
+    """(name, role, tensor) for every tensor the batch holds."""
+    yield from ((f"{subject.input_label}{n}", "input", t) for n, t in iter_tensors(subject.inputs))
+    yield from ((f"{subject.target_label}{n}", "target", t) for n, t in iter_tensors(subject.target))

@@ -1,0 +1,211 @@
+"""Every private or semi-private torch API nanreplay leans on, behind one guarded accessor each.
+
+torch changes its internals between releases. Nothing else in nanreplay touches
+them directly: it calls the accessors here, each of which degrades to a stated,
+safe answer when the API is missing or raises, and `probe()` says which ones work
+on the installed torch (the report's environment section shows it).
+
+What degrades when an accessor fails:
+
+* `sequence_nr` / `node_sequence_nr`: backward events lose their link to the forward
+  op (no `forward_op`, no forward source line for backward culprits).
+* `current_autograd_node`: backward events lose their autograd node name.
+* `run_backward`: backward runs through `Tensor.backward()`; Python code inside backward
+  (custom `autograd.Function.backward`) is then not numbered, so fixes there cannot be verified.
+* `op_is_view` / `op_mutated_args`: every op output is scanned (slower, same answer) /
+  in-place ops are treated as pure (a NaN written in place may be linked less exactly).
+* `saved_tensors_of`: autocast is not inferred from the graph at capture; pass `autocast=`.
+* `is_custom_function_node`: custom autograd.Functions are not detected at capture.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# Public-but-underscored modules every dispatch-level tool uses; a torch without them cannot run nanreplay.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
+from torch.utils.weak import WeakTensorKeyDictionary  # noqa: F401  (re-exported)
+
+OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket
+
+_broken: dict[str, str] = {}  # accessor -> why it failed the first time (shown by probe())
+
+
+def _note(name: str, e: BaseException) -> None:
+    _broken.setdefault(name, f"{type(e).__name__}: {e}"[:200])
+
+
+# ------------------------------------------------------------------ autograd
+
+
+try:
+    from torch._C._autograd import _get_sequence_nr as _seq_nr
+except ImportError as _e:  # pragma: no cover - depends on the torch build
+    _seq_nr = None
+    _broken["sequence_nr"] = f"ImportError: {_e}"
+
+
+def sequence_nr() -> int:
+    """The autograd sequence number the next node created will take (+1); -1 when unknown."""
+    if _seq_nr is None:
+        return -1
+    try:
+        return _seq_nr()
+    except Exception as e:  # noqa: BLE001
+        _note("sequence_nr", e)
+        return -1
+
+
+def current_autograd_node() -> Any | None:
+    """The autograd node whose backward is running now (None outside backward, or when unknown)."""
+    try:
+        return torch._C._current_autograd_node()
+    except Exception as e:  # noqa: BLE001
+        _note("current_autograd_node", e)
+        return None
+
+
+def node_sequence_nr(node: Any) -> int | None:
+    """An autograd node's sequence number, or None."""
+    try:
+        return node._sequence_nr()
+    except Exception as e:  # noqa: BLE001
+        _note("node_sequence_nr", e)
+        return None
+
+
+def node_name(node: Any) -> str | None:
+    try:
+        return node.name()
+    except Exception as e:  # noqa: BLE001
+        _note("node_name", e)
+        return None
+
+
+def run_backward(loss: torch.Tensor) -> None:
+    """`loss.backward()` without passing through a torch function (see replay.run for why)."""
+    try:
+        from torch.autograd.variable import Variable
+
+        engine = Variable._execution_engine
+    except Exception as e:  # noqa: BLE001
+        _note("run_backward", e)
+        loss.backward()
+        return
+    engine.run_backward((loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True,
+                        accumulate_grad=True)
+
+
+def is_custom_function_node(node: Any) -> bool:
+    """Is this autograd node the backward of a user-defined `torch.autograd.Function`?"""
+    try:
+        return isinstance(node, torch.autograd.function.BackwardCFunction)
+    except Exception as e:  # noqa: BLE001
+        _note("is_custom_function_node", e)
+        return False
+
+
+def saved_tensors_of(node: Any) -> list[torch.Tensor]:
+    """The tensors an autograd node saved for backward (its `_saved_*` attributes); [] when unknown."""
+    out = []
+    try:
+        names = [a for a in dir(node) if a.startswith("_saved_")]
+    except Exception as e:  # noqa: BLE001
+        _note("saved_tensors_of", e)
+        return out
+    for attr in names:
+        try:
+            v = getattr(node, attr)
+        except Exception:  # noqa: BLE001,S112 - a freed buffer raises; skip it
+            continue
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+    return out
+
+
+# ------------------------------------------------------------------ ops
+
+
+@functools.cache
+def op_is_view(func: Any) -> bool:
+    try:
+        return bool(getattr(func, "is_view", False))
+    except Exception as e:  # noqa: BLE001
+        _note("op_is_view", e)
+        return False
+
+
+@functools.cache
+def op_mutated_args(func: Any) -> tuple[frozenset, frozenset]:
+    """(positions, keyword names) of the arguments an aten op writes to, from its schema."""
+    pos, names = set(), set()
+    try:
+        schema = getattr(func, "_schema", None)
+        for i, a in enumerate(schema.arguments if schema is not None else ()):
+            if a.alias_info is not None and a.alias_info.is_write:
+                pos.add(i)
+                names.add(a.name)
+    except Exception as e:  # noqa: BLE001
+        _note("op_mutated_args", e)
+    return frozenset(pos), frozenset(names)
+
+
+def op_schema(func: Any) -> Any | None:
+    """The op's `torch.FunctionSchema` (argument names and types), or None."""
+    try:
+        return func._schema
+    except Exception as e:  # noqa: BLE001
+        _note("op_schema", e)
+        return None
+
+
+def op_tags(func: Any) -> tuple:
+    try:
+        return tuple(func.tags)
+    except Exception as e:  # noqa: BLE001
+        _note("op_tags", e)
+        return ()
+
+
+def is_random_op(func: Any) -> bool:
+    """Does the op draw random numbers (torch's `nondeterministic_seeded` tag)?"""
+    return torch.Tag.nondeterministic_seeded in op_tags(func)
+
+
+# ------------------------------------------------------------------ probe
+
+
+def probe() -> dict[str, str]:
+    """Which accessors work on the installed torch: name -> "ok" or why not."""
+    checks: dict[str, Callable[[], Any]] = {
+        "sequence_nr": lambda: _seq_nr is not None and sequence_nr() >= 0,
+        "current_autograd_node": lambda: current_autograd_node() is None,  # None outside backward
+        "op_is_view": lambda: op_is_view(torch.ops.aten.view.default),
+        "op_mutated_args": lambda: 0 in op_mutated_args(torch.ops.aten.add_.Tensor)[0],
+        "op_schema": lambda: op_schema(torch.ops.aten.add.Tensor) is not None,
+        "is_random_op": lambda: is_random_op(torch.ops.aten.bernoulli.default),
+    }
+
+    def node_checks() -> bool:
+        x = torch.ones(2, requires_grad=True)
+        node = (x * 2).sum().grad_fn
+        return node_sequence_nr(node) is not None and node_name(node) == "SumBackward0" \
+            and isinstance(saved_tensors_of(node.next_functions[0][0]), list)
+
+    checks["autograd_nodes"] = node_checks
+    out = {}
+    for name, check in checks.items():
+        try:
+            ok = bool(check())
+        except Exception as e:  # noqa: BLE001
+            ok = False
+            _note(name, e)
+        out[name] = "ok" if ok and name not in _broken else _broken.get(name, "unexpected answer")
+    for name, why in _broken.items():
+        out.setdefault(name, why)
+    return out
