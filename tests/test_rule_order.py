@@ -1,0 +1,60 @@
+"""Which rule answers when several match: the registry's dispatch order, pinned.
+
+More than one rule can claim a culprit (a log whose result where() picks from is both the where
+trap and a log of zero); the first in dispatch order wins. A change to this list changes
+diagnoses, so it must be deliberate.
+"""
+
+from __future__ import annotations
+
+from nanreplay import diagnose
+
+DISPATCH_ORDER = [
+    "bce_saturated",
+    "logsigmoid",
+    "log_softmax",
+    "zero_times_log_zero",
+    "where_trap",
+    "log_of_zero",
+    "log_of_negative",
+    "sqrt_cancellation",
+    "sqrt_of_negative",
+    "sqrt_at_zero",
+    "pow_of_negative",
+    "pow_at_zero",
+    "acos_asin_boundary",
+    "std_single_element",
+    "empty_reduction",
+    "normalize_zero_norm",
+    "division_by_zero",
+    "handwritten_softmax",
+    "exp_overflow",
+    "softmax_all_masked",
+    "fp16_overflow",
+    "exploded_weights",
+    "unrecognised",
+]
+
+
+def test_dispatch_order_is_pinned():
+    assert [r.cause for r in diagnose.RULES] == DISPATCH_ORDER
+
+
+def test_a_culprit_two_rules_claim_gets_the_earlier_rule(analyzed, monkeypatch):
+    """where(h > 0, log(h), 0): the log's backward divides by h = 0. Both where_trap and log_of_zero
+    answer for that site; where_trap comes first, so it is the diagnosis (its fix is the double where)."""
+    sites = []
+    real = diagnose.diagnose
+
+    def spy(result, subject, step, c, chain, **kw):
+        sites.append(diagnose.Site(step, step.events[c], chain, subject))
+        return real(result, subject, step, c, chain, **kw)
+
+    monkeypatch.setattr(diagnose, "diagnose", spy)
+    d = analyzed("where_trap", verify=False)
+    (site,) = sites
+    claims = [r.cause for r in diagnose.RULES
+              if (not r.ops or site.packet in r.ops or site.op_packet in r.ops) and r.fn(site) is not None]
+    assert "where_trap" in claims and "log_of_zero" in claims
+    assert claims.index("where_trap") < claims.index("log_of_zero")
+    assert d["diagnosis"]["cause"] == claims[0] == "where_trap"
