@@ -1,0 +1,189 @@
+"""The pieces fixes are made of: the epsilon policy, and runtime call-site patches.
+
+Every fix that is a code change carries a *patch*: a rewrite of exactly the culprit's call
+site(s), keyed by the call number the replay recorded, as `fn(func, args, kwargs)`. The engine
+verifies a fix by replaying the step with its patch; the first candidate that makes the loss
+and every gradient finite is reported.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nanreplay.diagnose import codefix
+from nanreplay.diagnose.model import Fix
+from nanreplay.diagnose.site import Site, packet
+from nanreplay.enums import FixKind
+from nanreplay.replay import OpRecord
+
+# ------------------------------------------------------------------ epsilon
+
+
+def choose_eps(dtype: str, scale: float | None, what: str, *, floor: float | None = None,
+               floor_why: str = "") -> tuple[float, str]:
+    """The epsilon for this dtype and these values, with the reasoning behind it.
+
+    eps = the largest power of ten not above finfo(dtype).eps * scale: adding it
+    moves no value of magnitude `scale` by more than one rounding step of the
+    dtype, so the result is unchanged where it was fine; yet it keeps `what`
+    (e.g. "1/(2*sqrt(x+eps))") finite where the input was at the edge.
+
+    `floor` is the smallest eps that keeps `what` finite in this dtype (e.g. a
+    quotient's gradient x/eps² must stay below finfo.max); where the scale-based
+    eps is below it, the floor wins (rounded up to a power of ten) and the
+    reasoning says so. Nothing goes below the dtype's smallest normal number.
+    """
+    fi = torch.finfo(getattr(torch, dtype, torch.float32))
+    s = scale if scale and math.isfinite(scale) and scale > 0 else 1.0
+    raw = fi.eps * s
+    eps = 10.0 ** math.floor(math.log10(raw))
+    eps = max(eps, 10.0 ** math.ceil(math.log10(fi.tiny)))  # never below the smallest normal number
+    eps = float(f"{eps:.0e}")  # a clean power of ten
+    reasoning = (f"eps = {fmt(eps)}: {dtype} resolves about {fi.eps:.1e} relative to the input's scale "
+                 f"(|x| up to {s:.3g}), so adding it moves no value that was fine by more than one rounding step, "
+                 f"while {what} stays finite")
+    if floor is not None and math.isfinite(floor) and floor > eps:
+        low = eps
+        eps = float(f"{10.0 ** math.ceil(math.log10(floor)):.0e}")
+        reasoning = (f"eps = {fmt(eps)}: {dtype} resolves about {fi.eps:.1e} relative to the input's scale "
+                     f"(|x| up to {s:.3g}), which alone would allow {fmt(low)}; but {floor_why or what} needs "
+                     f"eps ≥ {floor:.2g} to stay below {dtype}'s largest value {fi.max:.4g}")
+        if eps > raw * 1e3:
+            reasoning += (" — that is large next to your values, so a wider dtype (float32 / bfloat16 range) "
+                          "may be the better fix")
+    return eps, reasoning
+
+
+def eps_candidates(eps: float) -> list[float]:
+    """The chosen epsilon first, then larger ones in case the first does not verify."""
+    return [eps, eps * 1e2, eps * 1e4]
+
+
+def fmt(x: float) -> str:
+    return f"{x:.0e}".replace("e-0", "e-").replace("e+0", "e+")
+
+
+# ------------------------------------------------------------------ patches (call-site rewrites)
+
+
+def replace_arg(i: int, change: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    def fn(func, args, kwargs):
+        args = list(args)
+        args[i] = change(args[i])
+        return func(*args, **kwargs)
+    return fn
+
+
+def denominator_index(call_name: str) -> int:
+    return 0 if call_name.rsplit(".", 1)[-1] in ("__rdiv__", "__rtruediv__") else 1
+
+
+def view_of(base_in: Any, base_out: Any, q: Any) -> torch.Tensor | None:
+    """`q` is `base_out` or a view of it (a squeeze, a slice): the same view of `base_in`; else None.
+
+    A patch that replaces log(f(x)) by a stable g(x) needs this when the user took a
+    view of f(x) in between (`torch.sigmoid(z).squeeze(-1)`).
+    """
+    if not all(isinstance(t, torch.Tensor) for t in (base_in, base_out, q)):
+        return None
+    if base_in.shape != base_out.shape:
+        return None
+    if q is base_out:
+        return base_in
+    try:
+        if q.untyped_storage().data_ptr() != base_out.untyped_storage().data_ptr() or not base_out.is_contiguous():
+            return None
+    except (RuntimeError, NotImplementedError):
+        return None
+    return base_in.contiguous().as_strided(q.size(), q.stride(), q.storage_offset() - base_out.storage_offset())
+
+
+_LOG_BASE = {"aten.log": 1.0, "aten.log2": 1 / math.log(2), "aten.log10": 1 / math.log(10)}
+
+
+def stable_log_patch(inner: OpRecord, logs: list[OpRecord], stable: Callable[[tuple, dict], torch.Tensor],
+                     negate: list[OpRecord] = ()) -> dict[int, Callable] | None:
+    """Patches for log(f(x)) -> stable(x): remember f's input and output at its call, then answer each
+    log call whose argument is (a view of) f's output with the same view of stable(x). `negate` are
+    `1 - f(x)` calls: a log of their output becomes stable(-x) (log(1 - sigmoid(z)) = logsigmoid(-z))."""
+    calls = [inner.call] + [r.call for r in logs] + [r.call for r in negate]
+    if not all(calls) or len(set(calls)) != len(calls):
+        return None  # not separate user calls: nothing to intercept one by one
+    state: dict = {"complements": []}
+
+    def grab(func, args, kwargs):
+        out = func(*args, **kwargs)
+        state.update(args=args, kwargs=kwargs, out=out)
+        return out
+
+    def grab_complement(func, args, kwargs):
+        out = func(*args, **kwargs)
+        p = next((a for a in args if view_of(state.get("out"), state.get("out"), a) is not None), None)
+        if p is not None:
+            state["complements"].append((out, p))
+        return out
+
+    def stable_log(base: float):
+        def fn(func, args, kwargs):
+            q = args[0]
+            if "out" in state:
+                x = state["args"][0]
+                v = view_of(x, state["out"], q)
+                if v is not None:
+                    return view_of(stable((x, *state["args"][1:]), state["kwargs"]), state["out"], q) * base
+                for out, p in state["complements"]:
+                    if q is out:
+                        return view_of(stable((-x, *state["args"][1:]), state["kwargs"]), state["out"], p) * base
+            return func(*args, **kwargs)
+        return fn
+
+    patch = {inner.call: grab}
+    patch.update({r.call: grab_complement for r in negate})
+    patch.update({r.call: stable_log(_LOG_BASE[packet(str(r.op))]) for r in logs})
+    return patch
+
+
+def finite_mask(func, args, kwargs):
+    """Run the call with every -inf constant argument replaced by the dtype's most negative finite value."""
+    ref = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+    dt = ref.dtype if ref is not None else torch.float32
+    lo = torch.finfo(dt).min
+
+    def sub(a):
+        if isinstance(a, float) and math.isinf(a) and a < 0:
+            return lo
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() == 0 and bool(torch.isneginf(a)):
+            return torch.tensor(lo, dtype=a.dtype, device=a.device)
+        return a
+    return func(*[sub(a) for a in args], **{k: sub(v) for k, v in kwargs.items()})
+
+
+# ------------------------------------------------------------------ an operand moved off the domain edge
+
+
+def edge_fix(s: Site, kind: FixKind, scale: float | None, what: str, change_code: Callable[[str, float], str],
+             change: Callable[[torch.Tensor, float], torch.Tensor], generic: Callable[[float], str],
+             which: str = "input", arg: int = 0, floor: float | None = None, floor_why: str = "",
+             call: int | None = None, call_name: str | None = None, line: int | None = None) -> list[Fix]:
+    """Candidate fixes that change one operand of the culprit call (or of `call`) by an epsilon."""
+    eps, why = choose_eps(s.dtype, scale, what, floor=floor, floor_why=floor_why)
+    call = s.call if call is None else call
+    fixes = []
+    for e in eps_candidates(eps):
+        rw = s.rewrite(codefix.with_operand(which, lambda t, e=e: change_code(t, e)), call_name, line)
+        fixes.append(Fix(kind, generic(e), epsilon=e, reasoning=why,
+                         rewrite=rw,
+                         patch={call: replace_arg(arg, lambda t, e=e: change(t, e))} if call else None))
+    return fixes
+
+
+def plus_eps(t: str, e: float) -> str:
+    return codefix.plus(t, fmt(e))
+
+
+def clamp_eps(t: str, e: float) -> str:
+    return f"{codefix.paren(t)}.clamp_min({fmt(e)})"

@@ -1,0 +1,123 @@
+"""What a rule returns (`Diagnosis`, `Fix`), and the one registry of rules, filled by `@rule`.
+
+    @rule("log_of_zero", aten.log, aten.log2, aten.log10, priority=180)
+    def _log_zero(s: Site) -> Diagnosis | None: ...
+
+A rule looks at a `Site` (the culprit as rules see it) and returns a `Diagnosis`, or None when
+the pattern is not its own. More than one rule can claim a culprit (a log whose result where()
+picks from is both the where trap and a log of zero), so the order rules are tried in decides
+the diagnosis. That order is the priority, highest first, and nothing else: not the order the
+rule modules were imported or written in. Priorities are unique (a tie fails at registration),
+so the order is total; tests/test_rule_order.py pins it. Space them by ten to leave room.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import InitVar, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from nanreplay import torch_internals as ti
+from nanreplay.diagnose import codefix
+from nanreplay.enums import FixKind
+
+if TYPE_CHECKING:
+    from nanreplay.diagnose.site import Site
+
+
+@dataclass
+class Fix:
+    kind: FixKind  # a FixKind or its string; anything else fails loudly
+    code: str  # the change, as code for this site (a generic snippet where the source is not known)
+    epsilon: float | None = None
+    reasoning: str = ""
+    before: str | None = None  # the user's statement as written (when the source is readable)
+    after: str | None = None
+    patch: dict[int, Callable] | None = None  # call number -> rewrite, for verification
+    variant: dict | None = None  # a whole-step change for verification (dtype / autocast)
+    verified: bool | None = None
+    verification: str | None = None
+    rewrite: InitVar[codefix.Rewrite | None] = None  # the user's line rewritten: becomes code/before/after
+
+    def __post_init__(self, rewrite: codefix.Rewrite | None) -> None:
+        try:
+            self.kind = FixKind(self.kind)
+        except ValueError:
+            raise ValueError(f"unknown fix kind {self.kind!r}") from None
+        if rewrite is not None:
+            self.code, self.before, self.after = rewrite.after, rewrite.before, rewrite.after
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind.value, "code": self.code, "epsilon": self.epsilon, "verified": self.verified,
+                "verification": self.verification, "reasoning": self.reasoning, "before": self.before,
+                "after": self.after}
+
+
+@dataclass
+class Diagnosis:
+    cause: str
+    title: str
+    explanation: str
+    fixes: list[Fix] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Rule:
+    cause: str
+    ops: frozenset[str]  # the op packets ('aten.log') whose culprits the rule looks at; empty: any op
+    priority: int  # higher is tried first
+    fn: Callable[[Site], Diagnosis | None]
+
+    def applies_to(self, site: Site) -> bool:
+        return not self.ops or site.packet in self.ops or site.op_packet in self.ops
+
+
+class Registry:
+    """The rules in dispatch order: by priority, highest first, whatever order they were added in."""
+
+    def __init__(self) -> None:
+        self._rules: list[Rule] = []
+
+    def check(self, cause: str, priority: Any) -> None:
+        """Fail loudly on what would make dispatch ambiguous: a second rule for a cause, a missing or tied priority."""
+        if any(r.cause == cause for r in self._rules):
+            raise ValueError(f"cause {cause!r} is registered twice")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"rule {cause!r} needs an explicit integer priority: @rule(cause, *ops, priority=N)")
+        tie = next((r for r in self._rules if r.priority == priority), None)
+        if tie is not None:
+            raise ValueError(f"rule {cause!r}: priority {priority} is already {tie.cause!r}'s; "
+                             "priorities decide which rule answers first and must be unique")
+
+    def add(self, r: Rule) -> None:
+        self.check(r.cause, r.priority)
+        self._rules.append(r)
+        self._rules.sort(key=lambda x: -x.priority)
+
+    def __iter__(self) -> Iterator[Rule]:
+        return iter(self._rules)
+
+    def __len__(self) -> int:
+        return len(self._rules)
+
+
+RULES = Registry()
+
+
+def rule(cause: str, *ops: Any, priority: int | None = None) -> Callable:
+    """Register a cause rule for culprits whose forward op is one of `ops` (none: any op).
+
+    `priority` (required) places it in dispatch order: higher is tried first.
+    """
+    names = set()
+    for op in ops:
+        if not isinstance(op, ti.OpOverloadPacket):
+            raise TypeError(f"rule {cause!r}: {op!r} is not an aten op (use torch.ops.aten.<name>)")
+        names.add(str(op))
+    RULES.check(cause, priority)
+
+    def deco(fn: Callable[[Site], Diagnosis | None]) -> Callable:
+        RULES.add(Rule(cause, frozenset(names), priority, fn))
+        return fn
+
+    return deco

@@ -1,0 +1,9 @@
+"""The cause rules, one file per family. Adding a cause is one function in one family file,
+registered with `@rule(cause, *ops, priority=N)`; importing this package registers them all.
+Dispatch order comes from the priorities alone (see diagnose/model.py), not from this list."""
+
+from __future__ import annotations
+
+from nanreplay.diagnose.rules import division, generic, logs, precision, roots_powers, softmax, where
+
+__all__ = ["division", "generic", "logs", "precision", "roots_powers", "softmax", "where"]

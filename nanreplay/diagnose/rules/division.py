@@ -1,0 +1,228 @@
+"""Division and reductions that divide: a zero denominator, a zero norm or standard deviation,
+an unbiased std over one element, a mean over nothing. normalize_zero_norm outranks the plain
+division_by_zero: both claim x / 0, and naming the norm explains it better."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nanreplay.diagnose import codefix
+from nanreplay.diagnose.fixes import choose_eps, clamp_eps, edge_fix, fmt, plus_eps
+from nanreplay.diagnose.model import Diagnosis, Fix, rule
+from nanreplay.diagnose.prose import count
+from nanreplay.diagnose.site import Site, finite_float, packet
+from nanreplay.enums import FixKind
+
+aten = torch.ops.aten
+
+
+def _std_args(args: tuple, kwargs: dict) -> tuple[Any, Any, bool]:
+    """(input, dim, keepdim) of a std/var call, whichever overload the user spelled:
+    std(x, dim=None, *, correction, keepdim), std(x, dim, unbiased, keepdim), std(x, unbiased)."""
+    x, rest = args[0], list(args[1:])
+    dim, keepdim = kwargs.get("dim"), kwargs.get("keepdim", False)
+    if rest and isinstance(rest[0], bool):
+        rest = []  # std(x, unbiased): a full reduction
+    elif rest:
+        dim = rest[0]
+        if len(rest) > 2:
+            keepdim = rest[2]
+    return x, dim, keepdim
+
+
+def _population(eps: float | None) -> Callable:
+    """std/var(..., correction=0) at this call, then (for a denominator) .clamp_min(eps)."""
+    def fn(func, args, kwargs):
+        x, dim, keepdim = _std_args(args, kwargs)
+        out = func(x, dim, correction=0, keepdim=keepdim) if dim is not None else func(x, correction=0, keepdim=keepdim)
+        return out if eps is None else out.clamp_min(eps)
+    return fn
+
+
+def _population_text(src, node, eps: float | None) -> str | None:
+    """x.std(0) -> x.std(0, correction=0): drop `unbiased`, keep dim and keepdim as written."""
+    if not isinstance(node, codefix.ast.Call):
+        return None
+    rest = codefix.arguments(node)
+    if rest and isinstance(rest[0], codefix.ast.Constant) and isinstance(rest[0].value, bool):
+        rest = []
+    parts = [src(rest[0])] if rest else []
+    if len(rest) > 2:
+        parts.append(f"keepdim={src(rest[2])}")
+    parts += [f"{k.arg}={src(k.value)}" for k in node.keywords if k.arg not in ("unbiased", "correction")]
+    parts.append("correction=0")
+    head = src(node.func)
+    if codefix._is_function_call(node):
+        parts.insert(0, src(node.args[0]))
+    text = f"{head}({', '.join(parts)})"
+    return text if eps is None else f"{text}.clamp_min({fmt(eps)})"
+
+
+@rule("std_single_element", aten.std, aten.var, priority=100)
+def _std_one(s: Site) -> Diagnosis | None:
+    """Unbiased std/var (divide by n - 1) over one element: 0/0 = NaN."""
+    if not (s.forward and s.call_is("std", "var") and s.event.kind == "nan"):
+        return None
+    x = s.inp(0)
+    n_out = s.event.out.get("numel", 0)
+    if not x.get("shape") or not n_out or math.prod(x["shape"]) // n_out > 1:
+        return None  # more than one element per group: not this cause
+    name = s.call_name.rsplit(".", 1)[-1]
+    eps, why = choose_eps(s.dtype, x.get("absmax"), f"x / {name}.clamp_min(eps) and its gradient")
+    denominator = any(packet(str(s.step.ops[i].op)) == "aten.div" and len(s.step.ops[i].src) > 1
+                      and s.step.ops[i].src[1] == s.event.fwd for i in s.consumers())
+    fixes = []
+    for e in (None, eps) if denominator else (None,):
+        rw = s.rewrite(lambda src, node, e=e: _population_text(src, node, e))
+        generic = f"x.{name}(dim, correction=0)" + (f".clamp_min({fmt(e)})" if e else "")
+        fixes.append(Fix(FixKind.CORRECTION, generic, epsilon=e, rewrite=rw, patch={s.call: _population(e)} if s.call else None,
+                         reasoning=f"correction=0 (the population {name}) is 0, not NaN, for one element"
+                                   + (f"; it is then a zero denominator, hence clamp_min — {why}" if e else "")))
+    return Diagnosis("std_single_element", f"unbiased {name} over a single element",
+                     f"{s.call_name}() uses Bessel's correction (divide by n - 1); over one element that is 0/0 = NaN "
+                     f"({s.where}). A batch or group of size 1 does this: use correction=0 (or skip groups of one)"
+                     + (f", and since the {name} is then 0, keep it away from 0 where it divides." if denominator
+                        else "."), fixes)
+
+
+def _floor_clamped(num: dict, fi: torch.finfo) -> float | None:
+    """x / y.clamp_min(eps): where it clamps no gradient reaches y, so only x / eps must stay finite."""
+    n = finite_float(num.get("absmax"))
+    return n / fi.max if n else None
+
+
+@rule("empty_reduction", aten.nll_loss_forward, aten.nll_loss2d_forward, aten.mean, priority=90)
+def _empty_reduction(s: Site) -> Diagnosis | None:
+    if not s.forward or s.event.kind != "nan" or s.event.role != "origin":
+        return None
+    if s.packet == "aten.mean":
+        x = s.inp(0)
+        if x.get("shape") is None or math.prod(x["shape"]) != 0 or not s.call_is("mean"):
+            return None
+
+        def guarded_mean(func, args, kwargs):
+            t = args[0]
+            if len(args) > 1 or "dim" in kwargs:
+                return torch.nan_to_num(func(*args, **kwargs) * 0.0) if t.numel() == 0 else func(*args, **kwargs)
+            return t.sum() / max(t.numel(), 1)
+        rw = s.rewrite(lambda src, node: _guarded_mean_text(src, node))
+        fix = Fix(FixKind.GUARD_EMPTY_REDUCTION,
+                  "x.sum() / max(x.numel(), 1)  # mean of an empty tensor is NaN",
+                  rewrite=rw,
+                  patch={s.call: guarded_mean} if s.call else None,
+                  reasoning="an empty selection contributes 0 instead of 0/0 (or skip the term when it is empty)")
+        return Diagnosis("empty_reduction", "mean over zero elements",
+                         f"mean() of an empty tensor (shape {x['shape']}) is 0/0 = NaN ({s.where}): a mask or filter "
+                         "selected nothing in this batch.", [fix])
+    target = next((st for st in s.inputs if st.get("dtype", "").startswith("int")), None)
+    if target is None:
+        return None
+    ints = [v for v in (s.event.scalars or []) if isinstance(v, int) and not isinstance(v, bool)]
+    ignore = ints[-1] if ints else -100  # nll_loss_forward(input, target, weight, reduction, ignore_index)
+
+    def guarded(func, args, kwargs):
+        """reduction='mean' is sum / (sum of the counted targets' weights): the same, but never 0/0."""
+        tgt = args[1] if len(args) > 1 else kwargs["target"]
+        ii = kwargs.get("ignore_index", -100)
+        w = kwargs.get("weight", args[2] if len(args) > 2 else None)
+        valid = tgt != ii
+        n = valid.sum() if w is None else w[tgt.masked_fill(~valid, 0)].masked_fill(~valid, 0).sum()
+        kw = {**kwargs, "reduction": "sum"}
+        return func(*args, **kw) / torch.where(n > 0, n, torch.ones_like(n))
+    rw = s.rewrite(lambda src, node: _guarded_ce_text(src, node, ignore))
+    Fn = codefix.functional(s.source["path"] if s.source else None)
+    generic = (f"n = (y != {ignore}).sum()\nloss = {Fn}.cross_entropy(logits, y, ignore_index={ignore}, "
+               "reduction='sum') / n.clamp_min(1)")
+    fix = Fix(FixKind.GUARD_EMPTY_REDUCTION, generic, rewrite=rw,
+              patch={s.call: guarded} if s.call and s.call_is("cross_entropy", "nll_loss") else None,
+              reasoning="the same mean over the targets that count, but a batch whose targets are all ignored "
+                        "contributes 0 instead of 0/0")
+    return Diagnosis("empty_reduction", "cross-entropy mean over zero targets (all ignore_index)",
+                     f"all {math.prod(target.get('shape') or [0])} targets in the batch equal ignore_index ({ignore}), so "
+                     f"reduction='mean' divides 0 by 0 ({s.where}). Common with padding-only or fully masked batches.",
+                     [fix])
+
+
+def _guarded_mean_text(src, node) -> str | None:
+    """x[m].mean() / torch.mean(x[m]) -> x[m].sum() / max(x[m].numel(), 1) (full reductions only)."""
+    if not isinstance(node, codefix.ast.Call) or codefix.arguments(node) or node.keywords:
+        return None
+    t = codefix.paren(src(codefix.operand(node, "input")))
+    return f"{t}.sum() / max({t}.numel(), 1)"
+
+
+def _guarded_ce_text(src, node, ignore: int) -> str | None:
+    """F.cross_entropy(z, y, ...) -> F.cross_entropy(z, y, ..., reduction='sum') / (y != ii).sum().clamp_min(1)."""
+    if not isinstance(node, codefix.ast.Call) or not codefix._is_function_call(node):
+        return None
+    target = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "target"), None)
+    if target is None or any(k.arg in ("reduction", "weight", "label_smoothing") for k in node.keywords) \
+            or len(node.args) > 2:
+        return None
+    parts = [src(a) for a in node.args] + [f"{k.arg}={src(k.value)}" for k in node.keywords] + ["reduction='sum'"]
+    return f"{src(node.func)}({', '.join(parts)}) / ({src(target)} != {ignore}).sum().clamp_min(1)"
+
+
+_NORMS = ("aten.linalg_vector_norm", "aten.norm", "aten.sqrt", "aten.std", "aten.var", "aten.sum", "aten.abs")
+_DIVS = ("div", "__truediv__", "true_divide", "divide")
+
+
+@rule("normalize_zero_norm", aten.div, priority=80)
+def _normalize(s: Site) -> Diagnosis | None:
+    if not (s.forward and s.op_packet == "aten.div" and s.call_is(*_DIVS)):
+        return None
+    idx = 1
+    d = s.inp(idx)
+    prod = s.origin_packet(idx)
+    if not d.get("zeros") or prod not in _NORMS or s.event.kind != "nan":
+        return None
+    is_std = prod in ("aten.std", "aten.var", "aten.sqrt")
+    label = "standard deviation" if is_std else "norm"
+    num = s.inp(0)
+    fixes = edge_fix(s, FixKind.EPSILON, num.get("absmax"), f"x / {label}.clamp_min(eps) and its gradient",
+                     clamp_eps, lambda t, e: t.clamp_min(e),
+                     lambda e: f"x / x.norm(dim=-1, keepdim=True).clamp_min({fmt(e)})  "
+                                f"# or F.normalize(x, dim=-1, eps={fmt(e)})",
+                      which="other", arg=idx, floor=_floor_clamped(num, s.finfo), floor_why="the quotient x / eps")
+    what = ("(x - mean) / std with a constant feature or group (std = 0 and x - mean = 0)" if is_std
+            else "x / x.norm() with an all-zero vector (norm = 0)")
+    return Diagnosis("normalize_zero_norm", f"division by a zero {label}",
+                     f"{what}: {count(d['zeros'], 'zero denominator')} at {s.where}, giving 0/0 = NaN.", fixes)
+
+
+@rule("division_by_zero", aten.div, aten.reciprocal, priority=70)
+def _div_zero(s: Site) -> Diagnosis | None:
+    # in forward, or in backward code the user wrote (a custom autograd.Function's backward)
+    if s.op_packet not in ("aten.div", "aten.reciprocal") or not (s.forward or s.event.frame is not None):
+        return None
+    if s.op_packet == "aten.div":
+        if not s.call_is(*_DIVS):
+            return None
+        idx, which = 1, "other"
+    else:  # 1 / y is y.reciprocal() * 1: the tensor is the right operand of `/`, the input of reciprocal()
+        if not s.call_is("reciprocal", "__rdiv__", "__rtruediv__"):
+            return None
+        idx, which = 0, "other" if s.call_is("__rdiv__", "__rtruediv__") else "input"
+    d = s.inp(idx)
+    if not d.get("zeros"):
+        return None
+    num = s.inp(1 - idx) if s.op_packet == "aten.div" and len(s.inputs) > 1 else {"absmax": 1.0}
+    zero_zero = s.event.kind == "nan"
+    n = finite_float(num.get("absmax")) or 0.0
+    if d.get("negatives"):  # a signed denominator: clamp_min would flip its sign; push exact zeros off 0 instead
+        code, change, generic = plus_eps, (lambda t, e: t + e), (lambda e: f"x / (y + {fmt(e)})")
+        # the gradient reaches the denominator through `+ eps`: x / eps² must stay finite
+        floor, floor_why = (math.sqrt(n / s.finfo.max) if n else None), "the gradient x / eps²"
+    else:  # clamp_min: where it clamps, no gradient reaches the denominator; only the quotient x / eps must fit
+        code, change, generic = clamp_eps, (lambda t, e: t.clamp_min(e)), (lambda e: f"x / y.clamp_min({fmt(e)})")
+        floor, floor_why = (n / s.finfo.max if n else None), "the quotient x / eps"
+    fixes = edge_fix(s, FixKind.EPSILON, d.get("absmax") or n, "the quotient and its gradient",
+                     code, change, generic, which=which, arg=idx, floor=floor, floor_why=floor_why)
+    return Diagnosis("division_by_zero", "0/0" if zero_zero else "division by zero",
+                     f"the denominator held {count(d['zeros'], 'exact zero')} (range {d.get('min')} .. {d.get('max')}) at "
+                     f"{s.where}: {'0/0 = NaN' if zero_zero else 'x/0 = Inf'}. Keep the denominator away from 0, or "
+                     "mask the rows where it is 0.", fixes)

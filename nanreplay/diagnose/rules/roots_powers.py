@@ -1,0 +1,161 @@
+"""Roots, powers and inverse trig at the edge of their domain: sqrt, x ** a, acos / asin.
+sqrt_cancellation outranks sqrt_of_negative: both claim a negative under sqrt, and a variance
+computed as E[x²] − E[x]² is the more specific story (and the better fix)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nanreplay.diagnose import codefix
+from nanreplay.diagnose.fixes import clamp_eps, edge_fix, fmt, plus_eps, replace_arg
+from nanreplay.diagnose.model import Diagnosis, Fix, rule
+from nanreplay.diagnose.prose import count
+from nanreplay.diagnose.site import Site, finite_float
+from nanreplay.enums import FixKind
+
+aten = torch.ops.aten
+
+
+def _sqrt_call(s: Site) -> bool:
+    return s.packet == "aten.sqrt" and s.call_is("sqrt")
+
+
+@rule("sqrt_cancellation", aten.sqrt, priority=160)
+def _sqrt_cancel(s: Site) -> Diagnosis | None:
+    """sqrt(E[x^2] - E[x]^2): rounding makes a zero variance slightly negative."""
+    x = s.inp(0)
+    if not (s.forward and _sqrt_call(s) and x.get("negatives", 0)) or s.origin_packet(0) != "aten.sub":
+        return None
+    # A zero variance computed as a difference comes out as rounding noise: |noise| ≈ eps(dtype) * E[x²].
+    # So the negatives tell the scale of the terms that cancelled.
+    lo = abs(finite_float(x.get("min")) or 0.0)
+    terms = lo / s.finfo.eps
+    scale = max(finite_float(x.get("absmax")) or 0.0, terms)
+    fixes = edge_fix(s, FixKind.CLAMP, scale, "sqrt(var.clamp_min(0) + eps) and its gradient 1/(2*sqrt(eps))",
+                     lambda t, e: f"{codefix.paren(t)}.clamp_min(0) + {fmt(e)}",
+                     lambda t, e: t.clamp_min(0) + e, lambda e: f"torch.sqrt(var.clamp_min(0) + {fmt(e)})")
+    return Diagnosis("sqrt_cancellation", "sqrt of a variance computed as E[x²] − E[x]²",
+                     f"sqrt's input is a difference with {count(x['negatives'], 'negative value')} (min {x.get('min')}): "
+                     f"computed as E[x²] − E[x]², a zero variance (a constant feature) cancels to rounding noise of "
+                     f"about {s.dtype}'s eps × E[x²] (here E[x²] is of order {terms:.2g}), which can be negative, and sqrt of "
+                     f"a negative is NaN at {s.where}. Clamp at 0 then add eps, or compute the variance as "
+                     "torch.var(x, dim, correction=0) or ((x - mean) ** 2).mean(), which do not cancel.", fixes)
+
+
+@rule("sqrt_of_negative", aten.sqrt, priority=150)
+def _sqrt_negative(s: Site) -> Diagnosis | None:
+    x = s.inp(0)
+    if not (s.forward and _sqrt_call(s) and x.get("negatives", 0)):
+        return None
+    fixes = edge_fix(s, FixKind.CLAMP, x.get("absmax"), "sqrt and its gradient",
+                     lambda t, e: f"{codefix.paren(t)}.clamp_min(0) + {fmt(e)}",
+                     lambda t, e: t.clamp_min(0) + e, lambda e: f"torch.sqrt(x.clamp_min(0) + {fmt(e)})")
+    return Diagnosis("sqrt_of_negative", "sqrt of a negative number",
+                     f"sqrt received {count(x['negatives'], 'negative value')} (min {x.get('min')}) at {s.where}: "
+                     "sqrt(x<0) = NaN in forward, and anomaly mode would flag its backward.", fixes)
+
+
+@rule("sqrt_at_zero", aten.sqrt, priority=140)
+def _sqrt_zero(s: Site) -> Diagnosis | None:
+    if not _sqrt_call(s) or s.forward or s.event.node != "SqrtBackward0":
+        return None
+    denom = s.inp(1)  # SqrtBackward0: grad / (2 * sqrt(x))
+    amax = finite_float(denom.get("absmax"))
+    scale = (amax / 2) ** 2 if amax is not None else None
+    fixes = edge_fix(s, FixKind.EPSILON, scale, "the gradient 1/(2*sqrt(x + eps))",
+                     plus_eps, lambda t, e: t + e, lambda e: f"torch.sqrt(x + {fmt(e)})",
+                     floor=(1 / (2 * s.finfo.max)) ** 2, floor_why="the gradient 1/(2*sqrt(eps))")
+    return Diagnosis("sqrt_at_zero", "sqrt at zero: infinite gradient",
+                     f"sqrt's input held exact zeros at {s.where}. sqrt(0) = 0 is fine in forward, but its "
+                     "derivative 1/(2*sqrt(x)) is Inf there — the seed's `sqrt(0).backward()` case (often a "
+                     "distance or norm between identical vectors).", fixes)
+
+
+def _exponent(s: Site) -> float | None:
+    """The exponent a of x ** a (in backward, PowBackward0 computes x ** (a - 1))."""
+    v = next((v for v in s.event.scalars or [] if isinstance(v, (int, float)) and not isinstance(v, bool)), None)
+    if v is None:
+        return None
+    return float(v) if s.forward else float(v) + 1
+
+
+def _pow_call(s: Site) -> bool:
+    return s.packet == "aten.pow" and s.call_is("pow", "__pow__", "float_power")
+
+
+@rule("pow_of_negative", aten.pow, priority=130)
+def _pow_negative(s: Site) -> Diagnosis | None:
+    x = s.inp(0)
+    a = _exponent(s)
+    if not (s.forward and _pow_call(s) and x.get("negatives", 0) and a is not None and a != int(a)):
+        return None
+    fixes = edge_fix(s, FixKind.CLAMP, x.get("absmax"), f"x ** {a:g} and its gradient",
+                     clamp_eps, lambda t, e: t.clamp_min(e), lambda e: f"x.clamp_min({fmt(e)}) ** {a:g}",
+                     floor=(abs(a) / s.finfo.max) ** (1 / (1 - a)) if a < 1 else None,
+                     floor_why=f"the gradient {a:g} * eps ** {a - 1:g}")
+    return Diagnosis("pow_of_negative", f"fractional power ({a:g}) of a negative number",
+                     f"x ** {a:g} is NaN for x < 0 ({count(x['negatives'], 'such value')}, min {x.get('min')}) at {s.where}. "
+                     "A fractional power is only defined for x ≥ 0: clamp the base (or use "
+                     f"x.sign() * x.abs() ** {a:g} if negative inputs are meaningful).", fixes)
+
+
+@rule("pow_at_zero", aten.pow, priority=120)
+def _pow_zero(s: Site) -> Diagnosis | None:
+    """x ** a at x = 0: Inf gradient for 0 < a < 1 (PowBackward0), Inf value for a < 0."""
+    if not _pow_call(s):
+        return None
+    a = _exponent(s)
+    x = s.inp(0)
+    if a is None or a >= 1 or a == 0 or not x.get("zeros", 0):
+        return None
+    if s.forward:
+        if a > 0 or s.event.kind != "inf":
+            return None
+    elif s.event.node != "PowBackward0":
+        return None
+    fmax = s.finfo.max
+    floor = (abs(a) / fmax) ** (1 / (1 - a)) if a > 0 else (1 / fmax) ** (1 / -a)
+    fixes = edge_fix(s, FixKind.EPSILON, x.get("absmax"),
+                     f"(x + eps) ** {a:g} and its gradient {a:g} * (x + eps) ** {a - 1:g}",
+                     plus_eps, lambda t, e: t + e, lambda e: f"(x + {fmt(e)}) ** {a:g}",
+                     floor=floor, floor_why=f"{'the gradient ' if a > 0 else ''}eps ** {a - 1 if a > 0 else a:g}")
+    if a > 0:
+        title, what = (f"x ** {a:g} at x = 0: infinite gradient",
+                       f"x ** {a:g} is 0 at x = 0, but its derivative {a:g} * x ** {a - 1:g} has a negative power, "
+                       f"so it is Inf there")
+    else:
+        title, what = f"x ** {a:g} at x = 0: infinite value", f"x ** {a:g} = 1 / x ** {-a:g} is Inf at x = 0"
+    return Diagnosis("pow_at_zero", title,
+                     f"{what} ({count(x.get('zeros', 0), 'exact zero')} in x, {s.where}). Add a small eps to the base.", fixes)
+
+
+@rule("acos_asin_boundary", aten.acos, aten.asin, priority=110)
+def _acos(s: Site) -> Diagnosis | None:
+    name = s.packet.split(".")[1]
+    if not s.call_is(name, "arccos", "arcsin"):
+        return None
+    x = s.inp(0)
+    # 1 - eps must be a value the dtype can tell apart from 1 (the spacing just below 1 is finfo.eps / 2);
+    # there the derivative 1/sqrt(1 - x²) ≈ 1/sqrt(2 eps) is large but finite.
+    eps = float(f"{10.0 ** math.ceil(math.log10(s.finfo.eps)):.0e}")
+    fixes = []
+    for e in (eps, eps * 10, eps * 100):
+        lo, hi = f"-1 + {fmt(e)}", f"1 - {fmt(e)}"
+        rw = s.rewrite(codefix.with_operand("input", lambda t, lo=lo, hi=hi: f"{codefix.paren(t)}.clamp({lo}, {hi})"))
+        fixes.append(Fix(FixKind.CLAMP, f"torch.{name}(x.clamp({lo}, {hi}))", epsilon=e,
+                         rewrite=rw,
+                         patch={s.call: replace_arg(0, lambda t, e=e: t.clamp(-1 + e, 1 - e))} if s.call else None,
+                         reasoning=f"the derivative ∓1/sqrt(1 - x²) is Inf at |x| = 1 and {name} is NaN beyond; "
+                                   f"{s.dtype} tells 1 - {fmt(e)} apart from 1 (its spacing below 1 is "
+                                   f"{s.finfo.eps / 2:.1e}), so the clamped input keeps value and gradient finite"))
+    if s.forward:
+        expl = (f"{name} received {s.event.out.get('nan', 0)} values outside [-1, 1] (x range seen: {x.get('min')} .. "
+                f"{x.get('max')}) at {s.where}, so it is NaN there — typically a cosine computed by hand that rounding "
+                "pushed to 1.0000001.")
+    else:
+        expl = (f"{name}'s input was exactly ±1 at {s.where}: {name}(±1) is finite, but its derivative "
+                f"∓1/sqrt(1 - x²) is Inf there (in {s.event.node}). Typical sources: a clamp(-1, 1) that pins values "
+                "to the boundary, a saturated tanh, the cosine of identical vectors.")
+    return Diagnosis("acos_asin_boundary", f"{name} at the edge of its domain", expl, fixes)

@@ -1,0 +1,190 @@
+"""exp overflow, softmax and logsumexp written by hand, and softmax over a fully masked row.
+handwritten_softmax outranks the plain exp_overflow: both claim an exp that overflowed."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from nanreplay.diagnose import codefix
+from nanreplay.diagnose.fixes import finite_mask, replace_arg
+from nanreplay.diagnose.model import Diagnosis, Fix, rule
+from nanreplay.diagnose.site import Site, packet
+from nanreplay.enums import FixKind
+from nanreplay.replay import OpRecord, frame_json
+
+aten = torch.ops.aten
+
+
+def _sum_dim(s: Site, sum_rec: OpRecord | None) -> tuple[Any, bool, bool]:
+    """(dim, keepdim, known) of the user's sum over exp(x), read from their source line."""
+    if sum_rec is None or not sum_rec.call:
+        return -1, False, False
+    fr = frame_json(sum_rec.frame)
+    name = s.step.call_names[sum_rec.call] if sum_rec.call < len(s.step.call_names) else None
+    dim = codefix.literal_argument(fr and fr["path"], fr and fr["line"], name, "dim", 0)
+    keep = codefix.literal_argument(fr and fr["path"], fr and fr["line"], name, "keepdim", 1, default=False)
+    if isinstance(dim, int) or (isinstance(dim, (tuple, list)) and all(isinstance(d, int) for d in dim)):
+        return dim, bool(keep), True
+    return -1, False, False
+
+
+def _logsumexp_text(src, node, dim_text: str) -> str | None:
+    """torch.log(torch.exp(x).sum(d)) / torch.log(torch.sum(torch.exp(x), d)) -> torch.logsumexp(x, d)."""
+    inner = codefix.operand(node, "input")
+    if not isinstance(inner, codefix.ast.Call):
+        return None
+    e = codefix.operand(inner, "input")
+    f = inner.func
+    if (f.attr if isinstance(f, codefix.ast.Attribute) else getattr(f, "id", "")) != "sum" or \
+            not isinstance(e, codefix.ast.Call):
+        return None
+    g = e.func
+    if (g.attr if isinstance(g, codefix.ast.Attribute) else getattr(g, "id", "")) != "exp":
+        return None
+    x = codefix.operand(e, "input")
+    rest = [src(a) for a in codefix.arguments(inner)] + [f"{k.arg}={src(k.value)}" for k in inner.keywords]
+    return f"torch.logsumexp({src(x)}, {', '.join(rest) if rest else dim_text})"
+
+
+@rule("handwritten_softmax", aten.exp, priority=60)
+def _handwritten_softmax(s: Site) -> Diagnosis | None:
+    """exp(x) / exp(x).sum() or log(exp(x).sum()) written by hand: exp overflows before the division/log."""
+    if not (s.forward and s.call_is("exp") and s.event.kind == "inf"):
+        return None
+    # exp(x) / exp(x).sum(): every exp of the same x must change together, or the ratio changes
+    siblings = [s.rec]
+    if s.rec.src and s.rec.src[0] is not None:
+        siblings = [r for r in s.step.ops if packet(str(r.op)) == "aten.exp" and r.src[:1] == s.rec.src[:1]]
+    cons = [s.step.ops[i] for r in siblings for i in s.consumers(s.index(r))]
+    if not any(packet(str(r.op)) in ("aten.sum", "aten.div") for r in cons):
+        return None
+    sum_rec = next((r for r in cons if packet(str(r.op)) == "aten.sum"), None)
+    log_rec = None
+    if sum_rec is not None:
+        log_rec = next((s.step.ops[j] for j in s.consumers(s.index(sum_rec))
+                        if packet(str(s.step.ops[j].op)) == "aten.log"), None)
+    dim, keep, known = _sum_dim(s, sum_rec)
+    x = s.inp(0)
+    lim = math.log(s.finfo.max)
+    assumed = "" if known else " (the summed dim could not be read from the source; dim=-1 assumed)"
+    if log_rec is not None:
+        patch = None
+        if s.call and log_rec.call and len({s.call, log_rec.call, sum_rec.call}) == 3:
+            state: dict = {}
+
+            def grab(func, args, kwargs):
+                state["x"] = args[0]
+                return func(*args, **kwargs)
+            patch = {s.call: grab, log_rec.call: lambda func, a, k: torch.logsumexp(state["x"], dim, keepdim=keep)}
+        fr = frame_json(log_rec.frame)
+        lname = s.step.call_names[log_rec.call] if 0 < log_rec.call < len(s.step.call_names) else None
+        rw = s.rewrite(lambda src, node: _logsumexp_text(src, node, f"dim={dim!r}"), lname, fr and fr["line"])
+        code = f"torch.logsumexp(x, dim={dim!r})  # not torch.log(torch.exp(x).sum({dim!r}))"
+        title, stable = "hand-written logsumexp overflowed", "torch.logsumexp"
+        then = "and log(Inf) = Inf"
+    else:
+        def patch_fn(func, args, kwargs):
+            t = args[0]
+            return func(t - t.detach().amax(dim=dim, keepdim=True), *args[1:], **kwargs)
+        calls = [r.call for r in siblings]
+        patch = {c: patch_fn for c in calls} if all(calls) and len(set(calls)) == len(calls) else None
+        rw = None
+        if len(siblings) == 1:  # one exp call to rewrite on the user's line
+            rw = s.rewrite(codefix.with_operand(
+                "input", lambda t: codefix.plus(t, f"{codefix.paren(t)}.amax(dim={dim!r}, keepdim=True)", "-")))
+        code = f"torch.softmax(x, dim={dim!r})  # not x.exp() / x.exp().sum({dim!r}, keepdim=True)"
+        title, stable = "hand-written softmax overflowed", "torch.softmax"
+        then = "then the normalisation made Inf/Inf = NaN"
+    return Diagnosis("handwritten_softmax", title,
+                     f"exp overflowed to Inf for inputs above {lim:.1f} ({s.dtype}; max seen {x.get('max')}) at "
+                     f"{s.where}, {then}. Subtracting the maximum over the summed dim first (what torch.softmax and "
+                     f"torch.logsumexp do) keeps exp ≤ 1 and changes nothing mathematically.",
+                     [Fix(FixKind.MAX_SUBTRACTION, code, rewrite=rw,
+                          patch=patch, reasoning=f"{stable} is the stable form: exp(x - max) never overflows"
+                          + assumed)])
+
+
+@rule("exp_overflow", aten.exp, priority=50)
+def _exp_overflow(s: Site) -> Diagnosis | None:
+    if not (s.forward and s.call_is("exp") and s.event.kind == "inf"):
+        return None
+    x = s.inp(0)
+    lim = math.floor(math.log(s.finfo.max)) - 1
+    fixes = []
+    rw = s.rewrite(codefix.with_operand("input", lambda t: f"{codefix.paren(t)}.clamp(max={lim})"))
+    fixes.append(Fix(FixKind.CLAMP, f"torch.exp(x.clamp(max={lim}))", rewrite=rw,
+                     patch={s.call: replace_arg(0, lambda t: t.clamp(max=lim))} if s.call else None,
+                     reasoning=f"exp(x) overflows {s.dtype} above x ≈ {math.log(s.finfo.max):.1f}"))
+    return Diagnosis("exp_overflow", "exp overflow",
+                     f"exp received values up to {x.get('max')} at {s.where}; in {s.dtype} exp overflows above "
+                     f"{math.log(s.finfo.max):.1f}. If this is a softmax or logsumexp, use the library function; "
+                     "otherwise clamp the input or work in log space.", fixes)
+
+
+@rule("softmax_all_masked", aten._softmax, aten._log_softmax, priority=40)
+def _masked_row(s: Site) -> Diagnosis | None:
+    if not (s.forward and s.event.role == "conversion"):
+        return None
+    lits = [e for e in s.chain_events() if e.role == "literal" and e.index < s.event.index and e.fwd is not None]
+    recs = list({id(r): r for r in (s.step.ops[e.fwd] for e in lits) if r.call}.values())
+    patch = {r.call: finite_mask for r in recs} or None
+    rws = []
+    for r in recs:
+        fr = frame_json(r.frame)
+        name = s.step.call_names[r.call] if r.call < len(s.step.call_names) else None
+        rw = fr and s.rewrite(lambda src, node: _finite_mask_text(src, node, s.dtype), name, fr["line"])
+        if rw and all(rw.before != o.before for o in rws):
+            rws.append(rw)
+    rws.sort(key=lambda r: r.line)
+    before = "\n".join(r.before for r in rws) or None
+    after = "\n".join(r.after for r in rws) or None
+    code = after or "scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)  # not float('-inf')"
+    return Diagnosis("softmax_all_masked", "softmax over a fully masked row",
+                     f"every entry of some softmax row was -inf (a mask with no allowed position, e.g. an all-padding "
+                     f"sequence), so softmax computed exp(-inf - (-inf)) = NaN at {s.where}. A healthy causal mask is "
+                     "fine; an empty row is not. Use the dtype's most negative finite value as the mask value "
+                     "(the row then becomes uniform, and you can zero it), or drop empty rows.",
+                     [Fix(FixKind.FINITE_MASK_VALUE, code, before=before, after=after, patch=patch,
+                          reasoning="finfo(dtype).min behaves like -inf for every row that has an allowed position, "
+                                    "and keeps fully masked rows finite")])
+
+
+def _is_neg_inf(node) -> bool:
+    """float('-inf'), -float('inf'), -math.inf, -torch.inf, -np.inf as written in source."""
+    ast = codefix.ast
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        v = node.operand
+        if isinstance(v, ast.Attribute) and v.attr == "inf":
+            return True
+        return isinstance(v, ast.Call) and getattr(v.func, "id", "") == "float" and len(v.args) == 1 and \
+            isinstance(v.args[0], ast.Constant) and str(v.args[0].value).lower() in ("inf", "infinity")
+    return isinstance(node, ast.Call) and getattr(node.func, "id", "") == "float" and len(node.args) == 1 and \
+        isinstance(node.args[0], ast.Constant) and str(node.args[0].value).lower() in ("-inf", "-infinity")
+
+
+def _finite_mask_text(src, node, dtype: str) -> str | None:
+    """s.masked_fill(m, float('-inf')) -> s.masked_fill(m, torch.finfo(s.dtype).min); the same for where()."""
+    ast = codefix.ast
+    if not isinstance(node, ast.Call):
+        return None
+    values = list(node.args) + [k.value for k in node.keywords]
+    lit = next((v for v in values if _is_neg_inf(v)), None)
+    if lit is None:
+        return None
+    if not codefix._is_function_call(node):
+        ref = node.func.value  # s.masked_fill(...)
+    else:
+        ref = next((a for a in node.args[1:] if a is not lit), None) if getattr(node.func, "attr", "") == "where" \
+            else (node.args[0] if node.args else None)
+    if isinstance(ref, (ast.Name, ast.Attribute)):
+        value = f"torch.finfo({src(ref)}.dtype).min"
+    else:
+        value = f"torch.finfo(torch.{dtype}).min"
+    whole = src(node)
+    a = lit.col_offset - node.col_offset if lit.lineno == node.lineno else None
+    if a is None or whole[a:a + len(src(lit))] != src(lit):
+        return None
+    return whole[:a] + value + whole[a + len(src(lit)):]
