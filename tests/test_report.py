@@ -574,6 +574,14 @@ def test_only_the_sources_step_reads_files():
     assert s.origin == "file" and [ln.number for ln in s.lines if ln.mark == "culprit"] == [src["line"]]
 
 
+def test_templates_do_no_arithmetic():
+    """Every coordinate and count comes computed: a template expression holds no + - * / % (outside strings)."""
+    for t in (ROOT / "nanreplay" / "report" / "templates").glob("*.j2"):
+        for expr in re.findall(r"{{(.*?)}}|{%(.*?)%}", t.read_text(), flags=re.S):
+            code = re.sub(r"'[^']*'|\"[^\"]*\"", "''", "".join(expr))
+            assert not re.search(r"(?<![-+*/%])\s[-+*/%]\s", code), f"{t.name}: {code.strip()}"
+
+
 # ------------------------------------------------------------------ the terminal summary mirrors the banner
 
 

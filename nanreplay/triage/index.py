@@ -32,6 +32,7 @@ def index_view(doc: dict) -> dict:
     numbers = {g["id"]: i for i, g in enumerate(doc["groups"], 1)}
     return {"title": f"nanreplay triage: {doc['dir']}", "doc": doc, "groups": groups, "titles": titles,
             "numbers": numbers, "failures": doc["failures"], "ranks": doc["ranks"], "ignored": doc["ignored"],
+            "ignored_shown": doc["ignored"][:50], "ignored_more": max(0, len(doc["ignored"]) - 50),
             "generated": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
 
 
