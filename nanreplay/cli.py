@@ -47,7 +47,7 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
             device: str | None, trust: bool, no_verify: bool) -> None:
     """Replay SNAPSHOT, name the op that broke the step, explain it and suggest a verified fix."""
     from nanreplay import analysis as analysis_mod
-    from nanreplay.report import html as report_mod
+    from nanreplay import report as report_mod
 
     try:
         report_path = _output_path(report or f"{Path(snapshot).stem}.nanreplay.html", snapshot)

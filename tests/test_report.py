@@ -1,7 +1,8 @@
 """The HTML report: every section that applies, checked from structured data.
 
-Sections are checked on the view model (`report.build_view`) and on the parsed
-page (`html.parser`), never by comparing whole HTML strings.
+Sections are checked on the view model (`report.build_view`, fed what
+`report.gather_sources` read, as `render_html` does) and on the parsed page
+(`html.parser`), never by comparing whole HTML strings.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import pytest
 import torch
 from test_samples import EXPECTED, SAMPLES
 
+from nanreplay import report
 from nanreplay.analysis import Analysis, analyze
-from nanreplay.report import html as report
+from nanreplay.report import html as report_html
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE_BUDGET = 500_000
@@ -101,6 +103,11 @@ def render(a, tmp_path: Path, name: str = "report.html") -> tuple[Path, Page]:
     return out, Page(out.read_text(encoding="utf-8"))
 
 
+def view(a) -> report.ReportView:
+    """The view model as render_html builds it: the source files read first, then the views (which read nothing)."""
+    return report.build_view(a, report.gather_sources(a))
+
+
 def text_of(line: report.SourceLine) -> str:
     return "".join(t.text for t in line.tokens)
 
@@ -125,7 +132,7 @@ def test_sample_report_renders_every_section_that_applies(name, tmp_path):
     d = a.to_json()
     c = d["culprit"]
     out, page = render(a, tmp_path)
-    v = report.build_view(a)
+    v = view(a)
 
     # what is on the page: native samples carry their training history; none has non-finite leaves
     expected = ALL_SECTIONS - {"leaves"}
@@ -258,7 +265,7 @@ EVIL_DIR = "<img src=x onerror=alert(2)>"
 def _assert_inert(html: str, page: Page, *raw: str) -> None:
     for r in raw:
         assert r not in html, f"unescaped {r!r}"
-    assert page.scripts == [report._asset("report.js")]  # the only script is our own
+    assert page.scripts == [report_html._asset("report.js")]  # the only script is our own
     assert [t for t, _ in page.tags].count("script") == 1
     assert "img" not in {t for t, _ in page.tags}
     for tag, attrs in page.tags:
@@ -352,7 +359,7 @@ def test_nonfinite_input_report(tmp_path):
     torch.save({"x": x, "y": y, "state": s}, tmp_path / "bad_input.pt")
     a = analyze(tmp_path / "bad_input.pt", model="nanmodels:classifier", loss="nll_loss")
     _, page = render(a, tmp_path)
-    v = report.build_view(a)
+    v = view(a)
     assert set(page.sections) == {"verdict", "anomaly", "leaves", "environment", "reproduce"}
     assert v.banner.verdict_label == "NaN/Inf in the input batch" and "input batch" in v.banner.headline
     assert v.anomaly.answer == "Not checked"
@@ -371,7 +378,7 @@ def test_nonfinite_parameters_report(tmp_path):
     torch.save({"x": x, "y": y, "state": s}, tmp_path / "bad_w.pt")
     a = analyze(tmp_path / "bad_w.pt", model="nanmodels:classifier", loss="nll_loss")
     _, page = render(a, tmp_path)
-    v = report.build_view(a)
+    v = view(a)
     assert "leaves" in page.sections and "chain" not in page.sections and "source" not in page.sections
     assert v.banner.verdict_label == "NaN/Inf already in the weights"
     ((name, role, shape, nan, inf, _),) = v.leaves.rows
@@ -387,7 +394,7 @@ def test_not_reproduced_report(tmp_path):
                tmp_path / "fine.pt")
     a = analyze(tmp_path / "fine.pt", model="nanmodels:tiny", loss="cross_entropy")
     _, page = render(a, tmp_path)
-    v = report.build_view(a)
+    v = view(a)
     assert v.banner.tone == "ok" and v.banner.verdict_label == "not reproduced" and v.banner.fix is None
     assert {"gradients", "activations", "shapes"} <= set(page.sections)
     assert not {"source", "chain", "culprit-stats", "leaves"} & set(page.sections)
@@ -428,7 +435,7 @@ def test_culprit_in_a_named_loss_says_there_is_no_user_line(tmp_path, monkeypatc
                tmp_path / "m.pt")
     a = analyze(tmp_path / "m.pt", model="masked_models:build", loss="cross_entropy", verify=False)
     assert a.culprit["module"] == "<loss>" and a.culprit["source"] is None
-    v = report.build_view(a)
+    v = view(a)
     facts = {f.label: f.value for f in v.banner.facts}
     assert "--loss cross_entropy" in facts["source"] and "no line of yours" in facts["source"]
     s = v.source
@@ -443,7 +450,7 @@ def test_culprit_in_a_named_loss_says_there_is_no_user_line(tmp_path, monkeypatc
     d = copy.deepcopy(a.to_json())
     for e in d["chain"]:
         e["source"] = None
-    s = report.build_view(d).source
+    s = view(d).source
     assert s.origin == "none" and s.lines == [] and "--loss cross_entropy" in s.note
     page = Page(report.render_html(d))
     assert "src" not in {a.get("class", "").split(" ")[0] for _, a in page.tags}
@@ -457,7 +464,7 @@ def test_history_section_marks_the_spike_and_the_non_finite_step(tmp_path):
     hist = [{"step": 100 + i, "loss": 2.0 / (1 + 0.1 * i), "grad_norm": 1.0 + 0.01 * i} for i in range(20)]
     hist += [{"step": 120, "loss": 1.5, "grad_norm": 4.0e5}, {"step": 121, "loss": "nan", "grad_norm": "inf"}]
     a.snapshot_info.update(format="native", step=121, trigger="loss", history=hist)
-    v = report.build_view(a)
+    v = view(a)
     h = v.history
     assert "grad-norm spike at step 120" in h.spike and "non-finite from step 121" in h.spike
     assert [m.label for m in h.chart.markers] == ["spike (step 120)", "non-finite (step 121)"]
@@ -474,7 +481,7 @@ def test_history_section_marks_the_spike_and_the_non_finite_step(tmp_path):
 def test_history_without_a_spike_marks_the_snapshot_step():
     d = copy.deepcopy(sample_analysis("log_zero").to_json())
     d["snapshot_info"].update(step=9, history=[{"step": i, "loss": 1.0 - 0.05 * i, "grad_norm": 2.0} for i in range(10)])
-    h = report.build_view(d).history
+    h = view(d).history
     assert h.spike == "" and [m.label for m in h.chart.markers] == ["snapshot (step 9)"]
     assert all(p.scale == "linear" for p in h.chart.panels) and all(len(p.lines) == 1 for p in h.chart.panels)
 
@@ -503,7 +510,7 @@ def test_gradient_table_is_the_seeds_walk_worst_first():
         {"name": "nan.weight", "shape": [4], "has_grad": True, "mean": "nan", "std": "nan", "max_abs": "nan", "nan": 4,
          "inf": 0},
     ]
-    gt = report.build_view(_synthetic(gradients=g)).gradients
+    gt = view(_synthetic(gradients=g)).gradients
     assert [r[0].text for r in gt.rows] == ["nan.weight", "inf.bias", "frozen.weight", "dead.bias", "big.weight",
                                             "ok.weight"]
     assert [r[2].text for r in gt.rows] == ["NaN", "Inf", "NO GRADIENT", "all zero", "finite", "finite"]
@@ -519,7 +526,7 @@ def test_gradient_shapes_flag_mismatches_first():
             {"module": "skip", "output_shape": [2, 3], "grad_shape": [2, 1], "mismatch": True},
             {"module": "unused", "output_shape": [4], "grad_shape": None, "mismatch": False},
             {"module": "a", "output_shape": [2, 3], "grad_shape": [2, 3], "mismatch": False}]
-    sh = report.build_view(_synthetic(gradient_shapes=rows)).shapes
+    sh = view(_synthetic(gradient_shapes=rows)).shapes
     assert (sh.mismatches, sh.no_grad, sh.total) == (1, 1, 4)
     assert [r[0].text for r in sh.rows] == ["skip", "unused", "a", "a (call 2)"]
     assert sh.rows[0][3].text == "MISMATCH" and sh.rows[0][3].bad and sh.rows[0][2].text == "2×1"
@@ -532,7 +539,7 @@ def test_long_propagation_runs_fold_but_stay_in_the_page():
     run = [dict(first, index=100 + i, role="propagation", op="aten.view.default") for i in range(30)]
     d["chain"] = [first, *run, dict(first, index=500, role="propagation", op="aten.detach.default")]
     d["failure"]["event"] = 500
-    ch = report.build_view(d).chain
+    ch = view(d).chain
     assert [len(g.events) for g in ch.groups] == [1, 30, 1] and ch.groups[1].collapsed
     assert "30 propagation steps" in ch.groups[1].summary and "view ×30" in ch.groups[1].summary
     page = Page(report.render_html(d))
@@ -545,13 +552,34 @@ def test_source_context_falls_back_to_the_recorded_line(tmp_path):
     src = d["culprit"]["source"]
     for path in (str(tmp_path / "gone.py"), "/etc/passwd", str(ROOT / "README.md")):
         src["path"] = path
-        s = report.build_view(d).source
+        s = view(d).source
         assert s.origin == "recorded" and [text_of(ln) for ln in s.lines] == [src["code"]]
         assert "not readable" in s.note
     changed = tmp_path / "models.py"
     changed.write_text("\n".join(f"x{i} = {i}" for i in range(40)))
     src["path"] = str(changed)  # the file no longer says what was recorded at that line
-    assert report.build_view(d).source.origin == "recorded"
+    assert view(d).source.origin == "recorded"
+
+
+def test_only_the_sources_step_reads_files():
+    """gather_sources reads the culprit's file; build_view shows only what it was given."""
+    d = sample_analysis("log_zero").to_json()
+    src = d["culprit"]["source"]
+    sources = report.gather_sources(d)
+    assert list(sources) == [(src["path"], src["line"])]
+    assert sources[(src["path"], src["line"])][src["line"]].strip() == src["code"].strip()
+    s = report.build_view(d, {}).source  # nothing read: the line as recorded, as when the file is gone
+    assert s.origin == "recorded" and [text_of(ln) for ln in s.lines] == [src["code"].strip()]
+    s = report.build_view(d, sources).source
+    assert s.origin == "file" and [ln.number for ln in s.lines if ln.mark == "culprit"] == [src["line"]]
+
+
+def test_templates_do_no_arithmetic():
+    """Every coordinate and count comes computed: a template expression holds no + - * / % (outside strings)."""
+    for t in (ROOT / "nanreplay" / "report" / "templates").glob("*.j2"):
+        for expr in re.findall(r"{{(.*?)}}|{%(.*?)%}", t.read_text(), flags=re.S):
+            code = re.sub(r"'[^']*'|\"[^\"]*\"", "''", "".join(expr))
+            assert not re.search(r"(?<![-+*/%])\s[-+*/%]\s", code), f"{t.name}: {code.strip()}"
 
 
 # ------------------------------------------------------------------ the terminal summary mirrors the banner
@@ -559,7 +587,7 @@ def test_source_context_falls_back_to_the_recorded_line(tmp_path):
 
 def test_terminal_summary_mirrors_the_banner():
     a = sample_analysis("sqrt_zero")
-    b = report.build_view(a).banner
+    b = view(a).banner
     text = report.terminal_summary(a, "out/r.html")
     c = a.culprit
     for needle in (c["op"], c["backward_node"], f"{c['source']['file']}:{c['source']['line']}", b.cause,
@@ -572,10 +600,10 @@ def test_terminal_summary_mirrors_the_banner():
     d["diagnosis"]["fix"].update(verified=False, verification="replayed with the fix: loss still NaN")
     text = report.terminal_summary(d, None)
     assert "[did not verify]" in text and "(replayed with the fix: loss still NaN)" in text
-    assert report.build_view(d).banner.fix.badge.tone == "bad"
+    assert view(d).banner.fix.badge.tone == "bad"
 
     d["diagnosis"]["fix"].update(verified=None, verification=None)  # --no-verify
-    fix = report.build_view(d).banner.fix
+    fix = view(d).banner.fix
     assert (fix.badge.text, fix.badge.tone) == ("not replayed", "muted") and "--no-verify" in fix.verification
     assert "[not replayed]" in report.terminal_summary(d, None)
 
@@ -588,10 +616,10 @@ def test_a_failed_render_leaves_no_report(tmp_path, monkeypatch):
     old = tmp_path / "old.html"
     old.write_text("previous report")
 
-    def broken(_a):
+    def broken(*_):
         raise RuntimeError("template exploded")
 
-    monkeypatch.setattr(report, "build_view", broken)
+    monkeypatch.setattr(report_html, "build_view", broken)
     for target in (old, tmp_path / "new.html"):
         with pytest.raises(RuntimeError):
             report.write_report(a, str(target))
@@ -604,7 +632,7 @@ def test_a_failed_write_leaves_no_half_written_report(tmp_path, monkeypatch):
         def encode(self, *args, **kwargs):
             raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(report, "render_html", lambda a: Exploding("<html>"))
+    monkeypatch.setattr(report_html, "render_html", lambda a: Exploding("<html>"))
     from nanreplay.errors import UsageError
 
     with pytest.raises(UsageError, match="cannot write the report"):

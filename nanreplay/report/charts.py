@@ -2,7 +2,9 @@
 
 The report's charts are inline SVG. This module computes where every bar, line,
 tick and label goes; the template writes the SVG elements. It knows nothing about
-analyses — report.py decides what is drawn, labelled and marked.
+analyses — `report.views.charts` decides what is drawn, labelled and marked. Every
+coordinate the SVG needs is computed here, text positions included, so the template
+does no arithmetic.
 
 Why hand-made SVG and not matplotlib's SVG backend:
 * matplotlib is a heavy dependency the design card does not list, for two simple
@@ -23,10 +25,41 @@ from dataclasses import dataclass
 WIDTH = 900  # viewBox width; the page scales the SVG to its column
 
 
+TICK_GAP = 6.0  # between a value axis and its tick labels; also the inset of labels inside the plot
+BASELINE = 4.0  # a label's baseline this far below a line centres its text on it
+
+
 @dataclass
 class Tick:
-    pos: float
+    """A grid line across the plot at `y`, its value written left of the axis."""
+
+    y: float
     label: str
+    label_y: float
+
+
+def _tick(y: float, label: str) -> Tick:
+    return Tick(y, label, y + BASELINE)
+
+
+@dataclass
+class XTick:
+    """A step written under the step axis."""
+
+    x: float
+    label: str
+
+
+@dataclass
+class Marker:
+    """A vertical dashed line at a step, labelled at the top; labels are staggered so they do not overlap."""
+
+    x: float
+    label: str
+    y1: float
+    y2: float
+    label_x: float
+    label_y: float
 
 
 # ------------------------------------------------------------------ log-scale bars
@@ -53,6 +86,10 @@ class Bar:
     label: str  # shortened for the axis; the full text is in title
     title: str
     value: str
+    cx: float  # the bar's centre: its value and culprit mark are centred on it
+    value_y: float  # baseline of the value written above a non-finite bar
+    mark_y: float  # baseline of the culprit mark, above the value when there is one
+    label_x: float  # where the rotated axis label is anchored
 
 
 @dataclass
@@ -60,6 +97,7 @@ class HLine:
     y: float
     label: str
     broken: bool  # drawn above an axis break: the limit is far beyond the data
+    label_y: float  # the label sits just above the line
 
 
 @dataclass
@@ -75,6 +113,11 @@ class BarChart:
     lines: list[HLine]
     axis_break: float | None  # y of the break marker on the axis, when the axis is broken
     show_labels: bool
+    tick_x: float  # right end of the tick labels
+    limit_label_x: float  # start of the limit lines' labels
+    label_y: float  # top of the rotated bar labels
+    axis_label_y: float  # centre of the value axis's title
+    break_path: str  # the break marker's SVG path; "" when the axis is not broken
 
 
 BREAK_DECADES = 6  # a limit this many decades above the data is drawn above an axis break
@@ -118,18 +161,27 @@ def log_bars(items: Sequence[BarItem], limits: dict[str, float]) -> BarChart:
             y, tone = bottom - 2, "ok"
         else:
             y, tone = y_of(max(it.value, 10.0 ** lo)), ("near" if it.near else "ok")
-        bars.append(Bar(round(x, 1), round(y, 1), round(bw, 1), round(max(bottom - y, 1.0), 1), tone, it.culprit,
-                        _short(it.label), it.title, it.value_text))
+        bx, by, w = round(x, 1), round(y, 1), round(bw, 1)
+        cx = bx + w / 2
+        bars.append(Bar(bx, by, w, round(max(bottom - y, 1.0), 1), tone, it.culprit, _short(it.label), it.title,
+                        it.value_text, cx=cx, value_y=by - 3, mark_y=by - (15 if tone == "bad" else 3), label_x=cx + 3))
     lines = []
     for label, m in limits.items():
         if broken and math.log10(m) > hi:
-            lines.append(HLine(20.0, f"{label} (far above the data: axis broken)", True))
+            ly = 20.0
+            lines.append(HLine(ly, f"{label} (far above the data: axis broken)", True, ly - BASELINE))
         else:
-            lines.append(HLine(round(y_of(m), 1), label, False))
+            ly = round(y_of(m), 1)
+            lines.append(HLine(ly, label, False, ly - BASELINE))
     step = max(1, math.ceil((hi - lo) / 8))
-    ticks = [Tick(round(y_of(10.0 ** k), 1), f"1e{k}") for k in range(lo, hi + 1) if (k - lo) % step == 0]
-    return BarChart(WIDTH, height, left, top, right, bottom, bars, ticks, lines, (top - 12.0) if broken else None,
-                    show_labels)
+    ticks = [_tick(round(y_of(10.0 ** k), 1), f"1e{k}") for k in range(lo, hi + 1) if (k - lo) % step == 0]
+    tick_x = left - TICK_GAP
+    axis_break = (top - 12.0) if broken else None
+    break_path = (f"M{tick_x} {axis_break + 3} l6 -6 M{tick_x} {axis_break + 8} l6 -6"
+                  if axis_break is not None else "")
+    return BarChart(WIDTH, height, left, top, right, bottom, bars, ticks, lines, axis_break, show_labels,
+                    tick_x=tick_x, limit_label_x=left + TICK_GAP, label_y=bottom + 6, axis_label_y=(top + bottom) / 2,
+                    break_path=break_path)
 
 
 # ------------------------------------------------------------------ lines over steps
@@ -146,6 +198,7 @@ class Dot:
     y: float
     title: str
     bad: bool  # a non-finite value: drawn at the panel's top edge
+    r: float  # radius: a non-finite value's dot is larger
 
 
 @dataclass
@@ -157,6 +210,7 @@ class Panel:
     ticks: list[Tick]
     lines: list[Polyline]
     dots: list[Dot]
+    name_y: float  # baseline of the panel's name, inside its top left corner
 
 
 @dataclass
@@ -166,8 +220,11 @@ class LineChart:
     left: float
     right: float
     panels: list[Panel]
-    xticks: list[Tick]
-    markers: list[Tick]  # vertical dashed lines with a label
+    xticks: list[XTick]
+    markers: list[Marker]
+    tick_x: float  # right end of the value-axis tick labels
+    name_x: float  # start of the panels' names
+    xtick_y: float  # baseline of the step labels
 
 
 def nice_ticks(lo: float, hi: float, n: int = 4) -> list[float]:
@@ -195,7 +252,7 @@ def _scale(vals: list[float], top: float, bottom: float, fmt: Callable[..., str]
             return bottom - (math.log10(v) - lo) / (hi - lo) * (bottom - top)
 
         every = max(1, math.ceil((hi - lo) / 4))
-        return y_log, [Tick(round(y_log(10.0 ** k), 1), f"1e{k}") for k in range(lo, hi + 1) if (k - lo) % every == 0], "log"
+        return y_log, [_tick(round(y_log(10.0 ** k), 1), f"1e{k}") for k in range(lo, hi + 1) if (k - lo) % every == 0], "log"
     a, b = (min(vals), max(vals)) if vals else (0.0, 1.0)
     if a == b:
         a, b = a - 1, b + 1
@@ -205,7 +262,7 @@ def _scale(vals: list[float], top: float, bottom: float, fmt: Callable[..., str]
     def y_lin(v: float) -> float:
         return bottom - (v - a) / (b - a) * (bottom - top)
 
-    return y_lin, [Tick(round(y_lin(t), 1), fmt(t, 3)) for t in nice_ticks(a, b)], "linear"
+    return y_lin, [_tick(round(y_lin(t), 1), fmt(t, 3)) for t in nice_ticks(a, b)], "linear"
 
 
 def step_lines(steps: Sequence[float], series: Sequence[tuple[str, Sequence[float | None]]],
@@ -231,16 +288,18 @@ def step_lines(steps: Sequence[float], series: Sequence[tuple[str, Sequence[floa
                     lines.append(Polyline(" ".join(cur)))
                 cur = []
                 if v is not None:
-                    dots.append(Dot(x_of(s), top, f"step {fmt(s)}: {name} {fmt(v)}", True))
+                    dots.append(Dot(x_of(s), top, f"step {fmt(s)}: {name} {fmt(v)}", True, 4))
                 continue
             y = round(y_of(v), 1)
             cur.append(f"{x_of(s)},{y}")
             if len(steps) <= 60 or len(cur) == 1:
-                dots.append(Dot(x_of(s), y, f"step {fmt(s)}: {name} {fmt(v)}", False))
+                dots.append(Dot(x_of(s), y, f"step {fmt(s)}: {name} {fmt(v)}", False, 2.2))
         if len(cur) > 1:
             lines.append(Polyline(" ".join(cur)))
-        panels.append(Panel(name, top, bottom, scale, ticks, lines, dots))
-    xticks = [Tick(x_of(t), fmt(int(t) if float(t).is_integer() else t)) for t in nice_ticks(x0, x1, 6) if x0 <= t <= x1]
-    markers = [Tick(x_of(s), label) for s, label in marks if x0 <= s <= x1]
+        panels.append(Panel(name, top, bottom, scale, ticks, lines, dots, name_y=top + 12))
     height = int(top0 + len(series) * (panel_h + gap) + 6)
-    return LineChart(WIDTH, height, left, right, panels, xticks, markers)
+    xticks = [XTick(x_of(t), fmt(int(t) if float(t).is_integer() else t)) for t in nice_ticks(x0, x1, 6) if x0 <= t <= x1]
+    markers = [Marker(x, label, y1=4 + 13 * i, y2=height - 20, label_x=x - 4, label_y=13 + 13 * i)
+               for i, (x, label) in enumerate((x_of(s), label) for s, label in marks if x0 <= s <= x1)]
+    return LineChart(WIDTH, height, left, right, panels, xticks, markers, tick_x=left - TICK_GAP,
+                     name_x=left + TICK_GAP, xtick_y=height - 8)

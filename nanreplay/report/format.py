@@ -1,0 +1,121 @@
+"""How the report writes values for people: numbers, shapes, module names, source locations, op names.
+
+Pure functions of their arguments, shared by every section's view builder and the
+terminal summary. The few a template may call sit in one dict, `TEMPLATE_GLOBALS`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+_NONFINITE_TEXT = {"nan": "NaN", "inf": "+Inf", "-inf": "−Inf"}
+
+
+def to_float(x: Any) -> float | None:
+    """A JSON number or one of stats.jsonable's strings ("nan", "inf", "-inf") as a float; else None."""
+    if isinstance(x, bool) or x is None:
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    if isinstance(x, str) and x in _NONFINITE_TEXT:
+        return float(x)
+    return None
+
+
+def num(x: Any, digits: int = 4) -> str:
+    """A number for people: 4 significant digits, NaN/+Inf/−Inf spelled out, '—' for none."""
+    if x is None:
+        return "—"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, str):
+        return _NONFINITE_TEXT.get(x, x)
+    if isinstance(x, int):
+        return str(x)
+    if isinstance(x, float):
+        if math.isnan(x):
+            return "NaN"
+        if math.isinf(x):
+            return "+Inf" if x > 0 else "−Inf"
+        if x == 0:
+            return "0"
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def sort_key(x: Any, *, missing: float = -math.inf) -> str:
+    """A value the page's table sorter parses with parseFloat: NaN sorts as the worst (largest)."""
+    f = to_float(x)
+    if f is None:
+        f = missing
+    if math.isnan(f):
+        return "Infinity"
+    if math.isinf(f):
+        return "Infinity" if f > 0 else "-Infinity"
+    return repr(f)
+
+
+def fmt_shape(s: Any) -> str:
+    if s is None:
+        return "—"
+    if isinstance(s, (list, tuple)):
+        return "scalar" if not s else "×".join(str(d) for d in s)
+    return str(s)
+
+
+def module_label(m: str | None, model_class: str | None = None) -> str:
+    if m is None:
+        return "(outside any module)"
+    if m == "":
+        return f"<root> ({model_class})" if model_class else "<root>"
+    if m == "<loss>":
+        return "<loss>"
+    return m
+
+
+def where(src: dict | None) -> str:
+    return f"{src.get('file')}:{src.get('line')}" if src else ""
+
+
+def short_where(src: dict | None) -> str:
+    """`file.py:12`: the file's name only."""
+    return f"{Path(str(src.get('file'))).name}:{src.get('line')}" if src else ""
+
+
+def op_base(op: str | None) -> str:
+    """'aten.div.Tensor' -> 'div', 'aten.mul_.Tensor' -> 'mul'."""
+    if not op:
+        return ""
+    parts = op.split(".")
+    base = parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]
+    return base.rstrip("_") or base
+
+
+def kind_text(kind: str | None, out: dict | None = None) -> str:
+    """'nan' -> 'NaN'; 'inf' -> '+Inf' / '−Inf' when the output's counts say which, else 'Inf'."""
+    if kind == "nan":
+        return "NaN"
+    if kind == "inf" and out:
+        pos, neg = out.get("posinf", 0), out.get("neginf", 0)
+        if pos and not neg:
+            return "+Inf"
+        if neg and not pos:
+            return "−Inf"
+    return "Inf" if kind == "inf" else (kind or "non-finite")
+
+
+def dtype_max(dtype: str | None) -> float | None:
+    """The largest finite value of a floating torch dtype named by its string ('float16'); else None."""
+    if not dtype:
+        return None
+    import torch
+
+    t = getattr(torch, dtype, None)
+    if not isinstance(t, torch.dtype) or not t.is_floating_point:
+        return None
+    return float(torch.finfo(t).max)
+
+
+TEMPLATE_GLOBALS: dict[str, Any] = {"num": num, "fmt_shape": fmt_shape}

@@ -1,0 +1,52 @@
+"""The terminal summary: the report's banner in a few lines.
+
+Built from the same `Banner` as the report's top block, so the two cannot disagree.
+It quotes only what the analysis recorded and reads no file.
+"""
+
+from __future__ import annotations
+
+from nanreplay.analysis.contract import Analysis
+from nanreplay.report.format import kind_text, module_label, where
+from nanreplay.report.views.banner import anomaly_short, banner, failure_text, loss_source_note
+
+
+def terminal_summary(a: Analysis | dict, report_path: str | None) -> str:
+    """The banner in a few lines, for the terminal."""
+    d = a.to_json() if isinstance(a, Analysis) else a
+    b = banner(d)
+    lines = [f"nanreplay: {d.get('snapshot')}: {b.verdict_label}"]
+    c = d.get("culprit")
+    if c:
+        how = c["phase"]
+        if c.get("backward_node"):
+            how += f", {c['backward_node']} ← {c.get('forward_op')}"
+        lines.append(f"  culprit  {c['op']} ({how}) produced {kind_text(c.get('kind'), c.get('output')).upper()}")
+        src = c.get("source")
+        loc = f"at {where(src)}" if src else \
+            f"({loss_source_note(d)})" if c.get("module") == "<loss>" else "(no user source line)"
+        lines.append(f"  module   {module_label(c.get('module'))}   {loc}")
+        if src and src.get("code"):
+            lines.append(f"           {src['code']}")
+    else:
+        lines.append(f"  {b.headline}")
+        for r in (d.get("nonfinite_leaves") or [])[:5]:
+            lines.append(f"  {r['role']:10} {r['name']}: {r['nan']} NaN, {r['inf']} Inf")
+    fail = failure_text(d)
+    if fail:
+        lines.append(f"  failure  {fail}")
+    if b.cause:
+        lines.append(f"  cause    {b.cause}")
+    if b.fix:
+        code = "\n".join(dl.text for dl in b.fix.diff if dl.sign == "+") if b.fix.diff else b.fix.code
+        first, *rest = code.splitlines() or [""]
+        lines.append(f"  fix      [{b.fix.badge.text.lstrip('✓✗ ')}] {first}")
+        lines += [f"           {ln}" for ln in rest[:3]]
+        if b.fix.badge.tone != "ok" and b.fix.verification:
+            lines.append(f"           ({b.fix.verification})")
+    am = anomaly_short(d)
+    if am:
+        lines.append(f"  anomaly  set_detect_anomaly {am}")
+    if report_path:
+        lines.append(f"  report   {report_path}")
+    return "\n".join(lines)

@@ -1,0 +1,164 @@
+"""The report's top block, the verdict: what failed, where, why, and the fix (verified or not).
+
+The terminal summary is built from the same `Banner`, so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from nanreplay.report.format import kind_text, module_label, num, to_float, where
+from nanreplay.report.views.elements import Badge, Fact
+
+
+@dataclass
+class DiffLine:
+    sign: str  # "-" or "+"
+    text: str
+
+
+@dataclass
+class FixView:
+    kind: str
+    label: str  # "epsilon, ε = 1e-09"
+    diff: list[DiffLine]  # before/after, when the fix is a change of the user's line
+    code: str  # otherwise the code to add or change
+    badge: Badge
+    verification: str  # what the replay said, or why the fix was not replayed
+    reasoning: str
+
+
+@dataclass
+class Banner:
+    verdict: str
+    verdict_label: str
+    tone: str  # bad | ok | warn
+    headline: str
+    subline: str
+    cause: str
+    explanation: str
+    facts: list[Fact]
+    fix: FixView | None
+    other_fixes: list[FixView]
+    snapshot: str
+    no_fix: str = ""  # said instead of a fix when a culprit has none
+
+
+_VERDICT_LABEL = {
+    "culprit_found": "culprit found",
+    "nonfinite_input": "NaN/Inf in the input batch",
+    "nonfinite_parameters": "NaN/Inf already in the weights",
+    "not_reproduced": "not reproduced",
+}
+
+
+def _badge(fix: dict) -> Badge:
+    v = fix.get("verified")
+    if v is True:
+        return Badge("✓ verified by replay", "ok", "the step was replayed with this fix: loss and every gradient finite")
+    if v is False:
+        return Badge("✗ did not verify", "bad", "the step was replayed with this fix and was still non-finite")
+    if fix.get("verification"):
+        return Badge("not verified", "muted")
+    return Badge("not replayed", "muted", "fix verification was skipped (--no-verify)")
+
+
+def fix_view(fix: dict) -> FixView | None:
+    kind = fix.get("kind")
+    if not kind or kind == "none":
+        return None
+    label = kind.replace("_", " ")
+    if fix.get("epsilon") is not None:
+        label += f", ε = {fix['epsilon']:g}" if isinstance(fix["epsilon"], (int, float)) else f", ε = {fix['epsilon']}"
+    diff: list[DiffLine] = []
+    if fix.get("before") and fix.get("after"):
+        diff = [DiffLine("-", ln) for ln in str(fix["before"]).splitlines()]
+        diff += [DiffLine("+", ln) for ln in str(fix["after"]).splitlines()]
+    verification = fix.get("verification") or ""
+    if not verification and fix.get("verified") is None:
+        verification = "not replayed: fix verification was skipped (--no-verify)"
+    return FixView(kind=kind, label=label, diff=diff, code="" if diff else str(fix.get("code") or ""),
+                   badge=_badge(fix), verification=verification, reasoning=fix.get("reasoning") or "")
+
+
+def failure_text(d: dict) -> str:
+    f = d.get("failure")
+    if not f:
+        return ""
+    kind = kind_text(f.get("kind"))
+    if f.get("what") == "loss":
+        return f"the loss became {kind}"
+    loss = d.get("loss")
+    finite = to_float(loss) is not None and math.isfinite(to_float(loss))
+    return f"the gradient of {f.get('name')} became {kind}" + (f" (the loss, {num(loss)}, was finite)" if finite else "")
+
+
+def anomaly_short(d: dict) -> str:
+    am = d.get("anomaly_mode") or {}
+    if am.get("raises") is None:
+        return ""
+    if not am["raises"]:
+        return "would stay silent"
+    agree = "the culprit's own node" if am.get("agrees_with_culprit") else "a later node than the culprit"
+    return f"would raise at {am.get('node')} ({agree})"
+
+
+def banner(d: dict) -> Banner:
+    verdict = d["verdict"]
+    diag = d.get("diagnosis") or {}
+    c = d.get("culprit")
+    model_class = (d.get("model") or {}).get("class")
+    facts: list[Fact] = []
+    tone = "bad"
+    subline = ""
+    if c:
+        kind = kind_text(c.get("kind"), c.get("output"))
+        headline = f"{c.get('op')} produced {kind} in {c.get('phase')}"
+        if c.get("backward_node"):
+            subline = f"{c['backward_node']}, the gradient of {c.get('forward_op')}"
+        facts.append(Fact("module", module_label(c.get("module"), model_class), code=True))
+        src = c.get("source")
+        if src:
+            fn = f" in {src['function']}()" if src.get("function") else ""
+            facts.append(Fact("source", f"{where(src)}{fn}", code=True))
+        elif c.get("module") == "<loss>":
+            facts.append(Fact("source", loss_source_note(d), tone="muted"))
+        else:
+            facts.append(Fact("source", "no user source line recorded", tone="muted"))
+    elif verdict in ("nonfinite_input", "nonfinite_parameters"):
+        leaves = d.get("nonfinite_leaves") or []
+        names = ", ".join(f"{r.get('name')} ({r.get('nan', 0)} NaN, {r.get('inf', 0)} Inf)" for r in leaves[:3])
+        more = f" and {len(leaves) - 3} more" if len(leaves) > 3 else ""
+        where_ = "the input batch" if verdict == "nonfinite_input" else "the weights"
+        headline = f"NaN/Inf was already in {where_} before the step ran"
+        subline = names + more
+        facts.append(Fact("replay", "not run: no op of this step made the value", tone="muted"))
+    elif d.get("failure"):
+        tone = "warn"
+        headline = f"The replay is non-finite ({failure_text(d)}), but no op that made it was seen"
+    else:
+        tone = "ok"
+        headline = "The step replayed finite: loss and every parameter gradient"
+        if d.get("loss") is not None:
+            subline = f"loss {num(d.get('loss'))}"
+    fail = failure_text(d)
+    if fail:
+        facts.append(Fact("failure", fail))
+    am = anomaly_short(d)
+    if am:
+        facts.append(Fact("anomaly mode", f"set_detect_anomaly(True) {am}"))
+    fix = fix_view(diag.get("fix") or {})
+    chosen = (diag.get("fix") or {}).get("code")
+    others = [fv for f in diag.get("candidates") or [] if f.get("code") != chosen and (fv := fix_view(f))]
+    no_fix = "No automatic fix for this pattern: the inputs table shows what the op saw." if c and not fix else ""
+    return Banner(verdict=verdict, verdict_label=_VERDICT_LABEL.get(verdict, verdict.replace("_", " ")), tone=tone,
+                  headline=headline, subline=subline, cause=diag.get("title") or "",
+                  explanation=diag.get("explanation") or "", facts=facts, fix=fix, other_fixes=others,
+                  snapshot=d.get("snapshot") or "", no_fix=no_fix)
+
+
+def loss_source_note(d: dict) -> str:
+    loss = (d.get("model") or {}).get("loss")
+    what = f"--loss {loss}" if loss else "the loss"
+    return f"inside the loss function ({what}), library code: no line of yours"

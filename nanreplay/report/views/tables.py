@@ -1,0 +1,202 @@
+"""The report's tables: the culprit's inputs and output, per-parameter gradients, gradient shapes, non-finite leaves."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from nanreplay.report.format import dtype_max, fmt_shape, module_label, num, op_base, sort_key, to_float
+from nanreplay.report.views.elements import Cell, Fact
+
+MAX_TABLE_ROWS = 1000  # gradient / shape tables: worst rows kept, the rest counted
+
+# ------------------------------------------------------------------ culprit inputs / output
+
+_ZERO_BAD = frozenset({"div", "sqrt", "rsqrt", "log", "log2", "log10", "reciprocal", "pow", "_softmax_backward_data",
+                       "norm", "linalg_vector_norm", "atan2", "xlogy", "special_xlogy", "lgamma", "digamma",
+                       "_log_softmax_backward_data"})
+_NEG_BAD = frozenset({"sqrt", "rsqrt", "log", "log2", "log10", "pow", "lgamma", "digamma", "acos", "asin"})
+_EXP_LIKE = frozenset({"exp", "exp2", "expm1", "sinh", "cosh", "softplus"})
+_NEAR_OVERFLOW = 0.1
+
+
+@dataclass
+class StatsRow:
+    label: str
+    cells: list[Cell]
+
+
+@dataclass
+class StatsView:
+    columns: list[str]
+    rows: list[StatsRow]
+    output: list[Fact]
+    output_bad: bool
+    scalars: str
+    notes: list[str]
+
+
+def stats_view(d: dict) -> StatsView | None:
+    c = d.get("culprit")
+    if not c:
+        return None
+    base = op_base(c.get("op"))
+    zero_bad = base in _ZERO_BAD
+    neg_bad = base in _NEG_BAD
+    notes: list[str] = []
+    rows = []
+    for i, s in enumerate(c.get("inputs") or []):
+        dtype = s.get("dtype")
+        dmax = dtype_max(dtype)
+        absmax = to_float(s.get("absmax"))
+        near = bool(dmax and absmax is not None and absmax >= _NEAR_OVERFLOW * dmax)
+        if base in _EXP_LIKE and dmax and absmax is not None and (to_float(s.get("max")) or 0) > math.log(dmax):
+            near = True
+            notes.append(f"exp overflows {dtype} above {math.log(dmax):.4g}; input {i} reaches {num(s.get('max'))}.")
+        # for a division only the denominator's zeros matter
+        zeros_bad = bool(s.get("zeros")) and zero_bad and (base != "div" or i >= 1)
+        if base == "mul" and s.get("zeros") and any((x.get("inf") or 0) for x in c.get("inputs") or []):
+            zeros_bad = True  # 0 × ∞
+        rows.append(StatsRow(f"input {i}", [
+            Cell(fmt_shape(s.get("shape"))), Cell(str(dtype)),
+            Cell(num(s.get("min")), bad=near and (to_float(s.get("min")) or 0) < 0),
+            Cell(num(s.get("max")), bad=near and (to_float(s.get("max")) or 0) > 0),
+            Cell(num(s.get("absmin_nonzero"))),
+            Cell(num(s.get("zeros")), bad=zeros_bad),
+            Cell(num(s.get("negatives")), bad=bool(s.get("negatives")) and neg_bad),
+            Cell(num(s.get("nan")), bad=bool(s.get("nan"))),
+            Cell(num(s.get("inf")), bad=bool(s.get("inf"))),
+        ]))
+    out = c.get("output") or {}
+    output = [Fact("elements", num(out.get("numel"))),
+              Fact("NaN", num(out.get("nan")), tone="bad" if out.get("nan") else ""),
+              Fact("+Inf", num(out.get("posinf")), tone="bad" if out.get("posinf") else ""),
+              Fact("−Inf", num(out.get("neginf")), tone="bad" if out.get("neginf") else "")]
+    low = sorted({s.get("dtype") for s in c.get("inputs") or []} & {"float16", "bfloat16"})
+    if low and c.get("kind") == "inf":
+        notes.append(", ".join(f"{t} holds at most {num(dtype_max(t), 5)}" for t in low) +
+                     ": a result beyond that becomes Inf even when every input is modest.")
+    scalars = ", ".join(str(x) if isinstance(x, bool) or not isinstance(x, (int, float, str)) else num(x)
+                        for x in c.get("scalars") or [])
+    cols = ["", "shape", "dtype", "min", "max", "smallest |x| ≠ 0", "zeros", "negatives", "NaN", "Inf"]
+    return StatsView(cols, rows, output, bool(out.get("nan") or out.get("posinf") or out.get("neginf")), scalars,
+                     notes)
+
+
+# ------------------------------------------------------------------ gradients and shapes
+
+
+@dataclass
+class GradTable:
+    rows: list[list[Cell]]
+    total: int
+    omitted: int
+    nonfinite: int
+    no_grad: int
+    zero: int
+
+
+def gradient_table(d: dict) -> GradTable | None:
+    """The seed's per-parameter walk as a table, worst first (pandas builds and orders the frame)."""
+    grads = d.get("gradients") or []
+    if not grads:
+        return None
+    import pandas as pd
+
+    cols = ["name", "shape", "dtype", "has_grad", "mean", "std", "max_abs", "nan", "inf", "grad_shape"]
+    df = pd.DataFrame([{k: g.get(k) for k in cols} for g in grads], columns=cols)
+    df["has_grad"] = df["has_grad"].fillna(False).astype(bool)
+    df["nan"] = pd.to_numeric(df["nan"], errors="coerce").fillna(0).astype(int)
+    df["inf"] = pd.to_numeric(df["inf"], errors="coerce").fillna(0).astype(int)
+    df["bad"] = df["nan"] + df["inf"]
+    df["max_f"] = [to_float(v) for v in df["max_abs"]]
+    df["max_f"] = df["max_f"].astype(float).fillna(-1.0)
+    df["zero"] = df["has_grad"] & (df["max_f"] == 0.0) & (df["bad"] == 0)
+    df["rank"] = 0
+    df.loc[df["zero"], "rank"] = 1
+    df.loc[~df["has_grad"], "rank"] = 2
+    df.loc[df["bad"] > 0, "rank"] = 3
+    df = df.sort_values(["rank", "bad", "max_f", "name"], ascending=[False, False, False, True], kind="stable")
+    total = len(df)
+    shown = df.head(MAX_TABLE_ROWS)
+    rows = []
+    for r in shown.itertuples(index=False):
+        if not r.has_grad:
+            status = Cell("NO GRADIENT", bad=False, sort="2")
+            stats = [Cell("—", sort="-Infinity") for _ in range(3)]
+        else:
+            label = ("NaN + Inf" if r.nan and r.inf else "NaN" if r.nan else "Inf" if r.inf
+                     else "all zero" if r.zero else "finite")
+            status = Cell(label, bad=bool(r.bad), sort={3: "3", 1: "1"}.get(int(r.rank), "0"))
+            stats = [Cell(num(r.mean), bad=to_float(r.mean) is not None and not math.isfinite(to_float(r.mean)),
+                          sort=sort_key(r.mean)),
+                     Cell(num(r.std), bad=to_float(r.std) is not None and not math.isfinite(to_float(r.std)),
+                          sort=sort_key(r.std)),
+                     Cell(num(r.max_abs), bad=to_float(r.max_abs) is not None and not math.isfinite(to_float(r.max_abs)),
+                          sort=sort_key(r.max_abs))]
+        rows.append([Cell(str(r.name)), Cell(fmt_shape(r.shape), sort=None), status, *stats,
+                     Cell(num(int(r.nan)), bad=bool(r.nan), sort=str(int(r.nan))),
+                     Cell(num(int(r.inf)), bad=bool(r.inf), sort=str(int(r.inf)))])
+    return GradTable(rows, total, total - len(shown), int((df["bad"] > 0).sum()), int((~df["has_grad"]).sum()),
+                     int(df["zero"].sum()))
+
+
+@dataclass
+class ShapeTable:
+    rows: list[list[Cell]]
+    total: int
+    mismatches: int
+    no_grad: int
+    omitted: int
+
+
+def shape_table(d: dict) -> ShapeTable | None:
+    rows_in = d.get("gradient_shapes") or []
+    if not rows_in:
+        return None
+    model_class = (d.get("model") or {}).get("class")
+    seen: dict[str, int] = {}
+    rows = []
+    for r in rows_in:
+        m = r.get("module")
+        seen[m] = seen.get(m, 0) + 1
+        label = module_label(m, model_class) + (f" (call {seen[m]})" if seen[m] > 1 else "")
+        if r.get("grad_shape") is None:
+            status, bad, rank = "no gradient reached this output", False, 1
+        elif r.get("mismatch"):
+            status, bad, rank = "MISMATCH", True, 2
+        else:
+            status, bad, rank = "ok", False, 0
+        rows.append((rank, [Cell(label), Cell(fmt_shape(r.get("output_shape"))),
+                            Cell(fmt_shape(r.get("grad_shape")), bad=bad), Cell(status, bad=bad)]))
+    mism = sum(1 for rank, _ in rows if rank == 2)
+    nog = sum(1 for rank, _ in rows if rank == 1)
+    ordered = sorted(rows, key=lambda t: -t[0])  # stable: flagged rows first, call order within
+    kept = [cells for _, cells in ordered[:MAX_TABLE_ROWS]]
+    return ShapeTable(kept, len(rows), mism, nog, len(rows) - len(kept))
+
+
+# ------------------------------------------------------------------ leaves
+
+
+@dataclass
+class LeavesTable:
+    rows: list[list[Cell]]
+    note: str
+
+
+def leaves_table(d: dict) -> LeavesTable | None:
+    leaves = d.get("nonfinite_leaves") or []
+    if not leaves:
+        return None
+    rows = []
+    for r in leaves:
+        samples = r.get("samples") or []
+        role = str(r.get("role")) + (" (intentional constant, e.g. a mask: ignored)" if r.get("literal") else "")
+        rows.append([Cell(str(r.get("name"))), Cell(role), Cell(fmt_shape(r.get("shape"))),
+                     Cell(num(r.get("nan")), bad=bool(r.get("nan"))), Cell(num(r.get("inf")), bad=bool(r.get("inf"))),
+                     Cell(", ".join(map(str, samples[:20])) + (" …" if len(samples) > 20 else "") if samples else "—")])
+    note = ""
+    if d["verdict"] == "culprit_found":
+        note = "Buffers holding ±Inf and no NaN are treated as intentional constants (attention masks)."
+    return LeavesTable(rows, note)

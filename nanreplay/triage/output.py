@@ -1,0 +1,106 @@
+"""Triage's outputs in OUTDIR: groups.json, summary.csv and index.html, written once the rows are in."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nanreplay import __version__, atomic
+from nanreplay.errors import UsageError
+from nanreplay.triage.cache import save_cache
+from nanreplay.triage.groups import build_groups, build_ranks
+from nanreplay.triage.index import render_index
+from nanreplay.triage.plan import Plan
+from nanreplay.triage.rows import COLUMNS, FAILURES
+
+SCHEMA = "nanreplay.triage/1"  # groups.json
+
+
+@dataclass
+class Result:
+    rows: list[dict]
+    groups: list[dict]
+    failures: list[dict]
+    ranks: dict | None
+    summary: str  # the one line
+    index: Path
+    counts: dict = field(default_factory=dict)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failures else 0
+
+
+def write(p: Plan) -> Result:
+    """Group the rows and write groups.json, summary.csv and index.html (all atomically)."""
+    rows = [it.row for it in p.items if it.row is not None]
+    groups = build_groups(rows)
+    failures = [{"file": r["file"], "failure": r["failure"], "label": FAILURES.get(r["failure"], r["failure"]),
+                 "reason": r["reason"], **({"detail": r["detail"]} if r.get("detail") else {})}
+                for r in rows if r["status"] != "analyzed"]
+    ranks = build_ranks(rows)
+    counts = {"snapshots": len(rows), "analyzed": len(rows) - len(failures), "failed": len(failures),
+              "cached": sum(bool(r["cached"]) for r in rows), "groups": len(groups), "ignored": len(p.ignored),
+              "failures": dict(Counter(f["failure"] for f in failures))}
+    summary = summary_line(counts, groups)
+    _remove_stale_outputs(p)
+    p.old_cache = {}  # cleaned up: the cache now holds only what this run has
+    save_cache(p.outdir, p.items, p.old_cache)
+    doc = {"schema": SCHEMA, "nanreplay_version": __version__, "dir": str(p.dir),
+           "options": {"model": p.options.model, "loss": p.options.loss, "trust": p.options.trust},
+           "summary": summary, "counts": counts, "groups": groups, "failures": failures, "ranks": ranks,
+           "ignored": p.ignored}
+    try:
+        atomic.write_text(p.outdir / "groups.json", json.dumps(doc, indent=2, allow_nan=False))
+        atomic.write_text(p.outdir / "summary.csv", summary_csv(rows))
+        atomic.write_text(p.outdir / "index.html", render_index(doc))
+    except OSError as e:
+        raise UsageError(f"{p.outdir}: cannot write the triage outputs: {e.strerror or e}") from None
+    return Result(rows=rows, groups=groups, failures=failures, ranks=ranks, summary=summary,
+                  index=p.outdir / "index.html", counts=counts)
+
+
+def summary_line(counts: dict, groups: list[dict]) -> str:
+    causes = sum(g["verdict"] != "not_reproduced" for g in groups)
+    parts = [_plural(counts["snapshots"], "snapshot"), _plural(causes, "root cause")]
+    not_repro = sum(g["count"] for g in groups if g["verdict"] == "not_reproduced")
+    if not_repro:
+        parts.append(f"{not_repro} not reproduced")
+    parts += [f"{n} {FAILURES.get(cat, cat)}" for cat, n in sorted(counts["failures"].items())]
+    line = ", ".join(parts)
+    if counts["cached"]:
+        line += f" ({counts['cached']} from cache)"
+    if counts["ignored"]:
+        line += f"; {_plural(counts['ignored'], 'other file')} ignored"
+    return line
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def summary_csv(rows: list[dict]) -> str:
+    import pandas as pd
+
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    for col in ("step", "rank", "world_size", "source_line"):  # integers with gaps: not 12.0
+        df[col] = df[col].astype("Int64")
+    # A cell a spreadsheet would read as a formula (=, +, -, @) is quoted: file names and code come
+    # from the snapshots, and a CSV must not run anything when opened.
+    for col in df.columns:
+        if not (pd.api.types.is_numeric_dtype(df[col]) or pd.api.types.is_bool_dtype(df[col])):
+            df[col] = df[col].map(lambda v: "'" + v if isinstance(v, str) and v[:1] in "=+-@\t\r" and v else v)
+    return df.to_csv(index=False)
+
+
+def _remove_stale_outputs(p: Plan) -> None:
+    """Delete reports this tool wrote earlier that no current snapshot owns (only ever in OUTDIR)."""
+    live = {it.name for it in p.items if it.row is not None and it.row["status"] == "analyzed"}
+    for entry in p.old_cache.values():
+        name = entry.get("name")
+        if not name or name in live or "/" in name or name.startswith("."):
+            continue
+        for suffix in ("html", "json"):
+            (p.outdir / f"{name}.{suffix}").unlink(missing_ok=True)

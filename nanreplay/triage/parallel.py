@@ -1,0 +1,86 @@
+"""The parent side of triage's analysis: the snapshots the cache could not answer, run in a WorkerPool."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+from nanreplay.errors import PoolError
+from nanreplay.triage.cache import save_cache
+from nanreplay.triage.plan import Plan
+from nanreplay.triage.rows import failed, make_row
+from nanreplay.triage.worker import WORKER_PRELOAD, analyze_task, worker_init
+from nanreplay.triage.workpool import Outcome, PoolStats, WorkerPool
+
+DEFAULT_TIMEOUT = 600.0
+
+
+def analyze(p: Plan, *, jobs: int, timeout: float | None = DEFAULT_TIMEOUT, progress=None,
+            threads: int | None = None) -> PoolStats | None:
+    """Analyze every snapshot the cache could not answer, in up to `jobs` worker processes.
+
+    Each worker gets `threads` torch threads [default: the CPUs shared out among the
+    workers]. `progress(n)` is called as snapshots finish. The cache is saved as results come in
+    (and on the way out, even on Ctrl-C), so an interrupted run loses little.
+    """
+    todo = p.todo
+    if not todo:
+        return None
+    by_name = {it.name: it for it in todo}
+    tasks = [{"path": it.path, "name": it.name, "outdir": str(p.outdir), "model": p.options.model,
+              "loss": p.options.loss, "trust": p.options.trust, "device": p.options.device,
+              "verify": p.options.verify} for it in todo]
+    workers = min(jobs, len(todo))
+    threads = threads or max(1, _cpu_count() // workers)
+    pool = WorkerPool(analyze_task, jobs=workers, timeout=timeout, init=worker_init, init_args=(threads,),
+                      preload=WORKER_PRELOAD)
+    saved = time.monotonic()
+    try:
+        for task, outcome in pool.map(tasks):
+            it = by_name[task["name"]]
+            it.row = make_row(it, _fields_of(outcome))
+            if outcome.status in ("timeout", "crashed"):
+                _remove_debris(p.outdir, it.name)
+            if progress is not None:
+                progress(1)
+            if time.monotonic() - saved > 10:
+                save_cache(p.outdir, p.items, p.old_cache)
+                saved = time.monotonic()
+    except PoolError as e:
+        raise PoolError(f"cannot run the analysis workers: {e}") from None
+    finally:
+        save_cache(p.outdir, p.items, p.old_cache)
+    p.stats = pool.stats
+    return pool.stats
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not on Linux
+        return os.cpu_count() or 1
+
+
+def default_jobs() -> int:
+    return _cpu_count()
+
+
+def _fields_of(outcome: Outcome) -> dict:
+    if outcome.status == "ok":
+        return outcome.value
+    if outcome.status == "error":
+        return failed("internal_error", f"nanreplay bug, please report: {outcome.error}", detail=outcome.detail)
+    return failed(outcome.status, outcome.error)
+
+
+def _remove_debris(out: Path, name: str) -> None:
+    """A killed worker may leave an atomic write's temp file behind (`.<name>.html.XXXX.tmp`)."""
+    for suffix in ("html", "json"):
+        for tmp in out.glob(f".{glob_escape(name)}.{suffix}.*.tmp"):
+            tmp.unlink(missing_ok=True)
+
+
+def glob_escape(s: str) -> str:
+    return re.sub(r"([*?[])", r"[\1]", s)

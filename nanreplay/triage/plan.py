@@ -1,0 +1,184 @@
+"""Planning a triage run: find the snapshot files, name their outputs, hash them, reuse what the cache knows.
+
+Light to import: no torch, pandas or jinja2 (the parent process never needs them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from nanreplay import __version__
+from nanreplay.errors import UsageError
+from nanreplay.triage.cache import load_cache
+from nanreplay.triage.rows import Item, failed, make_row
+from nanreplay.triage.workpool import PoolStats
+
+SNAPSHOT_SUFFIXES = (".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+RESERVED_NAMES = frozenset({"index", "groups", "summary"})  # OUTDIR's own files
+
+
+@dataclass(frozen=True)
+class Options:
+    """The options that change what an analysis says: part of every cache key."""
+
+    model: str | None = None
+    loss: str | None = None
+    trust: bool = False
+    device: str | None = None
+    verify: bool = True
+
+    def fingerprint(self) -> dict:
+        return {"model": self.model, "loss": self.loss, "trust": self.trust, "device": self.device,
+                "verify": self.verify, "nanreplay": __version__, "torch": _torch_version()}
+
+@dataclass
+class Plan:
+    dir: Path
+    outdir: Path
+    options: Options
+    items: list[Item]
+    ignored: list[str]  # files in DIR that are not snapshots by name
+    old_cache: dict[str, dict]  # rel -> entry, as the last run left it
+    use_cache: bool = True
+    stats: PoolStats | None = None
+
+    @property
+    def todo(self) -> list[Item]:
+        return [it for it in self.items if it.row is None]
+
+
+def default_outdir(directory: str) -> str:
+    """`./<DIR's name>.nanreplay`, next to where the command runs (like analyze's reports)."""
+    return f"{Path(directory).resolve().name or 'snapshots'}.nanreplay"
+
+
+def plan(directory: str, outdir: str, *, options: Options, recursive: bool = False, use_cache: bool = True) -> Plan:
+    """Validate DIR and OUTDIR, find the snapshots and reuse what the cache already knows."""
+    d, out = Path(directory), Path(outdir)
+    for opt, spec in (("--model", options.model), ("--loss", options.loss)):
+        # Only the spelling is checked here: importing user code is the workers' job.
+        if spec and (":" in spec or opt == "--model") and not _SPEC.fullmatch(spec):
+            raise UsageError(f"{opt} {spec!r}: expected MODULE:NAME, e.g. mypkg.models:build")
+    if not d.exists():
+        raise UsageError(f"{directory}: no such folder")
+    if not d.is_dir():
+        raise UsageError(f"{directory}: not a folder (use `nanreplay analyze` for a single snapshot)")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{outdir}: exists and is not a folder")
+    if out.resolve() == d.resolve():
+        raise UsageError(f"{outdir}: the output folder must not be DIR itself (triage never writes among the inputs)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{outdir}: cannot create the output folder: {e.strerror or e}") from None
+    if not os.access(out, os.W_OK):
+        raise UsageError(f"{outdir}: the output folder is not writable")
+
+    rels, ignored = discover(d, out, recursive=recursive)
+    items = [Item(path=str(d / rel), rel=rel) for rel in rels]
+    assign_names(items)
+    old = load_cache(out)
+    fp = options.fingerprint()
+    first_of: dict[str, str] = {}
+    for it in items:
+        _fingerprint(it, old.get(it.rel), fp)
+        if it.sha256 is None:
+            continue
+        dup = first_of.setdefault(it.sha256, it.rel)
+        it.duplicate_of = dup if dup != it.rel else ""
+        entry = old.get(it.rel)
+        if use_cache and entry and entry.get("key") == it.key and entry.get("name") == it.name \
+                and _outputs_exist(out, entry["row"]):
+            it.row = make_row(it, dict(entry["row"]), cached=True)
+    return Plan(dir=d, outdir=out, options=options, items=items, ignored=ignored, old_cache=old, use_cache=use_cache)
+
+
+def discover(d: Path, out: Path, *, recursive: bool) -> tuple[list[str], list[str]]:
+    """Snapshot files (by suffix) and the other files, relative to d; hidden files and OUTDIR skipped."""
+    out_r = out.resolve()
+    snaps: list[str] = []
+    other: list[str] = []
+    for root, dirs, files in os.walk(d):
+        rootp = Path(root)
+        dirs[:] = sorted(x for x in dirs if not x.startswith(".") and (rootp / x).resolve() != out_r) if recursive else []
+        for f in sorted(files):
+            p = rootp / f
+            if f.startswith(".") or not p.is_file():
+                continue
+            rel = p.relative_to(d).as_posix()
+            (snaps if p.suffix.lower() in SNAPSHOT_SUFFIXES else other).append(rel)
+    return snaps, other
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+
+
+def _base_name(rel: str) -> str:
+    p = PurePosixPath(rel)
+    parts = [*p.parent.parts, p.stem] if str(p.parent) != "." else [p.stem]
+    name = "__".join(_UNSAFE.sub("_", s) for s in parts).strip(".")
+    return name[:100] or "snapshot"
+
+
+def assign_names(items: list[Item]) -> None:
+    """A distinct output name per snapshot, stable across runs; never one of OUTDIR's own files.
+
+    `a/x.pt` -> `a__x`; when two files would share a name (`x.pt` and `x.pth`, or names
+    that differ only in case or in characters that are not safe in a file name), each
+    gets a short hash of its path: `x-3f2a9c1b`.
+    """
+    base = {it.rel: _base_name(it.rel) for it in items}
+    counts = Counter(n.casefold() for n in base.values())
+    seen: set[str] = set()
+    for it in items:
+        n = base[it.rel]
+        if counts[n.casefold()] > 1 or n.casefold() in RESERVED_NAMES:
+            n = f"{n}-{hashlib.sha1(it.rel.encode()).hexdigest()[:8]}"
+        unique, k = n, 2
+        while unique.casefold() in seen:  # a hashed name that happens to equal a plain one
+            unique, k = f"{n}-{k}", k + 1
+        seen.add(unique.casefold())
+        it.name = unique
+
+
+def _fingerprint(it: Item, entry: dict | None, fp: dict) -> None:
+    """Content hash (reused when size and mtime match the last run) and cache key; a read error is a row."""
+    try:
+        st = os.stat(it.path)
+        it.size, it.mtime_ns = st.st_size, st.st_mtime_ns
+        if entry and entry.get("size") == it.size and entry.get("mtime_ns") == it.mtime_ns and entry.get("sha256"):
+            it.sha256 = entry["sha256"]
+        else:
+            it.sha256 = _sha256(it.path)
+    except OSError as e:
+        it.row = make_row(it, failed("unreadable", f"cannot read: {e.strerror or e}"))
+        return
+    it.key = hashlib.sha256(json.dumps({"sha256": it.sha256, **fp}, sort_keys=True).encode()).hexdigest()
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _outputs_exist(out: Path, row: dict) -> bool:
+    return all((out / row[k]).is_file() for k in ("report", "json") if row.get(k))
+
+
+def _torch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:  # pragma: no cover
+        return "unknown"

@@ -1,0 +1,91 @@
+"""The worker side of triage: one process analyzes one snapshot at a time and writes its report and JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from nanreplay import atomic
+from nanreplay.errors import NanReplayError, ReplayError, SnapshotError, TrustError
+from nanreplay.triage.rows import failed
+
+# Modules a worker needs, imported once: by the fork server (each worker is then a cheap
+# fork) or, without one, by each worker at start. torch._dynamo is what the first replay
+# would otherwise import lazily (it is behind TorchDispatchMode): about 1.5 s.
+WORKER_PRELOAD = ("torch", "torch._dynamo", "jinja2", "nanreplay.analysis", "nanreplay.diagnose",
+                  "nanreplay.verify", "nanreplay.report.html", "nanreplay.triage")
+
+
+def worker_init(threads: int) -> None:
+    """Once per worker: quiet its output, size torch's thread pool, import what analysis needs."""
+    import importlib
+
+    devnull = os.open(os.devnull, os.O_WRONLY)  # user models print; the progress bar must stay clean
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    for mod in WORKER_PRELOAD:  # a no-op under the fork server, which imported them already
+        importlib.import_module(mod)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def analyze_task(task: dict) -> dict:
+    """Worker side: analyze one snapshot, write its report and JSON, return its row's fields."""
+    from nanreplay.analysis import analyze as analyze_one
+    from nanreplay.report.html import write_report
+
+    t0 = time.perf_counter()
+    try:
+        a = analyze_one(task["path"], model=task["model"], loss=task["loss"], trust=task["trust"],
+                        device=task.get("device"), verify=task.get("verify", True))
+    except NanReplayError as e:
+        return failed(_category(e), str(e), path=task["path"])
+    seconds = time.perf_counter() - t0
+    out = Path(task["outdir"])
+    report, js = f"{task['name']}.html", f"{task['name']}.json"
+    d = a.to_json()
+    try:
+        atomic.write_text(out / js, json.dumps(d, indent=2, allow_nan=False))
+        write_report(a, str(out / report))
+    except (OSError, NanReplayError) as e:
+        for f in (report, js):
+            (out / f).unlink(missing_ok=True)
+        return failed("output_error", str(e))
+    fields = analysis_fields(d)
+    fields.update(seconds=round(seconds, 4), write_seconds=round(time.perf_counter() - t0 - seconds, 4),
+                  report=report, json=js)
+    return fields
+
+
+def _category(e: NanReplayError) -> str:
+    if isinstance(e, TrustError):
+        return "refused"
+    if isinstance(e, ReplayError):
+        return "replay_error"
+    if isinstance(e, SnapshotError):
+        return "unreadable"
+    return "not_replayable"
+
+
+def analysis_fields(d: dict) -> dict:
+    """The summary-row fields of one analysis (its contract JSON)."""
+    c = d.get("culprit") or {}
+    diag = d.get("diagnosis") or {}
+    fix = diag.get("fix") or {}
+    src = c.get("source") or {}
+    info = d.get("snapshot_info") or {}
+    code = fix.get("after") or fix.get("code") or ""
+    return {
+        "status": "analyzed", "verdict": d.get("verdict"), "cause": diag.get("cause"), "title": diag.get("title"),
+        "op": c.get("op"), "forward_op": c.get("forward_op"), "backward_node": c.get("backward_node"),
+        "phase": c.get("phase"), "kind": c.get("kind"), "module": c.get("module"),
+        "source": f"{src['file']}:{src['line']}" if src.get("file") else None,
+        "source_path": src.get("path") or src.get("file"), "source_line": src.get("line"), "code": src.get("code"),
+        "fix_kind": fix.get("kind"), "fix_code": code, "fix_verified": fix.get("verified"),
+        "step": info.get("step"), "rank": info.get("rank"), "world_size": info.get("world_size"),
+        "created": info.get("created"), "format": info.get("format"), "trigger": info.get("trigger"),
+    }
