@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_samples import EXPECTED, SAMPLES
 
 from nanreplay.analysis import Analysis, analyze
 from nanreplay.report import html as report
+from samples import EXPECTED, SAMPLES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SIZE_BUDGET = 500_000
 ALL_SECTIONS = {"verdict", "anomaly", "source", "chain", "culprit-stats", "leaves", "activations", "gradients", "shapes",
                 "history", "precision", "environment", "reproduce"}

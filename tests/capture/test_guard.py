@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -23,7 +24,7 @@ from nanreplay.formats import native
 from nanreplay.formats.usercode import resolve_loss
 from nanreplay.replay.subject import call_model, compute_loss
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 TRAINING_CODE = '''
 import sys
@@ -279,13 +280,14 @@ def test_export_failure_falls_back_to_a_factory_that_needs_trust(tmp_path, monke
     assert not guard.loss_ok(model(x))
     d = torch.load(guard.last_snapshot, weights_only=True)
     assert d["model"]["exported"] is None and d["model"]["export_error"]
-    assert d["model"]["factory"] == "test_capture:Branchy"
-    with pytest.raises(TrustError, match=r"test_capture:Branchy.*--trust.*--model"):
+    factory = f"{__name__}:Branchy"  # this test file, under the name pytest imported it as
+    assert d["model"]["factory"] == factory
+    with pytest.raises(TrustError, match=rf"{re.escape(factory)}.*--trust.*--model"):
         analyze(guard.last_snapshot)
     trusted = analyze(guard.last_snapshot, trust=True, verify=False).to_json()
-    named = analyze(guard.last_snapshot, model="test_capture:Branchy", verify=False).to_json()
+    named = analyze(guard.last_snapshot, model=factory, verify=False).to_json()
     for r in (trusted, named):
-        assert r["culprit"]["op"] == "aten.log.default" and r["culprit"]["source"]["file"].endswith("test_capture.py")
+        assert r["culprit"]["op"] == "aten.log.default" and r["culprit"]["source"]["file"].endswith(Path(__file__).name)
     assert "export failed" in trusted["model"]["how"]
 
 

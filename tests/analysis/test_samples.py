@@ -5,28 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-SAMPLES = ROOT / "sample_snapshots"
-
-# native sample -> (culprit op, phase, cause); they need no flags: model and loss travel inside
-EXPECTED = {
-    "sqrt_zero": ("aten.div.Tensor", "backward", "sqrt_at_zero"),
-    "log_zero": ("aten.log.default", "forward", "log_of_zero"),
-    "sqrt_negative": ("aten.sqrt.default", "forward", "sqrt_of_negative"),
-    "zero_norm": ("aten.div.Tensor", "forward", "normalize_zero_norm"),
-    "zero_log_zero": ("aten.log.default", "forward", "zero_times_log_zero"),
-    "log_softmax": ("aten.div.Tensor", "backward", "log_softmax"),
-    "fp16_overflow": ("aten.addmm.default", "forward", "fp16_overflow"),
-}
-SEED_SAMPLE = "seed_nan_snapshot_step_3"
+from samples import EXPECTED, ROOT, SAMPLES, STATE_DICT_SAMPLE
 
 
 def test_every_sample_is_covered():
-    assert {p.stem for p in SAMPLES.glob("*.pt")} == set(EXPECTED) | {SEED_SAMPLE}
+    assert {p.stem for p in SAMPLES.glob("*.pt")} == set(EXPECTED) | {STATE_DICT_SAMPLE}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -58,7 +44,7 @@ def test_cli_end_to_end_in_a_fresh_process(tmp_path):
 def test_seed_format_sample_matches_the_native_one():
     from nanreplay.analysis import analyze
 
-    seed = analyze(SAMPLES / f"{SEED_SAMPLE}.pt", model="sample_snapshots.models:triplet", verify=False).to_json()
+    seed = analyze(SAMPLES / f"{STATE_DICT_SAMPLE}.pt", model="sample_snapshots.models:triplet", verify=False).to_json()
     nat = analyze(SAMPLES / "sqrt_zero.pt", verify=False).to_json()
     keys = ("op", "phase", "kind", "forward_op", "backward_node", "module")
     assert {k: seed["culprit"][k] for k in keys} == {k: nat["culprit"][k] for k in keys}

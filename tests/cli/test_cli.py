@@ -119,7 +119,7 @@ def raising_factory():
 
 
 def test_factory_that_raises(snapshot_of):
-    one_line_error(run("analyze", snapshot_of("log_zero"), "--model", "test_cli:raising_factory"), 2,
+    one_line_error(run("analyze", snapshot_of("log_zero"), "--model", f"{__name__}:raising_factory"), 2,
                    "factory raised ValueError: config file missing")
 
 
