@@ -282,6 +282,12 @@ def classifier():
     return Classifier()
 
 
+def classifier_step() -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The log_softmax case's (x, y, state_dict), for tests that lay out a snapshot dict of their own."""
+    b = CASES["log_softmax"].batch()
+    return b["x"], b["y"], classifier().state_dict()
+
+
 # ---------------------------------------------------------------- fp16 overflow in a matmul
 
 
