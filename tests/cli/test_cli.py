@@ -115,7 +115,7 @@ def test_wrong_dict(tmp_path):
     ("no_such_pkg.models:build", "cannot import module 'no_such_pkg'"),
     ("nanmodels:nope", "has no attribute 'nope'"),
     ("nanmodels", "expected MODULE:NAME"),
-    ("nanmodels:HERE", "not callable"),
+    ("nanmodels:CASES", "not callable"),
 ])
 def test_bad_model_spec(snapshot_of, spec, needle):
     one_line_error(run("analyze", snapshot_of("log_zero"), "--model", spec), 2, needle)

@@ -26,7 +26,7 @@ from nanreplay.replay.subject import call_model, compute_loss
 def native_snapshot(case: str, folder: Path, **guard_kw) -> Path:
     """Run one step of a fixture case under NanGuard and return the snapshot it wrote."""
     c = nanmodels.CASES[case]
-    model = getattr(nanmodels, c.factory)()
+    model = c.build()
     loss_fn = resolve_loss(c.loss) if c.loss else None
     guard = NanGuard(model, loss_fn=loss_fn, folder=folder, **guard_kw)
     b = c.batch()
@@ -72,7 +72,7 @@ def test_custom_autograd_function_is_not_exported_without_its_backward(tmp_path,
     named = analyze(path, model="nanmodels:inv_features", verify=False).to_json()
     eager = analyzed("custom_backward", verify=False)
     assert {k: named["culprit"][k] for k in KEYS} == {k: eager["culprit"][k] for k in KEYS}
-    assert named["culprit"]["source"]["line"] == nanmodels.marker_line("custom_backward")
+    assert named["culprit"]["source"]["line"] == nanmodels.CASES.marker_line("custom_backward")
     assert named["culprit"]["forward_source"]["code"] == "return x.clamp_min(1e-3).reciprocal()"
 
 
