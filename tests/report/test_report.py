@@ -639,8 +639,7 @@ def test_wheel_installed_non_editably_renders_a_report(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    for name in ("nanreplay", "templates"):
-        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "nanreplay", src / "nanreplay", ignore=shutil.ignore_patterns("__pycache__"))  # templates inside
     dist = tmp_path / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(src)],
                    check=True, capture_output=True, timeout=300)
