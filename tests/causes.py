@@ -1,55 +1,24 @@
 """Purpose-built models for the diagnosis catalogue: one small model per cause.
 
-Same style as `nanmodels.py`: each case is a zero-argument model factory (what
-`--model causes:<factory>` names), a batch and an optional loss spec. The line
-that should be blamed carries a `# CULPRIT: <case>` marker. `expect` holds the
-diagnosis the case must get: its `cause` and `fix` kind, plus culprit keys
-(`phase`, `kind`, `op`, `forward_op`, `backward_node`, `module`) and `verdict`.
+Same style as `nanmodels.py` (see `cases.py`): each case is a zero-argument model factory
+(what `--model causes:<factory>` names), a batch and an optional loss spec. The line that
+should be blamed carries a `# CULPRIT: <case>` marker. `expect` holds the diagnosis the
+case must get: its `cause` and `fix` kind, plus culprit keys (`phase`, `kind`, `op`,
+`forward_op`, `backward_node`, `module`) and `verdict`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanmodels import Case
-from nanmodels import marker_line as _marker_line
+from cases import Registry, seeded
 
-HERE = Path(__file__)
-
-CASES: dict[str, Case] = {}
-
-
-def marker_line(case: str, path: Path = HERE) -> int:
-    return _marker_line(case, path)
-
-
-def case(name: str, batch: Callable[[], dict], loss: str | None = None, **expect):
-    def deco(factory):
-        CASES[name] = Case(name, factory.__name__, batch, loss, expect)
-        return factory
-    return deco
-
-
-def _seeded(fn):
-    def wrapper():
-        torch.manual_seed(0)
-        return fn()
-    wrapper.__name__ = fn.__name__
-    return wrapper
-
-
-def save_case(c: Case, path: Path) -> Path:
-    """Write the seed's snapshot dict for a case: {'x': ..., 'y': ..., 'state': model.state_dict()}."""
-    model = globals()[c.factory]()
-    d = dict(c.batch())
-    d["state"] = model.state_dict()
-    torch.save(d, path)
-    return path
+CASES = Registry(__name__)
+case = CASES.case
 
 
 def _randn(seed: int, *shape: int) -> Callable[[], dict]:
@@ -85,7 +54,7 @@ def _constant_feature():
 
 @case("sqrt_cancellation", _constant_feature, cause="sqrt_cancellation", fix="clamp", phase="forward",
       kind="nan", op="aten.sqrt.default")
-@_seeded
+@seeded
 def one_pass_scaler():
     return OnePassScaler()
 
@@ -108,7 +77,7 @@ class PositiveLikelihood(nn.Module):
 
 @case("log_sigmoid", _randn(11, 8, 4), cause="logsigmoid", fix="logsigmoid", phase="forward", kind="inf",
       op="aten.log.default")
-@_seeded
+@seeded
 def positive_likelihood():
     return PositiveLikelihood()
 
@@ -129,7 +98,7 @@ class GuardedLogSigmoid(nn.Module):
 
 @case("where_over_sigmoid", _randn(11, 8, 4), cause="where_trap", fix="double_where", phase="backward",
       kind="nan", forward_op="aten.log.default", backward_node="LogBackward0")
-@_seeded
+@seeded
 def guarded_log_sigmoid():
     return GuardedLogSigmoid()
 
@@ -160,7 +129,7 @@ def _bce_batch():
 
 @case("bce_saturated", _bce_batch, loss="causes:handwritten_bce", cause="bce_saturated", fix="bce_with_logits",
       phase="forward", kind="inf", op="aten.log.default", module="<loss>")
-@_seeded
+@seeded
 def scorer():
     return Scorer()
 
@@ -182,7 +151,7 @@ class Speed(nn.Module):
 
 @case("x_over_zero", _randn(13, 8, 4), cause="division_by_zero", fix="epsilon", phase="forward", kind="inf",
       op="aten.div.Tensor")
-@_seeded
+@seeded
 def speed():
     return Speed()
 
@@ -222,7 +191,7 @@ class InverseRate(nn.Module):
 
 @case("reciprocal_zero", _randn(13, 8, 4), cause="division_by_zero", fix="epsilon", phase="forward", kind="inf",
       op="aten.reciprocal.default")
-@_seeded
+@seeded
 def inverse_rate():
     return InverseRate()
 
@@ -249,7 +218,7 @@ def _constant_column():
 
 @case("std_constant", _constant_column, cause="normalize_zero_norm", fix="epsilon", phase="forward", kind="nan",
       op="aten.div.Tensor")
-@_seeded
+@seeded
 def batch_standardize():
     return BatchStandardize()
 
@@ -266,7 +235,7 @@ class LearnedStandardize(nn.Module):
 
 @case("std_single", _randn(15, 1, 4), cause="std_single_element", fix="correction", phase="forward", kind="nan",
       op="aten.std.correction")
-@_seeded
+@seeded
 def learned_standardize():
     return LearnedStandardize()
 
@@ -289,7 +258,7 @@ class HandSoftmax(nn.Module):
 
 @case("handwritten_softmax", _randn(16, 5, 4), cause="handwritten_softmax", fix="max_subtraction",
       phase="forward", kind="inf", op="aten.exp.default")
-@_seeded
+@seeded
 def hand_softmax():
     return HandSoftmax()
 
@@ -308,7 +277,7 @@ class HandLogSumExp(nn.Module):
 
 @case("handwritten_logsumexp", _randn(16, 5, 4), cause="handwritten_softmax", fix="max_subtraction",
       phase="forward", kind="inf", op="aten.exp.default")
-@_seeded
+@seeded
 def hand_logsumexp():
     return HandLogSumExp()
 
@@ -339,7 +308,7 @@ def _same_pairs():
 
 @case("acos_outside", _same_pairs, cause="acos_asin_boundary", fix="clamp", phase="forward", kind="nan",
       op="aten.acos.default")
-@_seeded
+@seeded
 def angle():
     return Angle()
 
@@ -359,7 +328,7 @@ class BoundedAngle(nn.Module):
 
 @case("asin_at_one", _randn(18, 6, 4), cause="acos_asin_boundary", fix="clamp", phase="backward", kind="inf",
       forward_op="aten.asin.default", backward_node="AsinBackward0")
-@_seeded
+@seeded
 def bounded_angle():
     return BoundedAngle()
 
@@ -388,7 +357,7 @@ def _sparse():
 
 @case("pow_at_zero", _sparse, cause="pow_at_zero", fix="epsilon", phase="backward", kind="inf",
       forward_op="aten.pow.Tensor_Scalar", backward_node="PowBackward0")
-@_seeded
+@seeded
 def power_scale():
     return PowerScale()
 
@@ -404,7 +373,7 @@ class PowerLaw(nn.Module):
 
 @case("pow_negative", _randn(20, 6, 4), cause="pow_of_negative", fix="clamp", phase="forward", kind="nan",
       op="aten.pow.Tensor_Scalar")
-@_seeded
+@seeded
 def power_law():
     return PowerLaw()
 
@@ -434,7 +403,7 @@ def _positive():
 
 @case("exploded", _positive, cause="exploded_weights", fix="lower_lr_clip_grads", phase="forward", kind="inf",
       op="aten.addmm.default", module="fc2")
-@_seeded
+@seeded
 def diverged():
     return Diverged()
 
@@ -458,7 +427,7 @@ def _all_ignored():
 
 @case("ce_all_ignored", _all_ignored, loss="cross_entropy", cause="empty_reduction", fix="guard_empty_reduction",
       phase="forward", kind="nan", op="aten.nll_loss_forward.default", module="<loss>")
-@_seeded
+@seeded
 def tagger():
     return Tagger()
 
@@ -474,7 +443,7 @@ def _all_pad():
 
 @case("ce_pad_ignored", _all_pad, loss="causes:padded_ce", cause="empty_reduction", fix="guard_empty_reduction",
       phase="forward", kind="nan", op="aten.nll_loss_forward.default", module="<loss>")
-@_seeded
+@seeded
 def pad_tagger():
     return Tagger()
 
@@ -499,7 +468,7 @@ def _no_positives():
 
 @case("empty_mean", _no_positives, loss="causes:positive_pair_loss", cause="empty_reduction",
       fix="guard_empty_reduction", phase="forward", kind="nan", op="aten.mean.default", module="<loss>")
-@_seeded
+@seeded
 def distance():
     return Distance()
 
@@ -530,7 +499,7 @@ AUTOCAST = {"device_type": "cpu", "dtype": torch.float16}
 
 @case("autocast_fp16", _big_inputs, cause="fp16_overflow", fix="bf16_or_grad_scaler", phase="forward",
       kind="inf", op="aten.addmm.default", module="fc1", autocast=AUTOCAST)
-@_seeded
+@seeded
 def autocast_mlp():
     return AutocastMLP()
 
@@ -555,9 +524,7 @@ def _medium_half():
     return {"x": torch.full((4, 16), 15.0).half()}  # fc1 reaches 16 * 40 * 15 = 9600: 15% of float16's max
 
 
-CASES["near_overflow"] = Case("near_overflow", "loud_half", _medium_half, None, {"verdict": "not_reproduced"})
-
-
+@case("near_overflow", _medium_half, verdict="not_reproduced")
 def loud_half():
     torch.manual_seed(0)
     return LoudHalf().half()
@@ -582,6 +549,6 @@ class Probit(nn.Module):
 
 @case("unknown_erfinv", _randn(24, 8, 4), cause="unrecognised", fix="none", phase="forward", kind="inf",
       op="aten.erfinv.default")
-@_seeded
+@seeded
 def probit():
     return Probit()

@@ -18,9 +18,9 @@ torch.set_num_threads(1)
 
 @pytest.fixture
 def snapshot_of(tmp_path):
-    """Write a case's seed-format snapshot file and return its path."""
+    """Write a case's plain state-dict snapshot file and return its path."""
     def make(name: str) -> Path:
-        return nanmodels.save_case(nanmodels.CASES[name], tmp_path / f"{name}_step_7.pt")
+        return nanmodels.CASES[name].save(tmp_path / f"{name}_step_7.pt")
     return make
 
 
@@ -31,5 +31,5 @@ def analyzed(snapshot_of):
 
     def run(name: str, **kw):
         c = nanmodels.CASES[name]
-        return analyze(snapshot_of(name), model=f"nanmodels:{c.factory}", loss=c.loss, **kw).to_json()
+        return analyze(snapshot_of(name), model=c.model_spec, loss=c.loss, **kw).to_json()
     return run

@@ -1,57 +1,24 @@
 """Purpose-built models, one per NaN/Inf cause (torchinfo's fixtures style).
 
-Every case is a `Case`: a zero-argument model factory (what `--model` names),
-a batch, an optional loss spec, and the expected culprit. The line that should
-be blamed carries a `# CULPRIT: <case>` marker; tests look it up, so the
-expectation never drifts from the code.
+Every case (see `cases.py`) is a zero-argument model factory of this module (what
+`--model nanmodels:FACTORY` names), a batch, an optional loss spec, and the expected
+culprit. The line that should be blamed carries a `# CULPRIT: <case>` marker; tests
+look it up with `CASES.marker_line`, so the expectation never drifts from the code.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-HERE = Path(__file__)
+from cases import Registry, seeded
 
-
-def marker_line(case: str, path: Path = HERE) -> int:
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if line.rstrip().endswith(f"# CULPRIT: {case}"):
-            return i
-    raise KeyError(case)
-
-
-@dataclass
-class Case:
-    name: str
-    factory: str  # attribute of this module
-    batch: Callable[[], dict]
-    loss: str | None = None
-    expect: dict = field(default_factory=dict)  # keys of the culprit JSON to check, plus 'verdict', 'anomaly'
-
-
-CASES: dict[str, Case] = {}
-
-
-def case(name: str, batch: Callable[[], dict], loss: str | None = None, **expect):
-    def deco(factory):
-        CASES[name] = Case(name, factory.__name__, batch, loss, expect)
-        return factory
-    return deco
-
-
-def _seeded(fn):
-    def wrapper():
-        torch.manual_seed(0)
-        return fn()
-    wrapper.__name__ = fn.__name__
-    return wrapper
+CASES = Registry(__name__)
+case = CASES.case
 
 
 # ---------------------------------------------------------------- sqrt(0): Inf in backward, then 0*Inf
@@ -84,7 +51,7 @@ def _pair():
 
 @case("sqrt_zero", _pair, phase="backward", kind="inf", op="aten.div.Tensor", forward_op="aten.sqrt.default",
       backward_node="SqrtBackward0", module="dist", anomaly=True, agrees=False)
-@_seeded
+@seeded
 def siamese():
     return Siamese()
 
@@ -110,7 +77,7 @@ def _pos_batch():
 
 @case("inf_trap", _pos_batch, phase="backward", kind="inf", op="aten.div.Tensor", forward_op="aten.sqrt.default",
       backward_node="SqrtBackward0", module="", anomaly=False, failure="gradient")
-@_seeded
+@seeded
 def gain():
     return Gain()
 
@@ -135,7 +102,7 @@ def _relu_zero_batch():
 
 @case("log_zero", _relu_zero_batch, phase="forward", kind="inf", op="aten.log.default",
       forward_op="aten.log.default", module="")
-@_seeded
+@seeded
 def log_likelihood():
     return LogLikelihood()
 
@@ -162,20 +129,17 @@ class WithScale(nn.Module):
         return self.head(self.block["scale"](x))
 
 
-@case("sqrt_neg", _relu_zero_batch, loss="mse_loss", phase="forward", kind="nan", op="aten.sqrt.default",
-      forward_op="aten.sqrt.default", module="block.scale", anomaly=True, agrees=False)
-@_seeded
-def with_scale():
-    return WithScale()
-
-
 def _target2():
     b = _relu_zero_batch()
     b["y"] = torch.zeros(8, 2)
     return b
 
 
-CASES["sqrt_neg"].batch = _target2
+@case("sqrt_neg", _target2, loss="mse_loss", phase="forward", kind="nan", op="aten.sqrt.default",
+      forward_op="aten.sqrt.default", module="block.scale", anomaly=True, agrees=False)
+@seeded
+def with_scale():
+    return WithScale()
 
 
 class LogNeg(nn.Module):
@@ -189,7 +153,7 @@ class LogNeg(nn.Module):
 
 @case("log_neg", _relu_zero_batch, phase="forward", kind="nan", op="aten.log.default", forward_op="aten.log.default",
       module="", anomaly=False)
-@_seeded
+@seeded
 def log_neg():
     return LogNeg()
 
@@ -225,7 +189,7 @@ def _zero_rows():
 
 @case("zero_norm", _zero_rows, phase="forward", kind="nan", op="aten.div.Tensor", forward_op="aten.div.Tensor",
       module="query", anomaly=True, agrees=True)
-@_seeded
+@seeded
 def retrieval():
     return Retrieval()
 
@@ -246,7 +210,7 @@ class Entropy(nn.Module):
 
 @case("zero_log_zero", _relu_zero_batch, phase="forward", kind="inf", op="aten.log.default",
       forward_op="aten.log.default", module="", failure="loss")
-@_seeded
+@seeded
 def entropy():
     return Entropy()
 
@@ -270,16 +234,22 @@ def _cls_batch():
     x = torch.randn(8, 4)
     with torch.no_grad():
         torch.manual_seed(0)
-        logits = _seeded(lambda: Classifier())().fc(x)
+        logits = seeded(lambda: Classifier())().fc(x)
     return {"x": x, "y": logits.argmax(-1)}  # targets are the confident classes: the loss stays finite
 
 
 @case("log_softmax", _cls_batch, loss="nll_loss", phase="backward", kind="nan", op="aten.div.Tensor",
       forward_op="aten.log.default", backward_node="LogBackward0", module="", failure="gradient",
       anomaly=True, agrees=True)
-@_seeded
+@seeded
 def classifier():
     return Classifier()
+
+
+def classifier_step() -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The log_softmax case's (x, y, state_dict), for tests that lay out a snapshot dict of their own."""
+    b = CASES["log_softmax"].batch()
+    return b["x"], b["y"], classifier().state_dict()
 
 
 # ---------------------------------------------------------------- fp16 overflow in a matmul
@@ -353,12 +323,12 @@ def _attn_batch(pad_first: bool):
 
 @case("masked_row", _attn_batch(True), phase="forward", kind="nan", op="aten._softmax.default",
       forward_op="aten._softmax.default", module="layers.0.attn", role="conversion")
-@_seeded
+@seeded
 def encoder():
     return Encoder()
 
 
-CASES["healthy_mask"] = Case("healthy_mask", "encoder", _attn_batch(False), None, {"verdict": "not_reproduced"})
+case("healthy_mask", _attn_batch(False), verdict="not_reproduced")(encoder)  # the same model, ordinary padding
 
 
 # ---------------------------------------------------------------- the torch.where trap
@@ -386,7 +356,7 @@ def _sparse_batch():
 @case("where_trap", _sparse_batch, phase="backward", kind="nan", op="aten.div.Tensor",
       forward_op="aten.log.default", backward_node="LogBackward0", module="", failure="gradient",
       anomaly=True, agrees=True)
-@_seeded
+@seeded
 def safe_log():
     return SafeLog()
 
@@ -415,7 +385,7 @@ def _prob_batch():
 
 @case("in_loss", _prob_batch, loss="nanmodels:log_loss", phase="forward", kind="inf", op="aten.log.default",
       forward_op="aten.log.default", module="<loss>")
-@_seeded
+@seeded
 def probs():
     return Probs()
 
@@ -447,7 +417,7 @@ def gated_loss(out, mask):
 
 @case("inf_to_nan", _gate_batch, loss="nanmodels:gated_loss", phase="forward", kind="inf",
       op="aten.exp.default", forward_op="aten.exp.default", module="", anomaly=True, agrees=True)
-@_seeded
+@seeded
 def exp_gate():
     return ExpGate()
 
@@ -464,18 +434,9 @@ class Tiny(nn.Module):
         return self.fc(x)
 
 
-@_seeded
+@seeded
 def tiny():
     return Tiny()
-
-
-def save_case(c: Case, path: Path, fmt: str = "seed") -> Path:
-    """Write the seed's snapshot dict for a case (the 'cheap NaN insurance' format)."""
-    model = globals()[c.factory]()
-    d = dict(c.batch())
-    d["state"] = model.state_dict()
-    torch.save(d, path)
-    return path
 
 
 def half_mlp_fp32():
@@ -506,13 +467,13 @@ class ThreeCauses(nn.Module):
         return (h ** 2).sum(-1).sqrt().mean()  # CULPRIT: triage_sqrt_zero
 
 
-@_seeded
+@seeded
 def three_causes():
     return ThreeCauses()
 
 
 def save_three_causes(branch: int, path: Path, seed: int = 0) -> Path:
-    """A seed-format snapshot of ThreeCauses that fails in `branch` (0 log(0), 1 0/0, 2 sqrt(0))."""
+    """A plain state-dict snapshot of ThreeCauses that fails in `branch` (0 log(0), 1 0/0, 2 sqrt(0))."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(8, 4, generator=g)
     if branch:
@@ -549,6 +510,6 @@ class InvFeatures(nn.Module):
 
 @case("custom_backward", _sparse_batch, phase="backward", kind="inf", op="aten.div.Tensor",
       forward_op="aten.clamp_min.default", backward_node="SafeInvBackward", module="", failure="gradient")
-@_seeded
+@seeded
 def inv_features():
     return InvFeatures()

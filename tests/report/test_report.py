@@ -24,13 +24,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_samples import EXPECTED, SAMPLES
 
 from nanreplay import report
 from nanreplay.analysis import Analysis, analyze
 from nanreplay.report import html as report_html
+from samples import EXPECTED, SAMPLES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SIZE_BUDGET = 500_000
 ALL_SECTIONS = {"verdict", "anomaly", "source", "chain", "culprit-stats", "leaves", "activations", "gradients", "shapes",
                 "history", "precision", "environment", "reproduce"}
@@ -667,8 +667,7 @@ def test_wheel_installed_non_editably_renders_a_report(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    for name in ("nanreplay", "templates"):
-        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "nanreplay", src / "nanreplay", ignore=shutil.ignore_patterns("__pycache__"))  # templates inside
     dist = tmp_path / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(src)],
                    check=True, capture_output=True, timeout=300)

@@ -47,7 +47,7 @@ def test_json_on_stdout_keeps_the_contract(snapshot_of, case):
     import nanmodels
 
     c = nanmodels.CASES[case]
-    args = ["analyze", str(snapshot_of(case)), "--model", f"nanmodels:{c.factory}", "--json", "-", "-o",
+    args = ["analyze", str(snapshot_of(case)), "--model", c.model_spec, "--json", "-", "-o",
             str(snapshot_of(case).with_suffix(".html"))] + (["--loss", c.loss] if c.loss else [])
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output

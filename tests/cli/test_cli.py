@@ -1,9 +1,15 @@
-"""The command line: outputs, exit codes, one clear line per bad input."""
+"""`nanreplay analyze` on the command line: outputs, exit codes, one clear line per bad input, the README's commands.
+
+`nanreplay triage` is tested in tests/triage/: that command is the triage package's only entrance, and its
+tests check grouping, caching and timeouts, with the CLI only as the driver.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,6 +17,7 @@ from click.testing import CliRunner
 
 import nanmodels
 from nanreplay.cli import main
+from samples import ROOT
 
 
 def run(*args, cwd=None):
@@ -108,7 +115,7 @@ def test_wrong_dict(tmp_path):
     ("no_such_pkg.models:build", "cannot import module 'no_such_pkg'"),
     ("nanmodels:nope", "has no attribute 'nope'"),
     ("nanmodels", "expected MODULE:NAME"),
-    ("nanmodels:HERE", "not callable"),
+    ("nanmodels:CASES", "not callable"),
 ])
 def test_bad_model_spec(snapshot_of, spec, needle):
     one_line_error(run("analyze", snapshot_of("log_zero"), "--model", spec), 2, needle)
@@ -119,7 +126,7 @@ def raising_factory():
 
 
 def test_factory_that_raises(snapshot_of):
-    one_line_error(run("analyze", snapshot_of("log_zero"), "--model", "test_cli:raising_factory"), 2,
+    one_line_error(run("analyze", snapshot_of("log_zero"), "--model", f"{__name__}:raising_factory"), 2,
                    "factory raised ValueError: config file missing")
 
 
@@ -185,3 +192,27 @@ def test_global_state_restored_even_when_replay_raises(tmp_path):
     assert not torch._C._is_torch_function_mode_enabled()
     from torch.utils._python_dispatch import _get_current_dispatch_mode
     assert _get_current_dispatch_mode() is None
+
+
+# ---------------------------------------------------------------- the README's commands
+
+
+def test_cli_end_to_end_in_a_fresh_process(tmp_path):
+    """The README's main command, in a subprocess, from the repository root."""
+    out = tmp_path / "report.html"
+    res = subprocess.run([sys.executable, "-m", "nanreplay.cli", "analyze", "sample_snapshots/sqrt_zero.pt",
+                          "-o", str(out), "--json", "-"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    d = json.loads(res.stdout)
+    assert d["culprit"]["backward_node"] == "SqrtBackward0"
+    assert out.exists() and "SqrtBackward0" in out.read_text()
+
+
+def test_ci_runs_the_readme_commands():
+    """.ci/run must install and test exactly as the README says."""
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    blocks = [b.split("```", 1)[0].strip() for b in readme.split("```bash\n")[1:3]]
+    assert blocks[1] in ci
+    assert blocks[0].startswith(blocks[1].rsplit("&&", 1)[0].strip())

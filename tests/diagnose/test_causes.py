@@ -36,7 +36,7 @@ def run_case(tmp_path, monkeypatch):
     """Write a case's snapshot and analyze it; `autocast` cases replay under the autocast they ran with."""
     def run(name: str, module=causes, **kw):
         c = module.CASES[name]
-        path = module.save_case(c, tmp_path / f"{name}_step_3.pt")
+        path = c.save(tmp_path / f"{name}_step_3.pt")
         ac = c.expect.get("autocast")
         with monkeypatch.context() as m:
             if ac:  # what a native snapshot carries: the step ran under torch.autocast
@@ -47,7 +47,7 @@ def run_case(tmp_path, monkeypatch):
                     sub.autocast = dict(ac)
                     return sub
                 m.setattr(formats, "rebuild", with_autocast)
-            res = analysis.analyze(path, model=f"{module.__name__}:{c.factory}", loss=c.loss, **kw)
+            res = analysis.analyze(path, model=c.model_spec, loss=c.loss, **kw)
         return res, path
     return run
 
@@ -64,7 +64,7 @@ def test_cause_fix_and_verification(run_case, name):
             assert c[key] == exp[key], (key, c[key])
     marker = exp.get("marker", name)
     try:
-        line = causes.marker_line(marker)
+        line = causes.CASES.marker_line(marker)
     except KeyError:
         assert c["source"] is None  # the loss named by --loss runs inside nanreplay: no user line
     else:
@@ -176,7 +176,7 @@ def test_epsilon_fits_float16(run_case):
     assert fix["after"].startswith("return (x / (self.s + 1e-2)).mean()")
     assert "float16" in fix["reasoning"] and "x / eps²" in fix["reasoning"] and "1e-4" in fix["reasoning"]
     c = causes.CASES["signed_zero_fp16"]
-    subject = formats.rebuild(formats.load(path), model=f"causes:{c.factory}", loss=None, device=None, trust=False)
+    subject = formats.rebuild(formats.load(path), model=c.model_spec, loss=None, device=None, trust=False)
     call = res.step.call_of(res.step.events[res.culprit["event"]])
     small = verify.try_patch(subject, {call: lambda f, a, k: f(a[0], a[1] + 1e-4, **k)})
     assert small.ok is False and "gradient of s" in small.detail
@@ -216,7 +216,7 @@ def test_unknown_pattern_gets_the_honest_generic_diagnosis(run_case):
     diag = d["diagnosis"]
     assert diag["cause"] == "unrecognised" and diag["fix"]["kind"] == "none" and diag["fix"]["verified"] is None
     expl = diag["explanation"]
-    assert "aten.erfinv.default" in expl and f"causes.py:{causes.marker_line('unknown_erfinv')}" in expl
+    assert "aten.erfinv.default" in expl and f"causes.py:{causes.CASES.marker_line('unknown_erfinv')}" in expl
     assert "range -1 .. 1" in expl and "no specific rule" in expl
 
 

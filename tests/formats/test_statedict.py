@@ -1,4 +1,4 @@
-"""Seed-format snapshots and their common variants load the same way."""
+"""Plain state-dict snapshots and their common variants load the same way."""
 
 from __future__ import annotations
 
@@ -10,12 +10,6 @@ from nanreplay import formats
 from nanreplay.analysis import analyze
 
 
-def _parts():
-    c = nanmodels.CASES["log_softmax"]
-    b = c.batch()
-    return b["x"], b["y"], nanmodels.classifier().state_dict()
-
-
 @pytest.mark.parametrize("layout", [
     lambda x, y, s: {"x": x, "y": y, "state": s},
     lambda x, y, s: {"inputs": x, "targets": y, "model_state_dict": s},
@@ -25,44 +19,18 @@ def _parts():
 ])
 def test_variants_give_the_same_culprit(tmp_path, layout):
     p = tmp_path / "snap.pt"
-    torch.save(layout(*_parts()), p)
+    torch.save(layout(*nanmodels.classifier_step()), p)
     d = analyze(p, model="nanmodels:classifier", loss="nll_loss", verify=False).to_json()
     assert d["verdict"] == "culprit_found"
     assert (d["culprit"]["backward_node"], d["culprit"]["forward_op"]) == ("LogBackward0", "aten.log.default")
 
 
 def test_step_from_file_name(tmp_path):
-    x, y, s = _parts()
+    x, y, s = nanmodels.classifier_step()
     p = tmp_path / "nan_snapshot_step_12.pt"
     torch.save({"x": x, "y": y, "state": s}, p)
     snap = formats.load(p)
     assert snap.step == 12 and snap.format == "state_dict" and snap.keys == {"inputs": "x", "target": "y", "state": "state"}
-
-
-def test_nonfinite_input_is_reported_before_replay(tmp_path):
-    x, y, s = _parts()
-    x = x.clone()
-    x[2, 1] = float("nan")
-    x[5, 0] = float("inf")
-    p = tmp_path / "bad_input.pt"
-    torch.save({"x": x, "y": y, "state": s}, p)
-    d = analyze(p, model="nanmodels:classifier", loss="nll_loss").to_json()
-    assert d["verdict"] == "nonfinite_input" and d["culprit"] is None
-    (leaf,) = d["nonfinite_leaves"]
-    assert leaf == {**leaf, "name": "x", "role": "input", "nan": 1, "inf": 1, "samples": [2, 5]}
-    assert d["diagnosis"]["fix"]["kind"] == "clean_input"
-    assert "[2, 5]" in d["diagnosis"]["explanation"]
-
-
-def test_nonfinite_parameters_are_reported_before_replay(tmp_path):
-    x, y, s = _parts()
-    s["fc.bias"][1] = float("inf")
-    p = tmp_path / "bad_w.pt"
-    torch.save({"x": x, "y": y, "state": s}, p)
-    d = analyze(p, model="nanmodels:classifier", loss="nll_loss").to_json()
-    assert d["verdict"] == "nonfinite_parameters"
-    assert d["nonfinite_leaves"] == [{"name": "fc.bias", "role": "parameter", "nan": 0, "inf": 1, "shape": [5]}]
-    assert d["diagnosis"]["fix"]["kind"] == "restore_parameters"
 
 
 def test_fp16_state_replays_in_fp16(tmp_path):

@@ -99,7 +99,7 @@ def test_a_bug_in_a_custom_backward_is_fixed_where_it_is(analyzed):
     import nanmodels
 
     d = analyzed("custom_backward")
-    assert d["culprit"]["source"]["line"] == nanmodels.marker_line("custom_backward")
+    assert d["culprit"]["source"]["line"] == nanmodels.CASES.marker_line("custom_backward")
     fix = d["diagnosis"]["fix"]
     assert d["diagnosis"]["cause"] == "division_by_zero" and fix["verified"] is True
     assert fix["before"].startswith("return -g / (x * x)") and ".clamp_min(" in fix["after"]

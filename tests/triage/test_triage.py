@@ -95,7 +95,7 @@ def test_triage_groups_lists_failures_and_reuses_its_cache(folder, tmp_path):
     for g in groups:
         assert {s["file"] for s in g["snapshots"]} == expect[g["cause"]]
         assert g["fix"]["verified"] == g["count"]
-        assert g["source"]["line"] == nanmodels.marker_line(MARKERS[g["cause"]])
+        assert g["source"]["line"] == nanmodels.CASES.marker_line(MARKERS[g["cause"]])
         for s in g["snapshots"]:
             assert json.loads((out / s["json"]).read_text())["diagnosis"]["cause"] == g["cause"]
             assert (out / s["report"]).is_file()

@@ -21,7 +21,7 @@ def test_culprit_is_named_exactly(analyzed, name):
         if key in exp:
             assert c[key] == exp[key], (key, c[key])
     assert c["backward_node"] == exp.get("backward_node")
-    assert c["source"]["line"] == nanmodels.marker_line(name)
+    assert c["source"]["line"] == nanmodels.CASES.marker_line(name)
     assert c["source"]["file"].endswith("nanmodels.py")
     assert "CULPRIT" in c["source"]["code"]
     if "role" in exp:
