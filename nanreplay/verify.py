@@ -85,13 +85,13 @@ def plain_step(subject: Subject, *, forward_first: bool = False) -> dict:
     subject.model.zero_grad(set_to_none=True)
     with replay.anomaly_off():
         if forward_first:
-            with torch.no_grad(), replay.autocast_from(subject.autocast):
+            with torch.no_grad(), replay.autocast_from(subject.run_autocast):
                 loss = subject.loss(subject.forward())
             if not stats.finite_fast(loss):
                 return _row(loss, None)
             if subject.prepare is not None:
                 subject.prepare()  # the same RNG for the full pass
-        with replay.autocast_from(subject.autocast):
+        with replay.autocast_from(subject.run_autocast):
             loss = subject.loss(subject.forward())
         if not stats.finite_fast(loss.detach()):
             return _row(loss, None)

@@ -6,6 +6,7 @@ diagnose — and returns data. Printing and rendering are the caller's business.
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from pathlib import Path
@@ -22,15 +23,32 @@ from nanreplay.replay.subject import Subject, batch_tensors
 
 
 def analyze(path: str | Path, *, model: str | None = None, loss: str | None = None, device: str | None = None,
-            trust: bool = False, verify: bool = True) -> Analysis:
-    """Analyze one snapshot file. Raises NanReplayError subclasses for bad input."""
+            trust: bool = False, verify: bool = True, max_memory: int | None = None,
+            source: list[str] | tuple[str, ...] | None = None) -> Analysis:
+    """Analyze one snapshot file. Raises NanReplayError subclasses for bad input.
+
+    `source`: folders whose .py files may be read to show and rewrite lines the snapshot recorded
+    (default: the current folder; a file is used only where its line matches the recorded code).
+    `max_memory`: refuse a replay whose bounded peak memory is larger (bytes).
+    """
+    roots = tuple(os.path.abspath(d) for d in source) if source is not None else (os.getcwd(),)
+    token = replay.SOURCE_ROOTS.set(roots)
+    try:
+        return _analyze(path, model=model, loss=loss, device=device, trust=trust, verify=verify,
+                        max_memory=max_memory, source=source)
+    finally:
+        replay.SOURCE_ROOTS.reset(token)
+
+
+def _analyze(path, *, model, loss, device, trust, verify, max_memory, source) -> Analysis:
     t0 = time.perf_counter()
     snap = formats.load(path, trust=trust)
-    subject = formats.rebuild(snap, model=model, loss=loss, device=device, trust=trust)
+    subject = formats.rebuild(snap, model=model, loss=loss, device=device, trust=trust, max_memory=max_memory)
     t_load = time.perf_counter()
     result = Analysis(snapshot=str(path), verdict="not_reproduced", model=_model_info(subject),
                       environment=_environment(subject), snapshot_info=_snapshot_info(snap),
-                      invocation={"model": model, "loss": loss, "device": device, "trust": trust})
+                      invocation={"model": model, "loss": loss, "device": device, "trust": trust,
+                                  "source": list(source) if source is not None else None})
     leaves = check_leaves(subject)
     result.nonfinite_leaves = leaves
     blocking = [r for r in leaves if not r.get("literal")]

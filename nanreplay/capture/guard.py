@@ -27,25 +27,21 @@ from __future__ import annotations
 import logging
 import math
 import os
-import platform
 import statistics
-import time
 import warnings
 from collections import deque
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from nanreplay import __version__, atomic
+from nanreplay import atomic
 from nanreplay import torch_internals as ti
-from nanreplay.errors import GuardError, NonFiniteStep, first_line
-from nanreplay.formats import native
-from nanreplay.formats.native import FORMAT, VERSION
-from nanreplay.pytree import map_tensors
+from nanreplay.capture import snapshot
+from nanreplay.errors import GuardError, NonFiniteStep
 
 log = logging.getLogger("nanreplay")
 
@@ -62,9 +58,9 @@ class NanGuard:
             recorded as MODULE:NAME (which then needs --trust to run).
             None: the model's output is the loss.
         folder: where snapshots go (created if missing).
-        factory: "pkg.mod:build" that rebuilds the model, used if torch.export fails.
-            Default: derived from the model's class (assumes a no-argument constructor).
-        export: embed model+loss as a torch.export program (no training code needed to analyze).
+        factory: "pkg.mod:build" that rebuilds the model, named in the snapshot for the rare step that
+            cannot be recorded as a program (then analysis needs --trust). Default: the model's class.
+        export: record the step as a program in the snapshot (no training code needed to analyze).
         max_snapshots: at most this many snapshots per guard, so a run that keeps
             going NaN does not fill the disk.
         history: how many recent steps of loss / grad norm to keep for the report.
@@ -83,7 +79,9 @@ class NanGuard:
                  scaler_patience: int = 10, autocast: dict | bool | None = None, on_nonfinite: str = "return"):
         if on_nonfinite not in ("return", "raise"):
             raise ValueError("on_nonfinite must be 'return' or 'raise'")
-        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.wrapped = model  # as given: DDP / torch.compile wrappers included
+        self.model = snapshot.unwrap(model)  # the user's own module: what a snapshot records
+        self.optimizer, self.loss_fn = optimizer, loss_fn
         self.folder = Path(folder)
         self.factory = factory
         self.export = export
@@ -96,9 +94,8 @@ class NanGuard:
         self.last_snapshot: str | None = None
         self.last_error: str | None = None
         self.step_index = -1
-        self._inputs: Any = None
-        self._target: Any = None
-        self._rng: dict | None = None
+        self._state: snapshot.StepState | None = None
+        self._buffers = snapshot.BufferWatch(self.model)
         # autocast settings of the step: a dict (given), False (none), None (detect on the first loss_ok)
         self._autocast: dict | bool | None = _autocast_arg(autocast)
         self._overflows = 0
@@ -116,9 +113,9 @@ class NanGuard:
         or a dict (model(**x)).
         """
         self._new_step(step)
-        self._inputs, self._target = inputs, target
-        self._rng = {"cpu": torch.get_rng_state(),
-                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
+        rng = {"cpu": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
+        self._state = snapshot.StepState({"inputs": inputs, "target": target}, rng, self._buffers.begin())
 
     def loss_ok(self, loss: torch.Tensor) -> bool:
         """After computing the loss, before backward(): False (and a snapshot) if it is NaN or Inf."""
@@ -231,7 +228,7 @@ class NanGuard:
         log.warning("nanreplay: %s", msg)
 
     def _write(self, trigger: str, extra: dict) -> str:
-        if self._inputs is None:
+        if self._state is None:
             raise RuntimeError("no batch: call guard.begin(inputs, target) at the start of each step")
         d = self.to_dict(trigger, extra)
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -250,59 +247,20 @@ class NanGuard:
     def to_dict(self, trigger: str, extra: dict | None = None) -> dict:
         """The native snapshot dict for the current step (CPU copies; loads with weights_only=True)."""
         extra = extra or {}
-        model = self.model
-        rank = world = None
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        param = next(model.parameters(), None)
-        model_info = {"class": f"{type(model).__module__}.{type(model).__qualname__}",
-                      "factory": self.factory or _derived_factory(model), "factory_source":
-                      "given" if self.factory else "derived from the model's class",
-                      "exported": None, "export_error": None}
-        if self.export and self._custom_functions:
-            model_info["export_error"] = (
-                f"the model uses custom autograd.Function(s) {', '.join(self._custom_functions)}; torch.export "
-                "keeps their forward but not their hand-written backward, so replay needs the model's code")
-        elif self.export:
-            t0 = time.perf_counter()
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    model_info["exported"] = native.export_step(model, self.loss_fn, self._inputs, self._target)
-            except Exception as e:  # noqa: BLE001 - data-dependent control flow, unsupported ops, ...
-                model_info["export_error"] = f"{type(e).__name__}: {first_line(e, 500)}"
-            model_info["export_seconds"] = round(time.perf_counter() - t0, 3)
-        return {
-            "format": FORMAT,
-            "version": VERSION,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "nanreplay_version": __version__,
-            "trigger": trigger,
-            "step": self.step_index,
-            "rank": rank,
-            "world_size": world,
-            "loss_value": extra.get("loss_value", _last(self.history, "loss")),
-            "grad_norm": extra.get("grad_norm"),
-            "batch": {"inputs": _cpu(self._inputs), "target": _cpu(self._target)},
-            "model_state": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
-            "model_training": model.training,
-            "optimizer_state": _cpu(self.optimizer.state_dict()) if self.optimizer is not None else None,
-            "model": model_info,
-            "loss_spec": native.loss_spec(self.loss_fn),
-            "rng": self._rng,
-            "autocast": self._autocast or None,
-            "grad_scale": float(self.scaler.get_scale()) if self.scaler is not None else None,
-            "environment": {"torch": str(torch.__version__), "python": platform.python_version(),
-                            "device": str(param.device) if param is not None else None,
-                            "dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
-                            "cuda": torch.version.cuda},
-            "history": list(self.history),
-        }
-
-
-def _cpu(obj: Any) -> Any:
-    """Deep CPU copy of every tensor in a nested structure (CUDA state may be poisoned; copies are safe)."""
-    return map_tensors(obj, lambda t: t.detach().to("cpu", copy=True))
+        st = self._state
+        program, constants, why, seconds = None, {}, "recording was switched off (export=False)", 0.0
+        if self.export:
+            forward, loss = snapshot.loss_forward(self.model, st.batch["inputs"], st.batch["target"], self.loss_fn)
+            program, constants, why, seconds = snapshot.record(self.model, st, forward, loss,
+                                                               self._autocast or None)
+        if "loss_value" not in extra:
+            extra = {**extra, "loss_value": _last(self.history, "loss")}
+        notes = [f"recording the step took {seconds:.2f} s"] if program is not None else []
+        return snapshot.build(model=self.model, wrapped=self.wrapped, state=st, trigger=trigger, step=self.step_index,
+                              extra=extra, program=program, constants=constants, program_error=why,
+                              loss_fn=self.loss_fn, step_fn=None, optimizer=self.optimizer, scaler=self.scaler,
+                              autocast=self._autocast or None, history=list(self.history), factory=self.factory,
+                              notes=notes)
 
 
 def _last(history: deque, key: str) -> float | None:
@@ -362,10 +320,3 @@ def _inspect_graph(loss: torch.Tensor, model: nn.Module, limit: int = 20000) -> 
                 autocast = {"device_type": v.device.type, "dtype": str(v.dtype).removeprefix("torch."), "enabled": True}
                 break
     return autocast, custom
-
-
-def _derived_factory(model: nn.Module) -> str | None:
-    cls = type(model)
-    if cls.__module__ in ("__main__", "builtins") or "<" in cls.__qualname__:
-        return None
-    return f"{cls.__module__}:{cls.__qualname__}"

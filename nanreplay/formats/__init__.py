@@ -34,9 +34,11 @@ def load(path: str | Path, *, trust: bool = False) -> Snapshot:
     raise SnapshotError(f"{path}: not a snapshot in any format nanreplay knows")
 
 
-def rebuild(snap: Snapshot, *, model: str | None, loss: str | None, device: str | None, trust: bool):
+def rebuild(snap: Snapshot, *, model: str | None, loss: str | None, device: str | None, trust: bool,
+            max_memory: int | None = None):
     """The runnable step (a `replay.subject.Subject`) for a loaded snapshot."""
-    return _BY_NAME[snap.format].rebuild(snap, model=model, loss=loss, device=device, trust=trust)
+    return _BY_NAME[snap.format].rebuild(snap, model=model, loss=loss, device=device, trust=trust,
+                                         max_memory=max_memory)
 
 
 def describe(snap: Snapshot) -> dict:

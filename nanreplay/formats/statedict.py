@@ -99,8 +99,8 @@ def _number_in_name(path: str, word: str) -> int | None:
 
 
 def rebuild(snap: Snapshot, *, model: str | None, loss: str | None, device: str | None,
-              trust: bool) -> Subject:
-    """Rebuild a seed-format snapshot: the model comes from --model (or a trusted pickled module)."""
+            trust: bool, max_memory: int | None = None) -> Subject:
+    """Rebuild a plain state-dict snapshot: the model comes from --model (or a trusted pickled module)."""
     dev = parse_device(device)
     if model is not None:
         m = build_model(model)

@@ -5,9 +5,10 @@ A frame is `(file, line, function, code-or-None)`.
 
 from __future__ import annotations
 
-import functools
+import contextvars
 import linecache
 import os
+import stat
 import sys
 import sysconfig
 from typing import Any
@@ -33,6 +34,19 @@ def _classify(filename: str) -> int:
     return _USER
 
 
+def skip_frames_of(*functions) -> None:
+    """Frames of these functions (nanreplay's own modes) sit between the user's line and an op: look
+    through them. torch may wrap a mode's method (e.g. to disable dynamo); its inner function counts too."""
+    for fn in functions:
+        seen = 0
+        while fn is not None and seen < 5:
+            code = getattr(fn, "__code__", None)
+            if code is not None:
+                _frame_kind[code] = _SKIP
+            fn = getattr(fn, "__wrapped__", None)
+            seen += 1
+
+
 def user_frame(depth: int = 2) -> Frame | None:
     """The innermost frame outside torch and the stdlib: the user's line."""
     f = sys._getframe(depth)
@@ -50,51 +64,95 @@ def user_frame(depth: int = 2) -> Frame | None:
     return None
 
 
-@functools.lru_cache(maxsize=256)
-def local_copy(path: str) -> str:
-    """The file here that a path recorded on another machine (or checkout) most likely refers to.
+# Folders whose .py files may be read to show or rewrite a line a *snapshot* recorded (not lines of code that
+# ran in this process, which are read as usual). Set by the analysis (`--source DIR`; default: the current folder).
+SOURCE_ROOTS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("nanreplay_source_roots", default=())
+CONTEXT = 3  # lines shown above and below a line, for frames of code that ran here
+MAX_SOURCE_BYTES = 2_000_000
 
-    A snapshot from /home/alice/proj/pkg/model.py analyzed in a checkout of proj finds
-    ./pkg/model.py: the longest tail of the recorded path that exists below the current
-    folder. Where the recorded path itself exists (another checkout on this machine), a
-    local file must share at least its folder and name to be preferred. Falls back to
-    the recorded path.
+
+class RecordedFrame(tuple):
+    """A frame recorded at capture time — (file, line, function, code) — with its context lines.
+
+    Its text comes from the snapshot. A local file is consulted only where `local_source` allows it.
     """
-    if not os.path.isabs(path):
-        return path
+
+    context: tuple[int, list[str]] | None
+
+    def __new__(cls, file: str, line: int, function: str, code: str | None,
+                context: tuple[int, list[str]] | None = None):
+        obj = super().__new__(cls, (file, line, function, code))
+        obj.context = context
+        return obj
+
+    def __getnewargs__(self):
+        return (*tuple(self), self.context)
+
+
+def local_source(recorded: str, line: int, code: str | None) -> str | None:
+    """The local file that may stand for a recorded one: a `.py` regular file under an allowed folder whose
+    line `line` is exactly the recorded code. Never used to fill a line the snapshot left empty."""
+    if not code or not recorded.endswith(".py"):
+        return None
+    for root in SOURCE_ROOTS.get():
+        found = _match_under(os.path.realpath(root), recorded, line, code.strip())
+        if found:
+            return found
+    return None
+
+
+def _match_under(root: str, recorded: str, line: int, code: str) -> str | None:
+    parts = [p for p in recorded.replace("\\", "/").split("/") if p not in ("", ".", "..")]
+    for k in range(min(len(parts), 8), 0, -1):  # the longest tail of the recorded path that exists here
+        cand = os.path.join(root, *parts[-k:])
+        real = os.path.realpath(cand)
+        if not real.startswith(root + os.sep):
+            continue
+        try:
+            st = os.stat(real)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SOURCE_BYTES:
+            continue
+        if linecache.getline(real, line).strip() == code:
+            return real
+    return None
+
+
+def _shown(path: str) -> str:
     try:
-        if not os.path.relpath(path).startswith(".."):
-            return path  # already below the current folder
+        rel = os.path.relpath(path)
+        if not rel.startswith(".."):
+            return rel
     except ValueError:
         pass
-    parts = path.replace("\\", "/").split("/")
-    shortest = 2 if os.path.exists(path) else 1
-    for k in range(min(len(parts) - 1, 6), shortest - 1, -1):
-        cand = os.path.join(*parts[-k:])
-        if os.path.isfile(cand):
-            return cand
     return path
 
 
+def _live_context(file: str, line: int) -> dict | None:
+    lines = linecache.getlines(file)
+    if not lines or line > len(lines):
+        return None
+    lo, hi = max(1, line - CONTEXT), min(len(lines), line + CONTEXT)
+    return {"start": lo, "lines": [ln.rstrip("\n") for ln in lines[lo - 1:hi]]}
+
+
 def frame_json(frame: Frame | None) -> dict | None:
+    """A frame as the analysis JSON shows it: file (as shown), line, code, function, path (a local file that
+    may be read, or None), context ({start, lines} around the line), recorded_path (where it was recorded)."""
     if frame is None:
         return None
-    recorded, line, func, code = frame
-    file = local_copy(recorded)
-    if file != recorded and code is not None and linecache.getline(file, line).strip() != code.strip():
-        file = recorded  # the local copy has changed at that line: it is not the code that ran
+    if isinstance(frame, RecordedFrame):
+        recorded, line, func, code = frame
+        local = local_source(recorded, line, code)
+        ctx = {"start": frame.context[0], "lines": list(frame.context[1])} if frame.context else None
+        out = {"file": _shown(local) if local else recorded, "line": line, "code": code, "function": func,
+               "path": local, "context": ctx}
+        if local is not None and local != recorded:
+            out["recorded_path"] = recorded
+        return out
+    file, line, func, code = frame  # code that ran in this process: its file is the real one
     if code is None:
         code = linecache.getline(file, line).strip() or None
-    shown = file
-    try:
-        rel = os.path.relpath(file)
-        if not rel.startswith(".."):
-            shown = rel
-    except ValueError:
-        pass
-    out = {"file": shown, "line": line, "code": code, "function": func, "path": file}
-    if file != recorded:
-        out["recorded_path"] = recorded
-    return out
-
-
+    return {"file": _shown(file), "line": line, "code": code, "function": func, "path": file,
+            "context": _live_context(file, line)}

@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from nanreplay import stats
 from nanreplay import torch_internals as ti
-from nanreplay.replay.frames import _SKIP, Frame, _frame_kind, user_frame
+from nanreplay.replay.frames import Frame, skip_frames_of, user_frame
 from nanreplay.replay.records import Anomaly, Event, OpRecord
 
 ACCUMULATE_GRAD = "torch::autograd::AccumulateGrad"
@@ -343,9 +343,7 @@ class _CallMode(TorchFunctionMode):
             rec.current_call = 0
 
 
-# The modes' own frames sit between the user's line and the op: look through them.
-for _code in (_OpMode.__torch_dispatch__.__code__, _CallMode.__torch_function__.__code__):
-    _frame_kind[_code] = _SKIP
+skip_frames_of(_OpMode.__torch_dispatch__, _CallMode.__torch_function__)  # look through the modes' own frames
 
 
 def call_name(func: Any) -> str:

@@ -99,7 +99,7 @@ def _backward(loss: torch.Tensor) -> None:
 def run_subject(subject, **kw) -> Step:
     """`run` for a rebuilt snapshot (a `rebuild.Subject`)."""
     return run(subject.model, subject.forward, subject.loss, names=subject.names, prepare=subject.prepare,
-               autocast=subject.autocast, site=subject.site, **kw)
+               autocast=subject.run_autocast, site=subject.site, **kw)
 
 
 def autocast_from(setting: dict | None):

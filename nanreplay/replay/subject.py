@@ -34,21 +34,50 @@ class Subject:
     prepare: Callable[[], None] = lambda: torch.manual_seed(0)
     input_label: str = "inputs"  # how the snapshot named the batch parts, for messages
     target_label: str = "target"
-    site: Callable | None = None  # op attribution for programs without Python frames (exported)
+    site: Callable | None = None  # op attribution where the model has no Python frames (a step program)
     loss_scale: float | None = None  # a GradScaler's scale: backward ran on the scaled loss
-    model_class: str | None = None  # the user's class name, where `model` is a stand-in (exported program)
+    model_class: str | None = None  # the user's class name, where `model` is a stand-in (a step program)
+    program: bool = False  # `model` runs a recorded step program (forward + loss, its casts explicit)
+    memory_bound: int | None = None  # the replay's peak bytes, bounded before it runs (step programs)
 
     def __post_init__(self) -> None:
         self.names = {id(m): n for n, m in self.model.named_modules()}
 
+    @property
+    def run_autocast(self) -> dict | None:
+        """The autocast to replay under: none for a step program, whose casts are already explicit ops."""
+        return None if self.program else self.autocast
+
     def forward(self) -> Any:
+        if self.program:
+            return self.model(self.inputs, self.target)
         return call_model(self.model, self.inputs)
 
+    def step_dtype(self) -> torch.dtype:
+        """The floating dtype most parameter elements have."""
+        counts: dict[torch.dtype, int] = {}
+        for p in self.model.parameters():
+            if p.is_floating_point():
+                counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+        return max(counts, key=counts.get) if counts else torch.float32
+
     def converted(self, dtype: torch.dtype | None = None, autocast: dict | None | str = "same") -> Subject:
-        """A copy of this step in another floating dtype and/or autocast setting; this one stays untouched."""
+        """A copy of this step in another floating dtype and/or autocast setting; this one stays untouched.
+
+        Everything is copied (weights, buffers, constants, batch): a probe or a fix verification can
+        never change the step that was analyzed."""
         model = copy.deepcopy(self.model)
         loss_fn = self.loss_fn
-        conv = (lambda t: t.to(dtype) if t.is_floating_point() else t) if dtype is not None else (lambda t: t)
+        def conv(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dtype) if dtype is not None and t.is_floating_point() else t.clone()
+
+        if self.program:
+            low = (self.autocast or {}).get("dtype")
+            all_map = {self.step_dtype(): dtype} if dtype is not None else {}
+            cast_map = {}
+            if autocast != "same" and low is not None:
+                cast_map = {low: autocast["dtype"] if autocast else (dtype or torch.float32)}
+            model.set_policy(all_map, cast_map)
         if dtype is not None:
             model.to(dtype)
             if isinstance(loss_fn, nn.Module):  # e.g. CrossEntropyLoss(weight=...)

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from nanreplay import replay
 from nanreplay.analysis import analyze
 from samples import ROOT, SAMPLES, flags, names
 
@@ -92,9 +91,7 @@ def dump(d: dict) -> str:
 def at_repo_root(monkeypatch):
     """Shown paths are relative to the current folder: analyze from the repository root, as the README does."""
     monkeypatch.chdir(ROOT)
-    replay.local_copy.cache_clear()
     yield
-    replay.local_copy.cache_clear()
 
 
 @pytest.mark.parametrize("name", names())

@@ -148,7 +148,7 @@ def trained(tmp_path_factory):
 def test_loss_trigger_analyzed_without_training_code(trained):
     path, d = trained["loss"]
     assert d["snapshot_info"]["trigger"] == "loss" and d["snapshot_info"]["format"] == "native"
-    assert "exported program" in d["model"]["how"]
+    assert "step program" in d["model"]["how"]
     c = d["culprit"]
     assert (c["op"], c["phase"], c["kind"], c["module"]) == ("aten.log.default", "forward", "inf", "")
     assert c["source"]["file"].endswith("trainmod.py") and c["source"]["line"] == _line("loss")
@@ -186,10 +186,11 @@ def test_snapshot_is_plain_data(trained):
     path, _ = trained["gradient"]
     d = torch.load(path, weights_only=True)
     assert d["format"] == native.FORMAT and d["version"] == native.VERSION
-    assert d["model"]["exported"].dtype == torch.uint8 and d["model"]["export_error"] is None
-    assert d["optimizer_state"]["param_groups"][0]["lr"] == 0.01
+    assert isinstance(d["step_program"], str) and d["program_error"] is None
+    assert d["optimizer"]["class"] == "SGD" and d["optimizer"]["state_dict"]["param_groups"][0]["lr"] == 0.01
     assert d["rng"]["cpu"].dtype == torch.uint8 and d["model_training"] is True
-    assert all(t.device.type == "cpu" for t in d["model_state"].values())
+    assert all(t.device.type == "cpu" for t in d["state"].values())
+    assert set(d["parameters"]) <= set(d["state"])
 
 
 # ---------------------------------------------------------------- reliability

@@ -1,4 +1,4 @@
-"""Native snapshots: the exported program replays like the eager model; export failures, loss specs and trust."""
+"""Native snapshots: the step program replays like the eager model; what cannot be recorded, loss specs, trust."""
 
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ import nanmodels
 from nanreplay import NanGuard
 from nanreplay.analysis import analyze
 from nanreplay.errors import TrustError, UsageError
+from nanreplay.formats import loss_spec as specs
 from nanreplay.formats import native
 from nanreplay.formats.usercode import resolve_loss
 from nanreplay.replay.subject import call_model, compute_loss
 
-# ---------------------------------------------------------------- exported program == eager model
+# ---------------------------------------------------------------- step program == eager model
 
 
 def native_snapshot(case: str, folder: Path, **guard_kw) -> Path:
@@ -47,26 +48,26 @@ EXPORT_CASES = [n for n, c in nanmodels.CASES.items()
 
 
 @pytest.mark.parametrize("case", EXPORT_CASES)
-def test_exported_program_gives_the_eager_culprit(case, tmp_path, analyzed):
+def test_step_program_gives_the_eager_culprit(case, tmp_path, analyzed):
     eager = analyzed(case, verify=False)
     d = analyze(native_snapshot(case, tmp_path), verify=False).to_json()
-    assert "exported program" in d["model"]["how"]
+    assert "step program" in d["model"]["how"]
     assert {k: d["culprit"][k] for k in KEYS} == {k: eager["culprit"][k] for k in KEYS}
     assert d["culprit"]["source"]["line"] == eager["culprit"]["source"]["line"]
     assert d["anomaly_mode"]["raises"] == eager["anomaly_mode"]["raises"]
     assert [g["name"] for g in d["gradients"]] == [g["name"] for g in eager["gradients"]]
-    # module boundaries recovered from the graph's metadata match the eager module calls
+    # module calls recorded with the program match the eager module calls
     assert [a["module"] for a in d["activations"]] == [a["module"] for a in eager["activations"]]
     assert [(r["module"], r["output_shape"]) for r in d["gradient_shapes"]] == \
         [(r["module"], r["output_shape"]) for r in eager["gradient_shapes"]]
 
 
-def test_custom_autograd_function_is_not_exported_without_its_backward(tmp_path, analyzed):
-    """torch.export keeps a custom Function's forward, not its hand-written backward: replaying the
-    export would silently use autograd's own (correct) derivative and miss the bug. So it is not exported."""
+def test_custom_autograd_function_is_not_recorded_without_its_backward(tmp_path, analyzed):
+    """A program holds a custom Function's forward ops, not its hand-written backward: replaying it would
+    silently use autograd's own (correct) derivative and miss the bug. So no program is written."""
     path = native_snapshot("custom_backward", tmp_path)
     d = torch.load(path, weights_only=True)
-    assert d["model"]["exported"] is None and "SafeInv" in d["model"]["export_error"]
+    assert d["step_program"] is None and "SafeInv" in d["program_error"]
     with pytest.raises(TrustError, match="custom autograd.Function"):
         analyze(path)
     named = analyze(path, model="nanmodels:inv_features", verify=False).to_json()
@@ -76,11 +77,11 @@ def test_custom_autograd_function_is_not_exported_without_its_backward(tmp_path,
     assert named["culprit"]["forward_source"]["code"] == "return x.clamp_min(1e-3).reciprocal()"
 
 
-# ---------------------------------------------------------------- export failure, loss specs, trust
+# ---------------------------------------------------------------- control flow, loss specs, trust
 
 
 class Branchy(nn.Module):
-    """Data-dependent control flow: torch.export cannot trace it."""
+    """Data-dependent control flow (torch.export cannot trace it; a recorded program is what ran)."""
 
     def __init__(self):
         super().__init__()
@@ -93,7 +94,7 @@ class Branchy(nn.Module):
         return torch.log(F.relu(h)).mean()
 
 
-def test_export_failure_falls_back_to_a_factory_that_needs_trust(tmp_path, monkeypatch):
+def test_data_dependent_control_flow_travels_as_a_program(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "Branchy", Branchy, raising=False)
     torch.manual_seed(0)
     model = Branchy()
@@ -102,31 +103,44 @@ def test_export_failure_falls_back_to_a_factory_that_needs_trust(tmp_path, monke
     guard.begin(x)
     assert not guard.loss_ok(model(x))
     d = torch.load(guard.last_snapshot, weights_only=True)
-    assert d["model"]["exported"] is None and d["model"]["export_error"]
+    assert d["step_program"] is not None and d["program_error"] is None
     factory = f"{__name__}:Branchy"  # this test file, under the name pytest imported it as
     assert d["model"]["factory"] == factory
+    plain = analyze(guard.last_snapshot, verify=False).to_json()  # no flags, no code
+    named = analyze(guard.last_snapshot, model=factory, verify=False).to_json()
+    for r in (plain, named):
+        assert r["culprit"]["op"] == "aten.log.default" and r["culprit"]["source"]["file"].endswith(Path(__file__).name)
+    assert "step program" in plain["model"]["how"] and "--model" in named["model"]["how"]
+
+
+def test_without_a_program_the_factory_needs_trust(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "Branchy", Branchy, raising=False)
+    torch.manual_seed(0)
+    model = Branchy()
+    guard = NanGuard(model, folder=tmp_path, export=False)
+    x = torch.randn(8, 4)
+    guard.begin(x)
+    assert not guard.loss_ok(model(x))
+    factory = f"{__name__}:Branchy"
     with pytest.raises(TrustError, match=rf"{re.escape(factory)}.*--trust.*--model"):
         analyze(guard.last_snapshot)
     trusted = analyze(guard.last_snapshot, trust=True, verify=False).to_json()
-    named = analyze(guard.last_snapshot, model=factory, verify=False).to_json()
-    for r in (trusted, named):
-        assert r["culprit"]["op"] == "aten.log.default" and r["culprit"]["source"]["file"].endswith(Path(__file__).name)
-    assert "export failed" in trusted["model"]["how"]
+    assert trusted["culprit"]["op"] == "aten.log.default" and "--trust" in trusted["model"]["how"]
 
 
 def test_loss_modules_and_partials_are_recorded_as_data():
     import functools
 
-    spec = native.loss_spec(nn.CrossEntropyLoss(ignore_index=3, label_smoothing=0.1))
+    spec = specs.loss_spec(nn.CrossEntropyLoss(ignore_index=3, label_smoothing=0.1))
     assert spec == {"kind": "module", "class": "CrossEntropyLoss",
                     "kwargs": {"weight": None, "ignore_index": 3, "reduction": "mean", "label_smoothing": 0.1}}
-    fn, _ = native.loss_from_spec(spec, trust=False)
+    fn, _ = specs.loss_from_spec(spec, trust=False)
     assert isinstance(fn, nn.CrossEntropyLoss) and fn.ignore_index == 3 and fn.label_smoothing == 0.1
-    spec = native.loss_spec(functools.partial(F.cross_entropy, ignore_index=-1))
+    spec = specs.loss_spec(functools.partial(F.cross_entropy, ignore_index=-1))
     assert spec == {"kind": "functional", "name": "cross_entropy", "kwargs": {"ignore_index": -1}}
-    assert native.loss_spec(nanmodels.log_loss) == {"kind": "callable", "spec": "nanmodels:log_loss"}
+    assert specs.loss_spec(nanmodels.log_loss) == {"kind": "callable", "spec": "nanmodels:log_loss"}
     with pytest.raises(TrustError, match="--trust"):
-        native.loss_from_spec({"kind": "callable", "spec": "os:system"}, trust=False)
+        specs.loss_from_spec({"kind": "callable", "spec": "os:system"}, trust=False)
 
 
 def _hostile_native(tmp_path: Path, factory: str) -> Path:

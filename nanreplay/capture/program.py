@@ -1,0 +1,397 @@
+"""Record a training step as a step program: the aten ops it actually executed, on real tensors.
+
+    prog = record_step(lambda: loss_fn(model(x), y), model=model, batch={"inputs": x, "target": y})
+
+The step runs once more under a tiny TorchDispatchMode (every aten op, with its arguments
+and outputs) and a TorchFunctionMode (which user-level call and source line ran it), with
+module hooks naming the module. The result is straight-line: data-dependent Python control
+flow, `.item()` and loops are simply what happened on this batch. Random ops are recorded
+as values (dropout masks are stored, never re-drawn), so a replay is exact on any device.
+
+What cannot be replayed as ops is refused here with a reason, never written half-right:
+custom `autograd.Function`s and reentrant checkpointing (their backward is Python code),
+random ops whose output carries a gradient (other than dropout), ops off the allowlist.
+This module imports only torch (and nanreplay's own torch-only modules).
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from nanreplay import torch_internals as ti
+from nanreplay.formats.ops import ALLOWED_OPS
+from nanreplay.formats.program import (
+    DROPOUT,
+    DTYPE_NAMES,
+    LAYOUTS,
+    MAX_CONTEXT,
+    MAX_TEXT,
+    MEMORY_FORMATS,
+    SCHEMA,
+    encode_float,
+    is_random_call,
+)
+from nanreplay.replay.frames import skip_frames_of, user_frame
+from nanreplay.replay.recorder import call_name
+
+CONTEXT = 3  # source lines kept above and below each recorded line
+_LIFT = {"aten.lift_fresh.default", "aten.lift_fresh_copy.default", "aten.lift.default"}
+_CONVERSIONS = {"to", "half", "float", "double", "bfloat16", "type", "type_as", "_to_copy"}
+_LAYOUT_NAMES = {v: k for k, v in LAYOUTS.items()}
+_MEMFMT_NAMES = {v: k for k, v in MEMORY_FORMATS.items()}
+
+
+class NotRecordable(Exception):
+    """The step cannot travel as a program; the message says why (it goes into the snapshot)."""
+
+
+@dataclass
+class Recorded:
+    """A recorded step: the program (JSON-able) and the tensors it names."""
+
+    program: dict
+    constants: dict[str, torch.Tensor]  # name -> tensor (random values, tensors made outside any op)
+    loss: torch.Tensor  # the loss the recording computed (must equal the step's own)
+    notes: list[str] = field(default_factory=list)
+
+
+class _Recorder:
+    def __init__(self, leaves: dict[int, tuple[str, str, list | None]]):
+        # id(tensor) -> (kind, name, path) for params, buffers and batch tensors, kept alive by the caller
+        self.leaf_info = leaves
+        self.refs = ti.WeakTensorKeyDictionary()  # tensor -> ref
+        self.keep: list[torch.Tensor] = []  # leaves and constants stay alive: ids must not be reused
+        self.leaves: list[dict] = []
+        self.nodes: list[dict] = []
+        self.constants: dict[str, torch.Tensor] = {}
+        self.next_ref = 0
+        self.modules: list[str] = [""]
+        self.module_index = {"": 0}
+        self.module_stack: list[int] = []  # scope ids of the module calls running now
+        self.scopes: list[list[int]] = []  # scope id -> [module index, parent scope id or -1]
+        self.frames: list[dict] = []
+        self.frame_index: dict[tuple, int] = {}
+        self.calls: list[str] = [""]
+        self.call_funcs: list[Any] = [None]
+        self.current_call = 0
+        self.call_autocast = False  # was autocast on when the current user-level call began?
+        self.phase = "forward"
+        self.busy = False
+        self.error: str | None = None
+
+    # ---- refs
+    def _new_ref(self) -> int:
+        r = self.next_ref
+        self.next_ref += 1
+        return r
+
+    def ref_of(self, t: torch.Tensor) -> int:
+        r = self.refs.get(t)
+        if r is not None:
+            return r
+        info = self.leaf_info.get(id(t))
+        r = self._new_ref()
+        if info is not None:
+            kind, name, path = info
+        else:
+            kind, name, path = "constant", f"c{len(self.constants)}", None
+            self.constants[name] = t.detach().clone()
+        leaf = {"ref": r, "kind": kind, "name": name, "shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype]}
+        if path is not None:
+            leaf["path"] = path
+        self.leaves.append(leaf)
+        self.refs[t] = r
+        self.keep.append(t)
+        return r
+
+    def constant(self, t: torch.Tensor, prefix: str) -> str:
+        name = f"{prefix}{len(self.constants)}"
+        self.constants[name] = t.detach().clone()
+        return name
+
+    # ---- arguments
+    def enc(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return {"r": self.ref_of(x)}
+        if x is None or isinstance(x, (bool, str)):
+            return x
+        if isinstance(x, int):
+            return x
+        if isinstance(x, float):
+            return encode_float(x)
+        if isinstance(x, (list, tuple)):
+            return [self.enc(v) for v in x]
+        if isinstance(x, torch.dtype):
+            if x not in DTYPE_NAMES:
+                raise NotRecordable(f"dtype {x} is not supported in a step program")
+            return {"dtype": DTYPE_NAMES[x]}
+        if isinstance(x, torch.device):
+            return {"device": x.type}
+        if isinstance(x, torch.layout) and x in _LAYOUT_NAMES:
+            return {"layout": _LAYOUT_NAMES[x]}
+        if isinstance(x, torch.memory_format) and x in _MEMFMT_NAMES:
+            return {"memory_format": _MEMFMT_NAMES[x]}
+        raise NotRecordable(f"an argument of type {type(x).__name__} cannot be stored as data")
+
+    # ---- frames and modules
+    def frame_of(self, fr) -> int | None:
+        if fr is None:
+            return None
+        file, line = fr[0], fr[1]
+        key = (file, line)
+        i = self.frame_index.get(key)
+        if i is None:
+            i = self.frame_index[key] = len(self.frames)
+            self.frames.append(_frame_record(file, line, fr[2]))
+        return i
+
+    def module_id(self, name: str) -> int:
+        i = self.module_index.get(name)
+        if i is None:
+            i = self.module_index[name] = len(self.modules)
+            self.modules.append(name)
+        return i
+
+    # ---- one op
+    def on_op(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+        name = str(func)
+        tensors_out = [t for t in _flat_tensors(out)]
+        if not tensors_out:
+            return  # .item(), comparisons returning bools: nothing downstream refers to them
+        if name in _LIFT:  # torch.tensor(data): its value is a constant
+            self.refs[out] = self.ref_of_constant(out)
+            return
+        if name not in ALLOWED_OPS:
+            raise NotRecordable(f"the step uses {name}, which is not on nanreplay's allowlist of pure tensor ops")
+        node: dict[str, Any] = {"op": name}
+        if is_random_call(func, args, kwargs) and name != DROPOUT:
+            node["random"] = self.constant(out if isinstance(out, torch.Tensor) else tensors_out[0], "rand")
+            if len(tensors_out) != 1:
+                raise NotRecordable(f"the random op {name} returns several tensors")
+        elif name == DROPOUT:
+            node["mask"] = self.constant(out[1], "mask")
+        node["args"] = [self.enc(a) for a in args]
+        if kwargs:
+            node["kwargs"] = {k: self.enc(v) for k, v in kwargs.items()}
+        node["out"], node["meta"] = self._outputs(out)
+        if not torch.is_grad_enabled():
+            node["grad"] = False
+        if name == "aten._to_copy.default" and self._autocast_cast(kwargs):
+            node["cast"] = True
+        if self.phase == "loss":
+            node["module"] = self.module_id("<loss>")
+        elif self.module_stack:
+            scope = self.module_stack[-1]
+            node["scope"] = scope
+            if self.scopes[scope][0]:
+                node["module"] = self.scopes[scope][0]
+        frame = self.frame_of(user_frame(2))
+        if frame is not None:
+            node["frame"] = frame
+        if self.current_call:
+            node["call"] = self.current_call
+        self.nodes.append(node)
+
+    def ref_of_constant(self, t: torch.Tensor) -> int:
+        self.refs.pop(t, None)
+        r = self._new_ref()
+        name = self.constant(t, "c")
+        self.leaves.append({"ref": r, "kind": "constant", "name": name, "shape": list(t.shape),
+                            "dtype": DTYPE_NAMES[t.dtype]})
+        self.keep.append(t)
+        return r
+
+    def _outputs(self, out: Any) -> tuple[Any, list]:
+        meta = []
+
+        def one(t):
+            if not isinstance(t, torch.Tensor):
+                return None
+            if t.dtype not in DTYPE_NAMES:
+                raise NotRecordable(f"an op returned dtype {t.dtype}, which a step program cannot hold")
+            r = self._new_ref()
+            self.refs[t] = r  # in-place ops return their argument: it now answers to the new ref
+            meta.append([list(t.shape), DTYPE_NAMES[t.dtype]])
+            return r
+
+        if isinstance(out, (tuple, list)):
+            return [one(t) for t in out], meta
+        return one(out), meta
+
+    def _autocast_cast(self, kwargs: dict) -> bool:
+        """A dtype-only _to_copy that autocast inserted (not the user's own .to()/.half())."""
+        if set(kwargs) - {"dtype"} or "dtype" not in kwargs:
+            return False
+        fn = self.call_funcs[self.current_call] if self.current_call < len(self.call_funcs) else None
+        base = getattr(fn, "__name__", "") or ""
+        return base not in _CONVERSIONS and self.call_autocast
+
+
+def autocast_enabled() -> bool:
+    """Is autocast on for any device? (Asked above the dispatcher: below it autocast reads as off.)"""
+    for device in ("cpu", "cuda", "xpu", "mps"):
+        try:
+            if torch.is_autocast_enabled(device):
+                return True
+        except Exception:  # noqa: BLE001,S112 - a device type this torch does not know
+            continue
+    return False
+
+
+def _flat_tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _frame_record(file: str, line: int, function: str) -> dict:
+    """The source line and its context, read now, on the machine that ran the code."""
+    code = linecache.getline(file, line).rstrip("\n")
+    rec: dict[str, Any] = {"file": file[:1000], "line": line, "function": function[:MAX_TEXT],
+                           "code": code.strip()[:10 * MAX_TEXT] or None}
+    if code and file.endswith(".py") and os.path.isfile(file):
+        lines = linecache.getlines(file)
+        n = min(CONTEXT, MAX_CONTEXT)
+        lo, hi = max(1, line - n), min(len(lines), line + n)
+        rec["context"] = [lo, [ln.rstrip("\n")[:10 * MAX_TEXT] for ln in lines[lo - 1:hi]]]
+    return rec
+
+
+class _OpMode(ti.TorchDispatchMode):
+    def __init__(self, rec: _Recorder):
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        rec = self.rec
+        if rec.busy or rec.error is not None:
+            return out
+        rec.busy = True
+        try:
+            rec.on_op(func, args, kwargs, out)
+        except NotRecordable as e:
+            rec.error = str(e)
+        except Exception as e:  # noqa: BLE001 - never break the user's step; say why the program is missing
+            rec.error = f"recording failed at {func}: {type(e).__name__}: {e}"
+        finally:
+            rec.busy = False
+        return out
+
+
+class _CallMode(TorchFunctionMode):
+    def __init__(self, rec: _Recorder):
+        super().__init__()
+        self.rec = rec
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rec = self.rec
+        if rec.busy or rec.current_call:
+            return func(*args, **kwargs)  # only the outermost torch call of the user's line counts
+        rec.call_funcs.append(func)
+        rec.calls.append(call_name(func))
+        rec.current_call = len(rec.calls) - 1
+        rec.call_autocast = autocast_enabled()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            rec.current_call = 0
+
+
+skip_frames_of(_OpMode.__torch_dispatch__, _CallMode.__torch_function__)
+
+
+def record_step(forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor], *, model: torch.nn.Module,
+                batch: dict[str, Any]) -> Recorded:
+    """Run `loss(forward())` once under the recorder; the program or NotRecordable(why)."""
+    leaves: dict[int, tuple[str, str, list | None]] = {}
+    for name, p in model.named_parameters(remove_duplicate=True):
+        leaves.setdefault(id(p), ("param", name, None))
+    for name, b in model.named_buffers(remove_duplicate=True):
+        leaves.setdefault(id(b), ("buffer", name, None))
+    for path, t in _batch_tensors(batch):
+        leaves.setdefault(id(t), ("batch", _path_name(path), path))
+    rec = _Recorder(leaves)
+    names = {id(m): n for n, m in model.named_modules()}
+    stack = rec.module_stack
+
+    def pre(mod, args):
+        n = names.get(id(mod))
+        if n is not None:
+            rec.scopes.append([rec.module_id(n), stack[-1] if stack else -1])
+            stack.append(len(rec.scopes) - 1)
+
+    def post(mod, args, output):
+        if names.get(id(mod)) is not None and stack:
+            stack.pop()
+
+    hooks = [torch.nn.modules.module.register_module_forward_pre_hook(pre),
+             torch.nn.modules.module.register_module_forward_hook(post)]
+    try:
+        with _CallMode(rec), _OpMode(rec):
+            out = forward()
+            rec.phase = "loss"
+            stack.clear()
+            loss_t = loss(out)
+    finally:
+        for h in hooks:
+            h.remove()
+    if rec.error is not None:
+        raise NotRecordable(rec.error)
+    if not isinstance(loss_t, torch.Tensor) or loss_t.numel() != 1:
+        raise NotRecordable("the step did not return a scalar loss tensor")
+    loss_ref = rec.refs.get(loss_t)
+    if loss_ref is None:
+        raise NotRecordable("the loss was not computed by any recorded op")
+    custom = _custom_functions(loss_t)
+    if custom:
+        raise NotRecordable(f"the step uses custom autograd.Function(s) {', '.join(custom)} (or reentrant "
+                            "checkpointing), whose backward is Python code a program cannot hold")
+    program = {"schema": SCHEMA, "leaves": rec.leaves, "nodes": rec.nodes, "loss": loss_ref,
+               "modules": rec.modules, "scopes": rec.scopes, "frames": rec.frames, "calls": rec.calls}
+    return Recorded(program, rec.constants, loss_t)
+
+
+def _custom_functions(loss: torch.Tensor, limit: int = 200_000) -> list[str]:
+    found: list[str] = []
+    seen, todo = set(), [loss.grad_fn]
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo.extend(n for n, _ in node.next_functions)
+        if ti.is_custom_function_node(node):
+            name = type(node).__name__.removesuffix("Backward")
+            if name not in found:
+                found.append(name)
+    return found
+
+
+def _batch_tensors(obj: Any, path: tuple = ()):
+    if isinstance(obj, torch.Tensor):
+        yield list(path), obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            if isinstance(k, (str, int)) and not isinstance(k, bool):
+                yield from _batch_tensors(v, path + (k,))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _batch_tensors(v, path + (i,))
+
+
+def _path_name(path: list) -> str:
+    head, rest = (str(path[0]), path[1:]) if path and isinstance(path[0], str) else ("batch", path)
+    return head + "".join(f"[{p!r}]" if isinstance(p, str) else f"[{p}]" for p in rest)
+

@@ -1,0 +1,302 @@
+"""Building a native snapshot (format 2) from the live training state: what the guard writes.
+
+`StepState` is what `NanGuard.begin()` keeps for the step (the batch by reference, the RNG
+state, copies of the buffers the forward changes in place); `build()` records the step as a
+program from exactly that state and returns the dict `torch.save` writes. Everything here
+is copied to the CPU; the live model, its buffers and the RNG are left as they were.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from nanreplay import __version__
+from nanreplay.capture.program import NotRecordable, record_step
+from nanreplay.errors import first_line
+from nanreplay.formats.loss_spec import loss_spec
+from nanreplay.formats.native import FORMAT, VERSION
+from nanreplay.replay.subject import call_model, compute_loss
+
+_WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's own module inside DDP / DataParallel / FSDP(1) `.module` and torch.compile's `_orig_mod`."""
+    seen: set[int] = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        inner = getattr(model, "_orig_mod", None)
+        if isinstance(inner, nn.Module):
+            model = inner
+            continue
+        inner = getattr(model, "module", None)
+        if type(model).__name__ in _WRAPPERS and isinstance(inner, nn.Module):
+            model = inner
+            continue
+    return model
+
+
+def is_compiled(model: nn.Module) -> bool:
+    return any(isinstance(getattr(m, "_orig_mod", None), nn.Module) for m in (model, getattr(model, "module", None))
+               if m is not None)
+
+
+@dataclass
+class StepState:
+    """What one step began with."""
+
+    batch: Any  # {"inputs": ..., "target": ...} or {"batch": ...}
+    rng: dict
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> copy, for buffers forward mutates
+
+
+class BufferWatch:
+    """Keeps copies of the buffers a forward changes in place (BatchNorm's running stats), as of begin().
+
+    Which buffers those are is learned on the first step: every buffer is copied then, and at the
+    next begin() those whose value or version counter moved are the ones to keep copying. (Kernels
+    such as batch_norm write running stats without bumping the version, hence the values.)
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.mutating: set[str] | None = None  # None: not known yet
+        self._first: dict[str, tuple[torch.Tensor, int]] = {}
+
+    def begin(self) -> dict[str, torch.Tensor]:
+        bufs = dict(self.model.named_buffers())
+        if self.mutating is None and self._first:
+            self.mutating = {n for n, b in bufs.items()
+                             if n not in self._first or b._version != self._first[n][1]
+                             or b.shape != self._first[n][0].shape or not torch.equal(b, self._first[n][0])}
+            self._first = {}
+        names = bufs.keys() if self.mutating is None else self.mutating
+        with torch.no_grad():
+            copies = {n: bufs[n].detach().clone() for n in names if n in bufs}
+        if self.mutating is None:
+            self._first = {n: (t, bufs[n]._version) for n, t in copies.items()}
+        return copies
+
+
+def cpu_copy(obj: Any) -> Any:
+    """Deep CPU copy of a nested batch. Tensors that share storage (inputs and shifted targets cut from one
+    tensor) keep sharing it, so they are stored once; a view of some larger tensor the batch does not hold
+    (a slice of a dataset) is copied alone, never its whole base."""
+    leaves = [t for t in _tensors(obj)]
+    groups: dict[int, list[torch.Tensor]] = {}
+    for t in leaves:
+        try:
+            groups.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+        except (RuntimeError, NotImplementedError):
+            pass
+    spans: dict[int, tuple[torch.Tensor, int]] = {}  # storage -> (copied span, its first element's offset)
+    for key, ts in groups.items():
+        if len({id(t) for t in ts}) < 2 or len({t.dtype for t in ts}) > 1 or not key:
+            continue
+        lo = min(t.storage_offset() for t in ts)
+        hi = max(t.storage_offset() + sum((d - 1) * s for d, s in zip(t.shape, t.stride(), strict=True)) + 1
+                 for t in ts if t.numel())
+        base = ts[0].detach()
+        flat = base.as_strided((hi - lo,), (1,), lo).to("cpu", copy=True)
+        spans[key] = (flat, lo)
+    memo: dict[int, torch.Tensor] = {}
+
+    def copy(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            t = memo.get(id(x))
+            if t is None:
+                try:
+                    span = spans.get(x.untyped_storage().data_ptr())
+                except (RuntimeError, NotImplementedError):
+                    span = None
+                if span is not None:
+                    flat, lo = span
+                    t = flat.as_strided(x.size(), x.stride(), x.storage_offset() - lo)
+                else:
+                    t = x.detach().to("cpu", copy=True)
+                memo[id(x)] = t
+            return t
+        if isinstance(x, dict):
+            return {k: copy(v) for k, v in x.items()}
+        if isinstance(x, tuple):
+            return tuple(copy(v) for v in x)
+        if isinstance(x, list):
+            return [copy(v) for v in x]
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        return repr(x)[:200]  # not data a snapshot can hold; the program records what the step did with it
+    return copy(obj)
+
+
+def _tensors(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def record(model: nn.Module, state: StepState, forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor],
+           autocast: dict | None) -> tuple[dict | None, dict, str | None, float]:
+    """Replay the step from its begin() state under the recorder; the live state is restored afterwards.
+
+    Returns (program or None, constants, why there is no program, seconds).
+    """
+    t0 = time.perf_counter()
+    live_rng = torch.get_rng_state()
+    live_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    bufs = dict(model.named_buffers())
+    with torch.no_grad():
+        live_bufs = {n: bufs[n].detach().clone() for n in state.buffers if n in bufs}
+        for n, b in state.buffers.items():
+            if n in bufs:
+                bufs[n].copy_(b)
+    try:
+        if state.rng.get("cpu") is not None:
+            torch.set_rng_state(state.rng["cpu"])
+        if state.rng.get("cuda") is not None:
+            torch.cuda.set_rng_state_all(state.rng["cuda"])
+        ctx = torch.autocast(**_autocast_kwargs(autocast)) if autocast and not _autocast_on(autocast) \
+            else _nullcontext()
+        with ctx:
+            rec = record_step(forward, loss, model=model, batch=state.batch)
+        return rec.program, rec.constants, None, time.perf_counter() - t0
+    except NotRecordable as e:
+        return None, {}, str(e), time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 - the user's step raised when run again: no program
+        return None, {}, f"running the step again to record it raised {type(e).__name__}: {first_line(e, 300)}", \
+            time.perf_counter() - t0
+    finally:
+        torch.set_rng_state(live_rng)
+        if live_cuda is not None:
+            torch.cuda.set_rng_state_all(live_cuda)
+        with torch.no_grad():
+            for n, b in live_bufs.items():
+                bufs[n].copy_(b)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _autocast_kwargs(ac: dict) -> dict:
+    dt = ac.get("dtype", "float16")
+    return {"device_type": ac.get("device_type", "cuda"), "dtype": getattr(torch, dt) if isinstance(dt, str) else dt}
+
+
+def _autocast_on(ac: dict) -> bool:
+    try:
+        return torch.is_autocast_enabled(ac.get("device_type", "cuda"))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def loss_forward(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable | None):
+    """(forward, loss) callables for the classic `loss_fn(model(inputs), target)` step."""
+    return (lambda: call_model(model, inputs)), (lambda out: compute_loss(out, target, loss_fn))
+
+
+def step_forward(model: nn.Module, batch: Any, step_fn: Callable):
+    """(forward, loss) callables for a `step_fn(model, batch) -> loss` step."""
+    return (lambda: step_fn(model, batch)), (lambda out: out)
+
+
+def build(*, model: nn.Module, wrapped: nn.Module, state: StepState, trigger: str, step: int, extra: dict,
+          program: dict | None, constants: dict, program_error: str | None, loss_fn: Callable | None,
+          step_fn: Callable | None, optimizer: Any, scaler: Any, autocast: dict | None, history: list,
+          factory: str | None, notes: list[str]) -> dict:
+    """The snapshot dict: plain data and CPU tensors only, loadable with weights_only=True."""
+    rank = world = None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    param = next(model.parameters(), None)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in params.items():
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    state_dict = {name: p.detach().to("cpu", copy=True) for name, p in params.items() if name not in aliases}
+    for name, b in model.named_buffers():  # non-persistent buffers too: the program may read them
+        b = state.buffers.get(name, b)  # as the step began
+        state_dict[name] = b.detach().to("cpu", copy=True)
+    spec = loss_spec(loss_fn) if step_fn is None else {"kind": "step_fn", "spec": _qualname(step_fn)}
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "nanreplay_version": __version__,
+        "trigger": str(trigger),
+        "step": step,
+        "micro_batch": extra.get("micro_batch"),
+        "rank": rank,
+        "world_size": world,
+        "loss_value": extra.get("loss_value"),
+        "grad_norm": extra.get("grad_norm"),
+        "grad_scale": float(scaler.get_scale()) if scaler is not None else None,
+        "batch": cpu_copy(state.batch),
+        "state": state_dict,
+        "parameters": [n for n in params if n not in aliases],
+        "aliases": aliases,
+        "model_training": model.training,
+        "constants": {k: v.detach().to("cpu") for k, v in constants.items()},
+        "step_program": _json(program) if program is not None else None,
+        "program_error": program_error,
+        "model": {"class": f"{type(model).__module__}.{type(model).__qualname__}",
+                  "factory": factory or derived_factory(model),
+                  "factory_source": "given" if factory else "derived from the model's class"},
+        "loss_spec": spec,
+        "optimizer": ({"class": type(optimizer).__name__, "state_dict": cpu_copy(optimizer.state_dict())}
+                      if optimizer is not None else None),
+        "rng": {"cpu": state.rng.get("cpu"), "cuda": state.rng.get("cuda")},
+        "autocast": _autocast_record(autocast),
+        "environment": {"torch": str(torch.__version__), "python": platform.python_version(),
+                        "device": str(param.device) if param is not None else None,
+                        "dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
+                        "cuda": torch.version.cuda, "compiled": is_compiled(wrapped),
+                        "wrapper": type(wrapped).__name__ if wrapped is not model else None},
+        "history": [dict(h) for h in history],
+        "notes": notes,
+    }
+
+
+def _json(program: dict) -> str:
+    from nanreplay.formats.program import to_json
+
+    return to_json(program)
+
+
+def _autocast_record(ac: dict | None) -> dict | None:
+    if not ac:
+        return None
+    dt = ac.get("dtype", "float16")
+    return {"device_type": ac.get("device_type", "cuda"), "dtype": str(dt).removeprefix("torch."), "enabled": True}
+
+
+def _qualname(fn: Callable) -> str | None:
+    mod, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    return f"{mod}:{qual}" if mod and qual and "<" not in qual else None
+
+
+def derived_factory(model: nn.Module) -> str | None:
+    cls = type(model)
+    if cls.__module__ in ("__main__", "builtins") or "<" in cls.__qualname__:
+        return None
+    return f"{cls.__module__}:{cls.__qualname__}"

@@ -1,0 +1,137 @@
+"""The allowlist of aten ops a step program may hold, and the strings some of their arguments may take.
+
+The list names op *packets* (`aten.add`); every overload of an allowed packet is allowed
+unless a denial rule below matches it. The packets were collected from what real models
+emit when their training step is recorded (GPT/nanoGPT, CNNs with BatchNorm, RNNs,
+transformer layers, VAEs, 20 losses — `benchmarks/collect_ops.py` prints the current set)
+and completed with the pure tensor ops of the same families. Nothing here touches files,
+storages, streams, generators or other processes; `tests/formats` checks every allowed
+overload against the denial rules.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import torch
+
+# Never allowed, whatever the packet list says.
+DENIED = re.compile(r"from_file|_copy_from|^aten\.set_|\.set_|as_strided|resize|record_stream|pin_memory|"
+                    r"share_memory|_assert|_print|\.lift|_local_scalar_dense|\.out$|_out$|\.out_|"
+                    r"^aten\.(_?nested|_sparse|sparse|to_sparse|_cudnn|_mps|_nnpack|_fused_|_foreach)")
+# Argument types an allowed overload may never take (a generator may appear only as an optional
+# argument, which a program always leaves null).
+DENIED_ARG_TYPES = ("Storage", "Stream", "Dimname", "Any")
+
+PACKETS = frozenset("""
+abs absolute acos acosh adaptive_avg_pool1d adaptive_avg_pool2d adaptive_avg_pool3d _adaptive_avg_pool2d
+_adaptive_avg_pool3d adaptive_max_pool1d adaptive_max_pool2d adaptive_max_pool3d add add_ addbmm addcdiv addcdiv_
+addcmul addcmul_ addmm addmm_ addmv addr alias all amax amin aminmax angle any arange argmax argmin argsort asin
+asinh atan atan2 atanh avg_pool1d avg_pool2d avg_pool3d baddbmm bernoulli bernoulli_ binary_cross_entropy
+binary_cross_entropy_with_logits bitwise_and bitwise_not bitwise_or bitwise_xor bmm broadcast_to bucketize cat
+cdist _cdist_forward ceil celu clamp clamp_ clamp_max clamp_max_ clamp_min clamp_min_ clip clone col2im
+constant_pad_nd contiguous convolution _convolution conv1d conv2d conv3d conv_transpose1d conv_transpose2d
+conv_transpose3d copy copy_ cos cosh cosine_similarity count_nonzero cross cumprod cummax cummin cumsum deg2rad
+detach diag diag_embed diagonal diff digamma div div_ dot dropout elu elu_ embedding _embedding_bag embedding_bag
+empty empty_like eq eq_ erf erfc erfinv exp exp2 exp_ expand expand_as expm1 exponential_ eye fill fill_ fix
+flatten flip fliplr flipud floor floor_divide fmax fmin fmod frac full full_like gather gcd ge gelu gelu_ glu
+grid_sampler_2d gt hardshrink hardsigmoid hardsigmoid_ hardswish hardswish_ hardtanh hardtanh_ heaviside
+huber_loss hypot i0 im2col index index_add index_add_ index_copy index_fill index_fill_ index_put index_put_
+index_reduce index_select isfinite isinf isnan isneginf isposinf kl_div kthvalue lcm le leaky_relu leaky_relu_
+lerp lerp_ lgamma linalg_vector_norm linalg_norm linear linspace log log10 log1p log2 log_ log_sigmoid_forward
+log_softmax _log_softmax logaddexp logaddexp2 logcumsumexp logical_and logical_not logical_or logical_xor logit
+logspace logsumexp lt masked_fill masked_fill_ masked_scatter masked_select matmul max max_pool1d max_pool2d
+max_pool2d_with_indices max_pool3d max_pool3d_with_indices maximum mean median min minimum mish mish_ mkldnn_rnn_layer
+mm mode mse_loss mul mul_ multi_margin_loss multilabel_margin_loss_forward multinomial mv mvlgamma nan_to_num
+nan_to_num_ nanmean nanmedian nansum narrow native_batch_norm _native_batch_norm_legit
+_native_batch_norm_legit_functional _native_batch_norm_legit_no_training native_dropout native_group_norm
+native_layer_norm ne neg neg_ new_empty new_full new_ones new_zeros nll_loss nll_loss2d_forward nll_loss_forward
+nll_loss_nd nonzero norm normal normal_ ones ones_like outer pad permute pixel_shuffle pixel_unshuffle polar pow pow_
+prelu _prelu_kernel prod rad2deg rand rand_like randint randint_like randn randn_like randperm reciprocal
+reciprocal_ reflection_pad1d reflection_pad2d reflection_pad3d relu relu_ relu6 remainder repeat
+repeat_interleave replication_pad1d replication_pad2d replication_pad3d reshape roll rot90 round
+rsqrt rsqrt_ rsub scalar_tensor scatter scatter_ scatter_add scatter_add_ scatter_reduce select select_scatter
+selu sgn sigmoid sigmoid_ sign signbit silu silu_ sin sinc sinh slice slice_scatter smooth_l1_loss
+soft_margin_loss softmax _softmax _safe_softmax softplus softshrink sort special_entr special_erfcx
+special_i0e special_i1 special_i1e special_log_ndtr special_ndtri special_xlog1py special_xlogy split
+split_with_sizes sqrt sqrt_ square squeeze stack std std_mean sub sub_ sum t tan tanh tanh_ take
+_scaled_dot_product_attention_math _scaled_dot_product_flash_attention_for_cpu
+_scaled_dot_product_flash_attention _scaled_dot_product_efficient_attention
+_scaled_dot_product_cudnn_attention scaled_dot_product_attention threshold threshold_ tile topk trace transpose
+transpose_ tril tril_ triu triu_ true_divide trunc type_as unbind unflatten unfold uniform_ unique_consecutive
+_unique2 unsafe_split unsafe_split_with_sizes _unsafe_view unsqueeze unsqueeze_ upsample_bicubic2d
+upsample_bilinear2d upsample_linear1d upsample_nearest1d upsample_nearest2d upsample_nearest3d
+upsample_trilinear3d var var_mean view view_as where xlogy xlogy_ zero_ zeros zeros_like _to_copy to
+_log_softmax_backward_data _softmax_backward_data log_sigmoid_backward threshold_backward
+native_layer_norm_backward native_batch_norm_backward convolution_backward embedding_dense_backward
+""".split())
+
+# (op packet, argument) -> allowed values (a frozenset) or a full-match regex.
+STRING_ARGS: dict[tuple[str, str], frozenset[str] | re.Pattern] = {
+    ("div", "rounding_mode"): frozenset({"trunc", "floor"}),
+    ("div_", "rounding_mode"): frozenset({"trunc", "floor"}),
+    ("gelu", "approximate"): frozenset({"none", "tanh"}),
+    ("gelu_", "approximate"): frozenset({"none", "tanh"}),
+    ("einsum", "equation"): re.compile(r"[a-zA-Z.,\->\s]{1,128}"),
+    ("scatter", "reduce"): frozenset({"add", "multiply"}),
+    ("scatter_", "reduce"): frozenset({"add", "multiply"}),
+    ("scatter_reduce", "reduce"): frozenset({"sum", "prod", "mean", "amax", "amin"}),
+    ("index_reduce", "reduce"): frozenset({"prod", "mean", "amax", "amin"}),
+    ("searchsorted", "side"): frozenset({"left", "right"}),
+    ("pad", "mode"): frozenset({"constant", "reflect", "replicate", "circular"}),
+    ("norm", "p"): frozenset({"fro"}),
+    ("linalg_norm", "ord"): frozenset({"fro", "nuc"}),
+}
+
+
+def _overload_ok(name: str, op) -> bool:
+    if DENIED.search(name):
+        return False
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return False
+    for a in list(schema.arguments):
+        t = str(a.type)
+        if any(bad in t for bad in DENIED_ARG_TYPES):
+            return False
+        if "Generator" in t and not (t.startswith("Optional[") or t.endswith("?")):
+            return False  # a generator the program would have to supply
+        if a.alias_info is not None and a.alias_info.is_write and a.kwarg_only:
+            return False  # out= style arguments
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def _allowed() -> frozenset[str]:
+    out = set()
+    for packet in PACKETS:
+        p = getattr(torch.ops.aten, packet, None)
+        if p is None:
+            continue
+        try:
+            overloads = p.overloads()
+        except Exception:  # noqa: BLE001,S112 - a packet this torch lacks
+            continue
+        for ov in overloads:
+            op = getattr(p, ov, None)
+            name = f"aten.{packet}.{ov}"
+            if op is not None and _overload_ok(name, op):
+                out.add(name)
+    return frozenset(out)
+
+
+class _Allowlist:
+    """`name in ALLOWED_OPS` for 'aten.packet.overload' names (computed once, on first use)."""
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in _allowed()
+
+    def __iter__(self):
+        return iter(sorted(_allowed()))
+
+    def __len__(self) -> int:
+        return len(_allowed())
+
+
+ALLOWED_OPS = _Allowlist()

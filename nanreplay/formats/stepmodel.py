@@ -1,0 +1,313 @@
+"""Running a decoded step program: a module whose forward is the recorded ops, and its dry run.
+
+`StepModule` holds the snapshot's parameters and buffers under their own names (so the
+gradient table reads naturally) and, on `forward()`, executes the program node by node
+with `torch.ops.aten`: every node is one call the replay's modes see, attributed to the
+module and source line recorded at capture (`site()`). Outputs are checked against the
+shapes the file declares as they are made, so a lying file cannot allocate more than
+`dry_run()` bounded.
+
+`dry_run()` recomputes every node on the meta device (no memory), checks each shape
+against the file and returns the replay's peak-memory bound in bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from nanreplay import torch_internals as ti
+from nanreplay.errors import ReplayError, SnapshotError
+from nanreplay.formats.program import DTYPES, DeviceLiteral, Node, Program, Ref
+from nanreplay.replay.frames import RecordedFrame
+
+_FILL_ZERO = frozenset({"aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default",
+                        "aten.empty_strided.default"})  # uninitialised memory: replay it as zeros
+_HALF_TO_FLOAT = frozenset({"aten._softmax.default", "aten._log_softmax.default"})
+
+
+def _container(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+    """The submodule that owns `dotted` (created as empty nn.Modules as needed) and the leaf name."""
+    *path, leaf = dotted.split(".")
+    mod = root
+    for part in path:
+        sub = mod._modules.get(part)
+        if sub is None:
+            sub = nn.Module()
+            mod.add_module(part, sub)
+        mod = sub
+    return mod, leaf
+
+
+class StepModule(nn.Module):
+    """The recorded step as a module: parameters and buffers by name, forward = the program."""
+
+    def __init__(self, program: Program, state: dict[str, torch.Tensor], parameters: list[str],
+                 aliases: dict[str, str], constants: dict[str, torch.Tensor], *, step_fn: bool = False):
+        super().__init__()
+        self.__dict__["program"] = program
+        self.__dict__["aliases"] = dict(aliases)  # tied name -> the name the program uses
+        self.__dict__["step_fn"] = step_fn  # the batch is one object {"batch": ...}, not inputs + target
+        self.__dict__["constants"] = dict(constants)
+        self.__dict__["policy"] = None  # dtype policy for converted replays (see `converted`)
+        self.__dict__["device"] = torch.device("cpu")
+        self._node: int | None = None
+        params = set(parameters)
+        for name, t in state.items():
+            if name in aliases:
+                continue
+            mod, leaf = _container(self, name)
+            if name in params:  # the loaded tensors are ours: no copy
+                mod.register_parameter(leaf, nn.Parameter(t.detach(), requires_grad=t.is_floating_point()
+                                                          or t.is_complex()))
+            else:
+                mod.register_buffer(leaf, t.detach())
+        self.__dict__["_by_name"] = dict(self.named_parameters()) | dict(self.named_buffers())
+        self.__dict__["_pristine"] = {n: b.detach().clone() for n, b in self.named_buffers()}
+        self.__dict__["_sites"] = {}
+
+    # ---- copies in other dtypes (precision probe, fix verification)
+    def __deepcopy__(self, memo):
+        new = StepModule.__new__(StepModule)
+        nn.Module.__init__(new)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k in ("_parameters", "_buffers", "_modules"):
+                continue
+            new.__dict__[k] = v
+        new.__dict__["constants"] = {k: v.clone() for k, v in self.constants.items()}
+        new._node = None
+        for name, p in self._parameters.items():
+            new._parameters[name] = None if p is None else nn.Parameter(p.detach().clone(), p.requires_grad)
+        for name, b in self._buffers.items():
+            new._buffers[name] = None if b is None else b.detach().clone()
+        for name, m in self._modules.items():
+            new._modules[name] = copy.deepcopy(m, memo)
+        new.__dict__["_by_name"] = dict(new.named_parameters()) | dict(new.named_buffers())
+        new.__dict__["_pristine"] = {n: b.detach().clone() for n, b in new.named_buffers()}
+        new.__dict__["_sites"] = {}
+        new.__dict__["_versions"] = {}
+        return new
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.__dict__["constants"] = {k: fn(v) for k, v in self.constants.items()}
+        self.__dict__["_pristine"] = {k: fn(v) for k, v in self._pristine.items()}
+        self.__dict__["_by_name"] = dict(self.named_parameters()) | dict(self.named_buffers())
+        self.__dict__["_versions"] = {}
+        p = next(iter(self._by_name.values()), None)
+        if p is not None:
+            self.__dict__["device"] = p.device
+        return self
+
+    def set_policy(self, all_map: dict, cast_map: dict) -> None:
+        """Replay in other dtypes: a floating dtype the program names becomes `all_map[d]` everywhere, and
+        `cast_map[d]` in the casts autocast inserted (the caller converts weights, constants and batch)."""
+        self.__dict__["policy"] = (dict(all_map), dict(cast_map)) if all_map or cast_map else None
+
+    def train(self, mode: bool = True) -> StepModule:
+        self.training = mode  # the mode is baked into the recorded ops
+        return self
+
+    # ---- the step
+    def forward(self, inputs: Any = None, target: Any = None) -> torch.Tensor:
+        """Run the program on this batch (the snapshot's, or a converted copy of it); returns the loss."""
+        prog = self.program
+        self._restore_buffers()
+        batch = {"batch": inputs} if self.step_fn else {"inputs": inputs, "target": target}
+        env: dict[int, Any] = {}
+        for lf in prog.leaves:
+            t = self.leaf_tensor(lf, batch)
+            env[lf.ref] = t.clone() if lf.kind == "constant" else t  # a replay may write into its constants
+        grad_on = torch.is_grad_enabled()
+        try:
+            for i, node in enumerate(prog.nodes):
+                self._node = i
+                if node.grad != torch.is_grad_enabled():
+                    torch.set_grad_enabled(node.grad)
+                out = self._run(node, env)
+                self._bind(node, out, env, i)
+        finally:
+            torch.set_grad_enabled(grad_on)
+            self._node = None
+        return env[prog.loss]
+
+    def _restore_buffers(self) -> None:
+        """Each replay starts from the buffers as captured (BatchNorm's running stats change in place)."""
+        versions = self.__dict__.setdefault("_versions", {})
+        for name, pristine in self._pristine.items():
+            t = self._by_name[name]
+            if versions.get(name) != t._version:
+                with torch.no_grad():
+                    t.copy_(pristine)
+                versions[name] = t._version
+
+    def leaf_tensor(self, lf, batch: dict) -> torch.Tensor:
+        """The tensor a program leaf names (raises KeyError/IndexError/TypeError when it is not there)."""
+        if lf.kind in ("param", "buffer"):
+            t = self._by_name.get(self.aliases.get(lf.name, lf.name))
+            if t is None:
+                raise KeyError(lf.name)
+            return t
+        if lf.kind == "constant":
+            return self.constants[lf.name]
+        obj: Any = batch
+        for key in lf.path or ():
+            obj = obj[key]
+        if not isinstance(obj, torch.Tensor):
+            raise TypeError(f"{lf.name} is not a tensor")
+        return obj
+
+    def _arg(self, v: Any, node: Node, env: dict) -> Any:
+        if isinstance(v, Ref):
+            return env[v]
+        if isinstance(v, DeviceLiteral):
+            return self.device
+        if isinstance(v, torch.dtype):
+            return self._dtype(v, node)
+        if isinstance(v, list):
+            return [self._arg(x, node, env) for x in v]
+        return v
+
+    def _dtype(self, d: torch.dtype, node: Node) -> torch.dtype:
+        pol = self.policy
+        if pol is None or not d.is_floating_point:
+            return d
+        all_map, cast_map = pol
+        if node.cast and d in cast_map:
+            return cast_map[d]
+        return all_map.get(d, d)
+
+    def _run(self, node: Node, env: dict) -> Any:
+        args = [self._arg(a, node, env) for a in node.args]
+        kwargs = {k: self._arg(v, node, env) for k, v in node.kwargs.items()}
+        if node.random is not None:
+            value = self.constants[node.random].clone()
+            if ti.op_mutated_args(node.op)[0]:  # bernoulli_ / normal_ on a buffer: write the recorded value into it
+                with torch.no_grad():
+                    args[0].copy_(value)
+                return args[0]
+            return value
+        if node.mask is not None:
+            x, p = args[0], float(args[1])
+            mask = self.constants[node.mask]
+            scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
+            out = torch.ops.aten.mul.Tensor(torch.ops.aten.mul.Tensor(x, mask.to(x.dtype)), scale)
+            return out, mask
+        if self.policy is not None and node.name in _HALF_TO_FLOAT and len(args) > 2 and args[2]:
+            args[2] = args[0].dtype == torch.float16  # half_to_float only applies to half inputs
+        out = node.op(*args, **kwargs)
+        if node.name in _FILL_ZERO and isinstance(out, torch.Tensor):
+            with torch.no_grad():
+                out.zero_()
+        return out
+
+    def _bind(self, node: Node, out: Any, env: dict, i: int) -> None:
+        refs = node.out if isinstance(node.out, list) else [node.out]
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        metas = iter(node.meta)
+        for r, t in zip(refs, outs, strict=False):
+            if r is None:
+                continue
+            shape, _dtype = next(metas)
+            if not isinstance(t, torch.Tensor) or list(t.shape) != shape:
+                got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ReplayError(f"node {i} ({node.name}) made {got}, but the snapshot says {shape}: "
+                                  "the step program does not match this torch")
+            env[r] = t
+
+    # ---- attribution for the replay's Recorder
+    def site(self) -> tuple[str | None, tuple | None, tuple]:
+        i = self._node
+        if i is None:
+            return "<loss>", None, (("<loss>", "<loss>"),)
+        s = self._sites.get(i)
+        if s is None:
+            prog = self.program
+            node = prog.nodes[i]
+            module = prog.modules[node.module]
+            frame = None
+            if node.frame is not None:
+                f = prog.frames[node.frame]
+                frame = RecordedFrame(f["file"], f["line"], f["function"], f["code"], f["context"])
+            scopes = prog.scopes_of(node)
+            s = self._sites[i] = (module, frame, scopes)
+        return s
+
+
+# ------------------------------------------------------------------ the dry run
+
+
+def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]]) -> int:
+    """Every node on the meta device: shapes checked against the file, the replay's peak bytes bounded.
+
+    The bound: the inputs, plus every non-view output of the forward kept alive for backward, twice
+    (backward's gradients of about the same sizes), plus one gradient per floating input.
+    """
+    env: dict[int, torch.Tensor] = {}
+    inputs = 0
+    for ref, (shape, dtype) in leaf_meta.items():
+        env[ref] = torch.empty(shape, dtype=dtype, device="meta")
+        inputs += _nbytes(shape, dtype) * (2 if dtype.is_floating_point else 1)
+    made = 0
+    for i, node in enumerate(program.nodes):
+        args = [_meta_arg(a, env) for a in node.args]
+        kwargs = {k: _meta_arg(v, env) for k, v in node.kwargs.items()}
+        out = None
+        if node.random is None and node.mask is None:
+            try:
+                with torch.no_grad():
+                    out = node.op(*args, **kwargs)
+            except (NotImplementedError, RuntimeError, TypeError, ValueError, IndexError) as e:
+                if _is_missing_meta(e):
+                    out = None  # no meta kernel: trust the declared shapes, checked again during the replay
+                else:
+                    raise SnapshotError(f"invalid step program: node {i} ({node.name}) cannot run on the declared "
+                                        f"shapes: {type(e).__name__}: {str(e).splitlines()[0][:160]}") from None
+        refs = node.out if isinstance(node.out, list) else [node.out]
+        outs = (list(out) if isinstance(out, (tuple, list)) else [out]) if out is not None else [None] * len(refs)
+        metas = iter(node.meta)
+        view = ti.op_is_view(node.op)
+        for k, (r, t) in enumerate(zip(refs, outs, strict=False)):
+            if r is None:
+                continue
+            shape, dname = next(metas)
+            dtype = DTYPES[dname]
+            nbytes = _nbytes(shape, dtype)
+            if isinstance(t, torch.Tensor) and list(t.shape) != shape:
+                if k == 0:
+                    raise SnapshotError(f"invalid step program: node {i} ({node.name}) declares shape {shape}, "
+                                        f"but the op makes {list(t.shape)}")
+                # meta kernels may disagree on auxiliary outputs (workspaces): count the larger
+                nbytes = max(nbytes, _nbytes(list(t.shape), t.dtype))
+                t = None
+            env[r] = t if isinstance(t, torch.Tensor) else torch.empty(shape, dtype=dtype, device="meta")
+            if not view:
+                made += nbytes
+    return inputs + 2 * made
+
+
+def _nbytes(shape: list[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * (torch.finfo(dtype).bits // 8 if dtype.is_floating_point else
+                               (1 if dtype == torch.bool else torch.iinfo(dtype).bits // 8)
+                               if not dtype.is_complex else 16)
+
+
+def _meta_arg(v: Any, env: dict) -> Any:
+    if isinstance(v, Ref):
+        return env[v]
+    if isinstance(v, DeviceLiteral):
+        return torch.device("meta")
+    if isinstance(v, list):
+        return [_meta_arg(x, env) for x in v]
+    return v
+
+
+def _is_missing_meta(e: BaseException) -> bool:
+    msg = str(e)
+    return isinstance(e, NotImplementedError) or "meta" in msg.lower() and ("not implemented" in msg.lower()
+                                                                             or "could not run" in msg.lower())
