@@ -119,27 +119,57 @@ def _describe(x: Any) -> str:
     return f"a {type(x).__name__}"
 
 
+def model_loss(output: Any) -> torch.Tensor | None:
+    """The loss a model returned itself: a scalar output; a `loss` key or attribute (a Hugging Face
+    ModelOutput); the one scalar tensor among tuple outputs (nanoGPT's `logits, loss`)."""
+    if isinstance(output, torch.Tensor):
+        return output if output.numel() == 1 else None
+    cand = None
+    if isinstance(output, dict) or hasattr(output, "keys"):
+        try:
+            cand = output["loss"] if "loss" in output else None
+        except (KeyError, TypeError):
+            cand = None
+    if cand is None and not isinstance(output, (tuple, list, dict)):
+        cand = getattr(output, "loss", None)
+    if isinstance(cand, torch.Tensor) and cand.numel() == 1:
+        return cand
+    if isinstance(output, (tuple, list)):
+        scalars = [o for o in output if isinstance(o, torch.Tensor) and o.numel() == 1 and o.is_floating_point()]
+        if len(scalars) == 1:
+            return scalars[0]
+    return None
+
+
+def is_torch_loss(fn: Any) -> bool:
+    """A loss function or class from torch itself (it wants one prediction tensor, not a model's tuple)."""
+    fn = getattr(fn, "func", fn)  # functools.partial
+    mod = type(fn).__module__ if isinstance(fn, nn.Module) else getattr(fn, "__module__", "") or ""
+    return mod.startswith("torch.")
+
+
 def compute_loss(output: Any, target: Any, loss_fn: Callable | None) -> torch.Tensor:
+    """The step's loss from the model's output: its own loss when loss_fn is None; else loss_fn(output, target).
+
+    A user's loss gets the output exactly as the model returned it (tuples, dicts, dataclasses); a torch
+    loss gets the prediction tensor out of common output shapes.
+    """
     if loss_fn is None:
-        loss = output
-        if not isinstance(output, torch.Tensor):
-            if (isinstance(output, dict) or hasattr(output, "keys")) and "loss" in output:
-                loss = output["loss"]
-            elif isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor) \
-                    and output[0].numel() == 1:
-                loss = output[0]
-        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+        loss = model_loss(output)
+        if loss is None:
             raise UsageError(
                 f"the model's output is {_describe(output)}, not a scalar loss, and no loss is known: "
                 "pass --loss (e.g. --loss cross_entropy or --loss mypkg.losses:my_loss)"
             )
-        return loss.reshape(())
-    if target is None:
+        return loss if loss.dim() == 0 else loss.reshape(())
+    torch_loss = is_torch_loss(loss_fn)
+    if target is None and torch_loss:
         raise UsageError("the loss needs a target, but the snapshot holds no target (y / targets / labels)")
-    loss = loss_fn(_prediction(output), target)
+    pred = _prediction(output) if torch_loss else output
+    loss = loss_fn(pred, target) if target is not None else loss_fn(pred)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise UsageError(f"the loss returned {_describe(loss)}, not a scalar (use a reduction such as 'mean')")
-    return loss.reshape(())
+    return loss if loss.dim() == 0 else loss.reshape(())
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
