@@ -90,7 +90,7 @@ def event_json(step: Step, ev) -> dict:
         "role": ev.role,
         "forward_op": step.forward_op_of(ev),
         "backward_node": ev.node,
-        "source": frame_json(step.frame_of(ev)),
+        "source": frame_json(step.frame_of(ev), context=ev.role != "propagation"),
         "nan": ev.out["nan"],
         "posinf": ev.out["posinf"],
         "neginf": ev.out["neginf"],

@@ -41,7 +41,7 @@ from nanreplay.formats.program import (
 from nanreplay.replay.frames import skip_frames_of, user_frame
 from nanreplay.replay.recorder import call_name
 
-CONTEXT = 3  # source lines kept above and below each recorded line
+CONTEXT = 4  # source lines kept above and below each recorded line
 _LIFT = {"aten.lift_fresh.default", "aten.lift_fresh_copy.default", "aten.lift.default"}
 _CONVERSIONS = {"to", "half", "float", "double", "bfloat16", "type", "type_as", "_to_copy"}
 _LAYOUT_NAMES = {v: k for k, v in LAYOUTS.items()}

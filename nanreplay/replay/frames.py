@@ -67,7 +67,7 @@ def user_frame(depth: int = 2) -> Frame | None:
 # Folders whose .py files may be read to show or rewrite a line a *snapshot* recorded (not lines of code that
 # ran in this process, which are read as usual). Set by the analysis (`--source DIR`; default: the current folder).
 SOURCE_ROOTS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("nanreplay_source_roots", default=())
-CONTEXT = 3  # lines shown above and below a line, for frames of code that ran here
+CONTEXT = 4  # lines shown above and below a line, for frames of code that ran here
 MAX_SOURCE_BYTES = 2_000_000
 
 
@@ -137,15 +137,16 @@ def _live_context(file: str, line: int) -> dict | None:
     return {"start": lo, "lines": [ln.rstrip("\n") for ln in lines[lo - 1:hi]]}
 
 
-def frame_json(frame: Frame | None) -> dict | None:
+def frame_json(frame: Frame | None, context: bool = True) -> dict | None:
     """A frame as the analysis JSON shows it: file (as shown), line, code, function, path (a local file that
-    may be read, or None), context ({start, lines} around the line), recorded_path (where it was recorded)."""
+    may be read, or None), context ({start, lines} around the line; left out with context=False),
+    recorded_path (where it was recorded)."""
     if frame is None:
         return None
     if isinstance(frame, RecordedFrame):
         recorded, line, func, code = frame
         local = local_source(recorded, line, code)
-        ctx = {"start": frame.context[0], "lines": list(frame.context[1])} if frame.context else None
+        ctx = {"start": frame.context[0], "lines": list(frame.context[1])} if frame.context and context else None
         out = {"file": _shown(local) if local else recorded, "line": line, "code": code, "function": func,
                "path": local, "context": ctx}
         if local is not None and local != recorded:
@@ -155,4 +156,4 @@ def frame_json(frame: Frame | None) -> dict | None:
     if code is None:
         code = linecache.getline(file, line).strip() or None
     return {"file": _shown(file), "line": line, "code": code, "function": func, "path": file,
-            "context": _live_context(file, line)}
+            "context": _live_context(file, line) if context else None}

@@ -8,9 +8,11 @@ what it returned. Which files are read:
 * otherwise the first chain event with a source line of the user's, preferring the
   event where the non-finite value entered (a literal, an origin or a conversion).
 
-Read only what is plausibly the recorded source: a .py file of sane size whose line
-still says what was recorded. A snapshot must not be able to make the report quote an
-arbitrary file (a path in an exported program's metadata, say).
+The lines come from the analysis itself wherever it has them (`source["context"]`: for a
+snapshot, the lines recorded at capture time). A file is read only when the analysis marked
+it readable (`source["path"]`: code that ran in this process, or a local copy of a recorded
+file under a folder the user allowed whose line matches), and only a .py file of sane size
+whose line still says what was recorded. A snapshot cannot make the report quote a file.
 """
 
 from __future__ import annotations
@@ -31,6 +33,14 @@ def source_key(src: dict) -> tuple[str, int] | None:
     """The key a recorded source dict has in `Sources`; None when it names no file and line."""
     path, line = src.get("path") or src.get("file"), src.get("line")
     return (path, line) if isinstance(path, str) and isinstance(line, int) else None
+
+
+def recorded_excerpt(src: dict) -> dict[int, str] | None:
+    """The context lines the analysis carries for `src` (no file is read)."""
+    ctx = src.get("context")
+    if not isinstance(ctx, dict) or not isinstance(ctx.get("start"), int) or not isinstance(ctx.get("lines"), list):
+        return None
+    return {ctx["start"] + i: str(text) for i, text in enumerate(ctx["lines"])}
 
 
 def excerpt(sources: Sources, src: dict) -> dict[int, str] | None:
@@ -70,11 +80,14 @@ def gather_sources(analysis_json: Analysis | dict) -> Sources:
 
 
 def read_excerpt(src: dict) -> dict[int, str] | None:
-    """The lines around `src`'s line, read from its file, or None when the file is not fit to quote."""
-    key = source_key(src)
-    if key is None:
+    """The lines around `src`'s line: the recorded context, else read from the file the analysis marked
+    readable; None when there is neither."""
+    recorded = recorded_excerpt(src)
+    if recorded is not None:
+        return recorded
+    path, line = src.get("path"), src.get("line")
+    if not isinstance(path, str) or not isinstance(line, int):
         return None
-    path, line = key
     if line < 1 or not path.endswith(".py"):
         return None
     p = Path(path)

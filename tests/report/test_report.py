@@ -550,6 +550,7 @@ def test_long_propagation_runs_fold_but_stay_in_the_page():
 def test_source_context_falls_back_to_the_recorded_line(tmp_path):
     d = _synthetic()
     src = d["culprit"]["source"]
+    src.pop("context", None)  # no recorded context: the report may only read the file the analysis marked readable
     for path in (str(tmp_path / "gone.py"), "/etc/passwd", str(ROOT / "README.md")):
         src["path"] = path
         s = view(d).source
