@@ -39,7 +39,7 @@ from nanreplay.replay.subject import Subject, to_device
 FORMAT = "nanreplay.snapshot"
 VERSION = 2
 
-_AUTOCAST = S.record({"device_type": S.one_of("cpu", "cuda", "xpu", "mps", "hpu"),
+_AUTOCAST = S.record({"device_type": S.optional(S.one_of("cpu", "cuda", "xpu", "mps", "hpu")),
                       "dtype": S.one_of(*DTYPES), "enabled": S.optional(S.boolean)}, required=("dtype",))
 _RNG = S.record({"cpu": S.optional(S.tensor((torch.uint8,), 1)),
                  "cuda": S.optional(S.list_of(S.tensor((torch.uint8,), 1), 1024))})

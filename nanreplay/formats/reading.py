@@ -7,6 +7,7 @@ custom class) is refused with a message that says how to opt in (`--trust`).
 from __future__ import annotations
 
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +20,19 @@ _ZIP_MAGIC = b"PK\x03\x04"
 _LEGACY_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."
 
 
-
 def read_file(path: str | Path, *, trust: bool = False) -> Any:
     """torch.load a file safely, turning every failure into one clear line."""
     p = Path(path)
     try:
+        st = p.stat()
+        if stat.S_ISDIR(st.st_mode):
+            raise SnapshotError(f"{path}: is a directory (use `nanreplay triage DIR` for a folder)")
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block, a device would never end
+            raise SnapshotError(f"{path}: not a regular file (a device, FIFO or socket); a snapshot is a file")
         with p.open("rb") as f:
             head = f.read(len(_LEGACY_MAGIC))
     except FileNotFoundError:
         raise SnapshotError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise SnapshotError(f"{path}: is a directory (use `nanreplay triage DIR` for a folder)") from None
     except OSError as e:
         raise SnapshotError(f"{path}: cannot read: {e.strerror or e}") from None
     if not head:

@@ -78,8 +78,9 @@ def boolean(v: Any, where: str) -> bool:
 def one_of(*values: Any) -> Checker:
     def fn(v, where):
         if not isinstance(v, (str, int)) or isinstance(v, bool) or v not in values:
-            shown = v if isinstance(v, (str, int)) and not isinstance(v, bool) and len(str(v)) < 40 else _what(v)
-            raise SchemaError(f"{where} must be one of {', '.join(map(str, values))}, not {shown!r}")
+            simple = isinstance(v, (str, int)) and not isinstance(v, bool) and len(str(v)) < 40
+            shown = repr(v) if simple else _what(v)
+            raise SchemaError(f"{where} must be one of {', '.join(map(str, values))}, not {shown}")
         return v
     return fn
 

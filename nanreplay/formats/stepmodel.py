@@ -257,6 +257,11 @@ def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]
     for i, node in enumerate(program.nodes):
         args = [_meta_arg(a, env) for a in node.args]
         kwargs = {k: _meta_arg(v, env) for k, v in node.kwargs.items()}
+        if _takes_device(node.op):  # a factory op without a device would allocate on the CPU for real
+            kwargs["device"] = torch.device("meta")
+            names = _arg_names(node.op)
+            if "device" in names and names.index("device") < len(args):
+                args[names.index("device")] = torch.device("meta")
         out = None
         if node.random is None and node.mask is None:
             try:
@@ -289,6 +294,15 @@ def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]
             if not view:
                 made += nbytes
     return inputs + 2 * made
+
+
+def _arg_names(op) -> list[str]:
+    schema = ti.op_schema(op)
+    return [a.name for a in schema.arguments] if schema is not None else []
+
+
+def _takes_device(op) -> bool:
+    return "device" in _arg_names(op)
 
 
 def _nbytes(shape: list[int], dtype: torch.dtype) -> int:
