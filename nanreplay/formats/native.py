@@ -111,6 +111,11 @@ def parse(path: str, d: dict) -> Snapshot:
         unknown = [n for n in clean["parameters"] if n not in state]
         if unknown:
             raise SnapshotError(f"{path}: damaged native snapshot: parameters names {unknown[0]!r}, which state lacks")
+        aliases = clean["aliases"] or {}
+        bad = [a for a, t in aliases.items() if t not in state or a in state]
+        if bad:
+            raise SnapshotError(f"{path}: damaged native snapshot: alias {bad[0]!r} does not name a stored tensor")
+        state = {**state, **{a: state[t] for a, t in aliases.items()}}  # tied names, for eager models (--model)
     inputs, target = (batch["batch"], None) if batch.get("batch") is not None else (batch["inputs"], batch["target"])
     return Snapshot(path=path, format="native", inputs=inputs, target=target, state=state,
                     keys={"inputs": "inputs", "target": "target"}, raw=clean, step=clean["step"], rank=clean["rank"],
