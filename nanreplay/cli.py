@@ -31,7 +31,7 @@ def main() -> None:
 @click.argument("snapshot")
 @click.option("--model", metavar="MODULE:FACTORY",
               help="Zero-argument callable returning the nn.Module whose state is in the snapshot "
-                   "(e.g. mypkg.models:build). Needed for seed-format snapshots.")
+                   "(e.g. mypkg.models:build). Needed for plain state-dict snapshots.")
 @click.option("--loss", metavar="SPEC",
               help="Loss: a torch.nn.functional name (cross_entropy, mse_loss, ...) or MODULE:CALLABLE taking "
                    "(output, target). Without it a scalar model output is the loss.")
@@ -43,8 +43,11 @@ def main() -> None:
               help="Allow running code the snapshot names or contains (pickled objects, a model factory "
                    "string). Only for snapshots from a source you trust.")
 @click.option("--no-verify", is_flag=True, help="Skip replaying the suggested fix (faster).")
+@click.option("--source", "source", multiple=True, metavar="DIR", type=click.Path(file_okay=False),
+              help="Folder whose .py files may be read to show and rewrite the lines a snapshot recorded (only "
+                   "where the file's line matches the recorded code) [default: the current folder]. Repeatable.")
 def analyze(snapshot: str, model: str | None, loss: str | None, report: str | None, json_path: str | None,
-            device: str | None, trust: bool, no_verify: bool) -> None:
+            device: str | None, trust: bool, no_verify: bool, source: tuple[str, ...]) -> None:
     """Replay SNAPSHOT, name the op that broke the step, explain it and suggest a verified fix."""
     from nanreplay import analysis as analysis_mod
     from nanreplay import report as report_mod
@@ -53,7 +56,7 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
         report_path = _output_path(report or f"{Path(snapshot).stem}.nanreplay.html", snapshot)
         json_dest = _output_path(json_path, snapshot) if json_path and json_path != "-" else json_path
         result = analysis_mod.analyze(snapshot, model=model, loss=loss, device=device, trust=trust,
-                                      verify=not no_verify)
+                                      verify=not no_verify, source=list(source) if source else None)
         report_mod.write_report(result, report_path)
         if json_dest:
             text = json.dumps(result.to_json(), indent=2, allow_nan=False)
@@ -74,7 +77,7 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
                    "[default: ./<DIR name>.nanreplay]. Must not be DIR itself.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), metavar="N",
               help="Worker processes, each analyzing one snapshot at a time [default: the CPU count].")
-@click.option("--model", metavar="MODULE:FACTORY", help="Model factory for seed-format snapshots (as for analyze).")
+@click.option("--model", metavar="MODULE:FACTORY", help="Model factory for plain state-dict snapshots (as for analyze).")
 @click.option("--loss", metavar="SPEC", help="Loss spec (as for analyze).")
 @click.option("--trust", is_flag=True, help="Allow running code the snapshots name or contain (as for analyze).")
 @click.option("--device", metavar="DEV", help="Device to replay on (as for analyze) [default: cpu].")

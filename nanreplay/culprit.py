@@ -9,6 +9,7 @@ the earliest literal is the only thing left to blame.
 
 from __future__ import annotations
 
+from nanreplay.enums import Role
 from nanreplay.replay import Event
 
 
@@ -27,7 +28,7 @@ def chain(events: list[Event], failure_event: int | None) -> list[int]:
 
 
 def culprit(events: list[Event], chain_: list[int]) -> int | None:
-    for role in ("origin", "conversion", "literal"):
+    for role in (Role.ORIGIN, Role.CONVERSION, Role.LITERAL):
         for i in chain_:
             if events[i].role == role:
                 return i

@@ -109,7 +109,7 @@ def train(name: str, folder: Path) -> Path:
     if guard.last_snapshot is None:
         raise SystemExit(f"{name}: the loop never went non-finite ({guard.last_error or 'no error'})")
     if name == "sqrt_zero":  # the same step in the seed's own format, for `--model` analysis
-        torch.save({"x": inputs, "y": target, "state": model.state_dict()}, HERE / "seed_nan_snapshot_step_3.pt")
+        torch.save({"x": inputs, "y": target, "state": model.state_dict()}, HERE / "nan_snapshot_step_3.pt")
     return Path(guard.last_snapshot)
 
 

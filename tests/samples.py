@@ -20,7 +20,7 @@ EXPECTED = {
     "log_softmax": ("aten.div.Tensor", "backward", "log_softmax"),
     "fp16_overflow": ("aten.addmm.default", "forward", "fp16_overflow"),
 }
-STATE_DICT_SAMPLE = "seed_nan_snapshot_step_3"  # a plain state-dict snapshot: it needs --model
+STATE_DICT_SAMPLE = "nan_snapshot_step_3"  # a plain state-dict snapshot: it needs --model
 FLAGS = {STATE_DICT_SAMPLE: {"model": "sample_snapshots.models:triplet"}}
 
 

@@ -14,9 +14,10 @@ from pathlib import Path
 import torch
 
 from nanreplay import culprit as culprit_mod
-from nanreplay import diagnose, formats, replay, stats
+from nanreplay import diagnose, formats, replay, stats, torch_internals
 from nanreplay import verify as verify_mod
 from nanreplay.analysis.contract import Analysis, activation_rows, anomaly_json, culprit_json, event_json
+from nanreplay.enums import Verdict
 from nanreplay.replay.subject import Subject, batch_tensors
 
 # ------------------------------------------------------------------ pipeline
@@ -45,7 +46,7 @@ def _analyze(path, *, model, loss, device, trust, verify, max_memory, source) ->
     snap = formats.load(path, trust=trust)
     subject = formats.rebuild(snap, model=model, loss=loss, device=device, trust=trust, max_memory=max_memory)
     t_load = time.perf_counter()
-    result = Analysis(snapshot=str(path), verdict="not_reproduced", model=_model_info(subject),
+    result = Analysis(snapshot=str(path), verdict=Verdict.NOT_REPRODUCED, model=_model_info(subject),
                       environment=_environment(subject), snapshot_info=_snapshot_info(snap),
                       invocation={"model": model, "loss": loss, "device": device, "trust": trust,
                                   "source": list(source) if source is not None else None})
@@ -53,8 +54,8 @@ def _analyze(path, *, model, loss, device, trust, verify, max_memory, source) ->
     result.nonfinite_leaves = leaves
     blocking = [r for r in leaves if not r.get("literal")]
     if blocking:
-        result.verdict = ("nonfinite_parameters" if any(r["role"] in ("parameter", "buffer") for r in blocking)
-                          else "nonfinite_input")
+        result.verdict = (Verdict.NONFINITE_PARAMETERS if any(r["role"] in ("parameter", "buffer") for r in blocking)
+                          else Verdict.NONFINITE_INPUT)
         result.diagnosis = diagnose.for_leaves(result.verdict, blocking, snap)
         result.stats = {"timings": {"load": t_load - t0, "total": time.perf_counter() - t0}}
         return result
@@ -76,7 +77,7 @@ def _analyze(path, *, model, loss, device, trust, verify, max_memory, source) ->
     result.chain = [event_json(step, step.events[i]) for i in chain]
     result.anomaly_mode = anomaly_json(step, c)
     if c is not None:
-        result.verdict = "culprit_found"
+        result.verdict = Verdict.CULPRIT_FOUND
         result.culprit = culprit_json(step, step.events[c])
     elif step.failure is not None:
         result.warnings.append(f"the {step.failure.what} {step.failure.name!r} is non-finite, but no op that "
@@ -183,6 +184,7 @@ def _environment(subject: Subject) -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(terse=True),
         "device": str(subject.device),
+        "torch_internals": torch_internals.probe(),  # which private torch APIs work here (and what degrades)
     }
 
 

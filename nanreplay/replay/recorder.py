@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from nanreplay import stats
 from nanreplay import torch_internals as ti
+from nanreplay.enums import Kind, Phase, Role
 from nanreplay.replay.frames import Frame, skip_frames_of, user_frame
 from nanreplay.replay.records import Anomaly, Event, OpRecord
 
@@ -186,18 +187,18 @@ class Recorder:
         has_nan = out["nan"] > 0
         if not parents:
             if lit_nan or lit_inf:
-                role = "conversion" if has_nan and not lit_nan else "literal"
+                role = Role.CONVERSION if has_nan and not lit_nan else Role.LITERAL
             else:
-                role = "origin"
+                role = Role.ORIGIN
         else:
-            role = "conversion" if has_nan and not (in_nan or lit_nan) else "propagation"
-        ev = Event(index=len(self.events), phase="backward" if self.phase == "backward" else "forward",
-                   op=str(func), kind="nan" if has_nan else "inf", role=role,
+            role = Role.CONVERSION if has_nan and not (in_nan or lit_nan) else Role.PROPAGATION
+        ev = Event(index=len(self.events), phase=Phase.BACKWARD if self.phase == "backward" else Phase.FORWARD,
+                   op=str(func), kind=Kind.NAN if has_nan else Kind.INF, role=role,
                    parents=tuple(dict.fromkeys(parents)), out=out, fwd=fwd, node=node_name, node_seq=node_seq,
                    frame=user_frame(4) if self.phase == "backward" else None)
         if ev.frame is not None:
             ev.call = self.current_call
-        if role in ("origin", "conversion"):  # only these can be culprits: worth the input statistics
+        if role in (Role.ORIGIN, Role.CONVERSION):  # only these can be culprits: worth the input statistics
             ev.inputs = [stats.tensor_stats(t) for t in inputs]
             ev.scalars = scalars
         self.events.append(ev)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanreplay.enums import Kind, Phase, Role
 from nanreplay.replay.frames import Frame
 
 
@@ -27,10 +28,10 @@ class Event:
     """An op whose floating output held a NaN or an Inf."""
 
     index: int
-    phase: str  # "forward" | "backward" (the loss counts as forward)
+    phase: Phase  # the loss counts as forward
     op: str
-    kind: str  # "nan" | "inf"
-    role: str  # "literal" | "origin" | "conversion" | "propagation"
+    kind: Kind
+    role: Role
     parents: tuple[int, ...]
     out: dict  # numel, nan, posinf, neginf
     fwd: int | None  # forward op record: the op itself, or the op whose gradient this is

@@ -14,6 +14,7 @@ import torch
 
 from nanreplay import stats
 from nanreplay import torch_internals as ti
+from nanreplay.enums import Kind
 from nanreplay.errors import NanReplayError, ReplayError, first_line
 from nanreplay.replay.frames import frame_json
 from nanreplay.replay.recorder import Anomaly, Recorder, _CallMode, _OpMode, _storage_key, call_name
@@ -135,7 +136,7 @@ def _failure(rec: Recorder, loss: torch.Tensor | None, model: torch.nn.Module) -
     if n or i:
         hit = rec.nonfinite.get(loss)
         ev = hit[0] if hit is not None else _last_forward_event(rec)
-        return Failure("loss", "loss", "nan" if n else "inf", ev)
+        return Failure("loss", "loss", Kind.NAN if n else Kind.INF, ev)
     best: Failure | None = None
     for name, p in model.named_parameters():
         if p.grad is None:
@@ -145,7 +146,7 @@ def _failure(rec: Recorder, loss: torch.Tensor | None, model: torch.nn.Module) -
             continue
         hit = rec.nonfinite.get(p.grad)
         ev = hit[0] if hit is not None else rec.by_storage.get(_storage_key(p.grad))
-        cand = Failure("gradient", name, "nan" if n else "inf", ev)
+        cand = Failure("gradient", name, Kind.NAN if n else Kind.INF, ev)
         if best is None or (ev is not None and (best.event is None or ev < best.event)):
             best = cand
     return best
