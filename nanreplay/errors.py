@@ -62,10 +62,10 @@ class GuardError(NanReplayError, ValueError):
 class NonFiniteStep(NanReplayError, RuntimeError):
     """Raised by a guard built with on_nonfinite="raise"."""
 
-    def __init__(self, trigger: str, snapshot: str | None):
+    def __init__(self, trigger: str, snapshot: str | None, what: str | None = None):
         where = f"; snapshot: {snapshot}" if snapshot else "; no snapshot was written"
-        super().__init__(f"non-finite {trigger} at this step{where}")
-        self.trigger, self.snapshot = trigger, snapshot
+        super().__init__(f"{what or f'non-finite {trigger}'} at this step{where}")
+        self.trigger, self.snapshot = str(trigger), snapshot
 
 
 class PoolError(NanReplayError, RuntimeError):

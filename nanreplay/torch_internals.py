@@ -15,6 +15,7 @@ What degrades when an accessor fails:
 * `op_is_view` / `op_mutated_args`: every op output is scanned (slower, same answer) /
   in-place ops are treated as pure (a NaN written in place may be linked less exactly).
 * `saved_tensors_of`: autocast is not inferred from the graph at capture; pass `autocast=`.
+* `foreach_norm`: the guard's gradient norm takes one kernel per parameter instead of one fused one.
 * `is_custom_function_node`: custom autograd.Functions are not detected at capture.
 """
 
@@ -177,6 +178,17 @@ def is_random_op(func: Any) -> bool:
     return torch.Tag.nondeterministic_seeded in op_tags(func)
 
 
+def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """The 2-norm of each tensor, computed in `dtype` (one fused kernel where torch has `_foreach_norm`)."""
+    try:
+        if dtype == torch.float32 and all(t.dtype == torch.float32 for t in tensors):
+            return list(torch._foreach_norm(tensors))
+        return list(torch._foreach_norm(tensors, 2, dtype=dtype))
+    except Exception as e:  # noqa: BLE001
+        _note("foreach_norm", e)
+        return [torch.linalg.vector_norm(t, dtype=dtype) for t in tensors]
+
+
 # ------------------------------------------------------------------ probe
 
 
@@ -189,6 +201,7 @@ def probe() -> dict[str, str]:
         "op_mutated_args": lambda: 0 in op_mutated_args(torch.ops.aten.add_.Tensor)[0],
         "op_schema": lambda: op_schema(torch.ops.aten.add.Tensor) is not None,
         "is_random_op": lambda: is_random_op(torch.ops.aten.bernoulli.default),
+        "foreach_norm": lambda: float(foreach_norm([torch.ones(4)], torch.float64)[0]) == 2.0,
     }
 
     def node_checks() -> bool:

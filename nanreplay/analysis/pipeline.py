@@ -63,7 +63,8 @@ def _analyze(path, *, model, loss, device, trust, verify, max_memory, source) ->
     step = replay.run_subject(subject)
     t_replay = time.perf_counter()
     result.step = step
-    result.loss = step.loss
+    # the replay backpropagates the scaled loss, as a GradScaler run did; people want the loss itself
+    result.loss = step.loss / subject.loss_scale if subject.loss_scale and step.loss is not None else step.loss
     result.gradients = step.grads
     result.warnings += [f"instrumentation error (please report): {e}" for e in step.internal_errors[:5]]
     if step.backward_error:

@@ -12,13 +12,16 @@
             break
         optimizer.step()
 
-On healthy steps the guard reads the loss once (the `.item()` most loops do for
-logging anyway) and the total gradient norm (pass the value `clip_grad_norm_`
-returned to avoid computing it twice). Everything heavy — CPU copies, the
-torch.export of model and loss — happens only when a snapshot is written.
+Gradient accumulation: `begin(x, y, step=s, micro_batch=k)` for each micro-batch, `loss_ok` for each,
+`grads_ok()` after each backward or only after the last one; the snapshot holds the micro-batch that
+broke. A loss that is not `loss_fn(model(x), y)`: `NanGuard(model, opt, step_fn=fn)` with
+`fn(model, batch) -> loss` and `begin(batch, step=s)`. GradScaler: pass `scaler=`; its routine
+back-off is never a failure. DDP: `sync_ranks=True` makes every rank snapshot the same step.
 
-A failure to write (disk full, read-only folder) or to export never crashes
-training: it is reported with `warnings`/logging and `last_snapshot` stays None.
+On healthy steps the guard reads the loss once (the `.item()` most loops do for logging anyway)
+and the total gradient norm (pass what `clip_grad_norm_` returned to skip computing it). Everything
+heavy — recording the step, CPU copies — happens only when a snapshot is written, and a failure to
+write never crashes training: it is a warning (also under `-W error`) and `last_snapshot` stays None.
 This module imports only torch.
 """
 
@@ -41,127 +44,161 @@ import torch.nn as nn
 from nanreplay import atomic
 from nanreplay import torch_internals as ti
 from nanreplay.capture import snapshot
+from nanreplay.enums import Trigger
 from nanreplay.errors import GuardError, NonFiniteStep
 
 log = logging.getLogger("nanreplay")
+
+_SAID = {Trigger.LOSS: "non-finite loss", Trigger.GRADIENT: "non-finite gradient",
+         Trigger.GRAD_NORM_OVERFLOW: "gradient norm overflowed float32 (every gradient entry finite)",
+         Trigger.GRAD_SPIKE: "gradient-norm spike (finite)", Trigger.UPDATE: "non-finite weights after the update"}
 
 
 class NanGuard:
     """Writes a replayable snapshot the moment the loss or the gradients stop being finite.
 
     Args:
-        model: the nn.Module being trained.
+        model: the nn.Module being trained (DDP / torch.compile wrappers are fine: the module
+            inside is what a snapshot records, under its own parameter names).
         optimizer: its optimizer (its state goes into the snapshot; needed by `step()`).
-        loss_fn: the loss, called as loss_fn(output, target). torch.nn.functional
-            functions (also functools.partial of them) and torch.nn loss modules are
-            recorded as data; other callables are exported with the model, or
-            recorded as MODULE:NAME (which then needs --trust to run).
-            None: the model's output is the loss.
+        loss_fn: the loss, called as loss_fn(output, target) with the model's output as it is
+            (tuples, dicts). torch.nn.functional losses and torch.nn loss modules are recorded as
+            data. None: the model's own loss (a scalar output, a `loss` key or attribute, or the
+            one scalar in a tuple such as nanoGPT's `(logits, loss)`).
         folder: where snapshots go (created if missing).
-        factory: "pkg.mod:build" that rebuilds the model, named in the snapshot for the rare step that
-            cannot be recorded as a program (then analysis needs --trust). Default: the model's class.
+        step_fn: instead of loss_fn: `fn(model, batch) -> loss` for losses computed any other way
+            (several forward calls, no target, HF `labels`); then call `begin(batch, step=...)`.
+        factory: "pkg.mod:build" naming code that rebuilds the model, for the rare step that cannot
+            be recorded as a program (analysis then needs --trust). Default: the model's class.
         export: record the step as a program in the snapshot (no training code needed to analyze).
-        max_snapshots: at most this many snapshots per guard, so a run that keeps
-            going NaN does not fill the disk.
-        history: how many recent steps of loss / grad norm to keep for the report.
-        spike_factor: also snapshot when the gradient norm exceeds this many times
-            its running median (off by default; the step itself continues).
-        scaler: a torch.amp.GradScaler. Non-finite gradients are then normal now and
-            then (the scaler skips the step); only `scaler_patience` overflows in a row
-            count as a failure.
+        max_snapshots: at most this many failure snapshots per guard (a run that keeps going NaN
+            does not fill the disk); `max_spike_snapshots` separately bounds finite-spike ones.
+        history: how many optimizer steps of loss / grad norm to keep for the report.
+        spike_factor: also snapshot when the gradient norm exceeds this many times its running
+            median (off by default; the step itself continues).
+        scaler: a torch.amp.GradScaler. Scaled gradients that overflow are normal (the scaler skips
+            the step and lowers its scale); only an overflow the scale cannot explain — at a scale
+            of 1 or less — is a failure. Pass `loss_ok` the unscaled loss.
+        autocast: the autocast setting of the forward, when loss_ok() is called outside the
+            autocast block and it cannot be inferred ({"device_type": "cuda", "dtype": torch.float16}).
         on_nonfinite: "return" (loss_ok/grads_ok return False) or "raise" (NonFiniteStep).
+        sync_ranks: under torch.distributed, agree across ranks at each check (one all-reduce of
+            a world-size flag vector in loss_ok and in grads_ok), so that every rank writes a
+            snapshot of the same step before any of them stops; the snapshots record which
+            ranks were non-finite. Off by default.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  loss_fn: Callable | None = None, folder: str | os.PathLike = "nan_snapshots", *,
-                 factory: str | None = None, export: bool = True, max_snapshots: int = 3, history: int = 200,
+                 step_fn: Callable | None = None, factory: str | None = None, export: bool = True,
+                 max_snapshots: int = 3, max_spike_snapshots: int = 2, history: int = 200,
                  spike_factor: float | None = None, spike_window: int = 50, scaler: Any = None,
-                 scaler_patience: int = 10, autocast: dict | bool | None = None, on_nonfinite: str = "return"):
+                 autocast: dict | bool | None = None, on_nonfinite: str = "return", sync_ranks: bool = False,
+                 scaler_patience: int | None = None):
         if on_nonfinite not in ("return", "raise"):
             raise ValueError("on_nonfinite must be 'return' or 'raise'")
+        if step_fn is not None and loss_fn is not None:
+            raise ValueError("give loss_fn or step_fn, not both")
         self.wrapped = model  # as given: DDP / torch.compile wrappers included
         self.model = snapshot.unwrap(model)  # the user's own module: what a snapshot records
-        self.optimizer, self.loss_fn = optimizer, loss_fn
+        self.optimizer, self.loss_fn, self.step_fn = optimizer, loss_fn, step_fn
         self.folder = Path(folder)
-        self.factory = factory
-        self.export = export
-        self.max_snapshots = max_snapshots
+        self.factory, self.export = factory, export
+        self.max_snapshots, self.max_spike_snapshots = max_snapshots, max_spike_snapshots
         self.spike_factor, self.spike_window = spike_factor, spike_window
-        self.scaler, self.scaler_patience = scaler, scaler_patience
+        self.scaler = scaler
         self.on_nonfinite = on_nonfinite
+        self.sync_ranks = sync_ranks
         self.history: deque = deque(maxlen=history)
-        self.snapshots: list[str] = []
+        self.snapshots: list[str] = []  # failure snapshots
+        self.spike_snapshots: list[str] = []
         self.last_snapshot: str | None = None
         self.last_error: str | None = None
         self.step_index = -1
-        self._state: snapshot.StepState | None = None
+        self.micro_batch: int | None = None
+        self._states: list[snapshot.StepState] = []  # one per micro-batch of the current optimizer step
+        self._checked = -1  # the last micro-batch whose accumulated gradients were checked finite
         self._buffers = snapshot.BufferWatch(self.model)
-        # autocast settings of the step: a dict (given), False (none), None (detect on the first loss_ok)
-        self._autocast: dict | bool | None = _autocast_arg(autocast)
-        self._overflows = 0
-        self._custom_functions: list[str] | None = None  # custom autograd.Functions in the graph (None: not looked)
+        self._autocast: dict | bool | None = _autocast_arg(autocast)  # None: infer on the first loss_ok
+        self._inspected = False
         self._in_step = False
         self._norms: deque = deque(maxlen=spike_window)
-        self._cap_warned = False
+        self._warned: set[str] = set()
+        self._bad_ranks: list[int] | None = None
+        del scaler_patience  # accepted for old code; overflows at a scale > 1 are never failures now
 
     # ------------------------------------------------------------------ the loop's calls
 
-    def begin(self, inputs: Any, target: Any = None, *, step: int | None = None) -> None:
-        """Start of a step: remember the batch (by reference) and the RNG state the forward will use.
+    def begin(self, inputs: Any, target: Any = None, *, step: int | None = None,
+              micro_batch: int | None = None) -> None:
+        """Start of a (micro-)batch: remember it (by reference) and the RNG state its forward will use.
 
-        `inputs` is what the model receives: a tensor (model(x)), a tuple (model(*x))
-        or a dict (model(**x)).
+        `inputs` is what the model receives: a tensor (model(x)), a tuple (model(*x)) or a dict
+        (model(**x)); with `step_fn`, the whole batch. Micro-batches of one optimizer step share
+        `step` and count `micro_batch` 0, 1, 2, ...
         """
-        self._new_step(step)
+        new_step = (step is None and (micro_batch is None or micro_batch == 0)) or step != self.step_index \
+            or not self._in_step
+        if new_step:
+            self._new_step(step)
+        self.micro_batch = micro_batch
         rng = {"cpu": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
-        self._state = snapshot.StepState({"inputs": inputs, "target": target}, rng, self._buffers.begin())
+        batch = {"batch": inputs} if self.step_fn is not None else {"inputs": inputs, "target": target}
+        self._states.append(snapshot.StepState(batch, rng, self._buffers.begin(), micro_batch))
 
     def loss_ok(self, loss: torch.Tensor) -> bool:
-        """After computing the loss, before backward(): False (and a snapshot) if it is NaN or Inf."""
+        """After the forward, before backward(): False (and a snapshot) if the loss is NaN or Inf."""
         if not self._in_step:  # begin() was not called: still count steps
             self._new_step(None)
         value = float(loss.detach().float())  # the one host sync; most loops log this value anyway
-        if self._custom_functions is None:  # once, on the first step: what does the autograd graph hold?
-            try:
-                found_autocast, self._custom_functions = _inspect_graph(loss, self.model)
-            except Exception as e:  # noqa: BLE001 - an observer must never break the training step
-                found_autocast, self._custom_functions = None, []
-                log.debug("nanreplay: could not inspect the autograd graph: %s", e)
+        if not self._inspected:  # once: did the forward run under autocast (loss_ok called outside the block)?
+            self._inspected = True
             if self._autocast is None:
-                self._autocast = _autocast_state(self.model) or found_autocast or False
-        self._record(loss=value)
-        if math.isfinite(value):
+                self._autocast = _autocast_state(self.model) or _saved_low_precision(loss, self.model) or False
+        row = self._row()
+        row["loss"] = value if self.micro_batch is None or row.get("loss") is None else row["loss"] + value
+        bad = self._agree(not math.isfinite(value))
+        if not bad:
             return True
-        return self._fail("loss", loss_value=value)
+        return self._fail(Trigger.LOSS, loss_value=value)
 
     def grads_ok(self, grad_norm: float | torch.Tensor | None = None) -> bool:
         """After backward(), before optimizer.step(): False (and a snapshot) if a gradient is NaN or Inf.
 
         Pass the total norm you already have (what clip_grad_norm_ returned) to skip computing it.
+        Under gradient accumulation it may be called after every micro-batch or only after the last.
         """
         norm = float(grad_norm) if grad_norm is not None else _total_norm(self.model)
-        self._record(grad_norm=norm)
-        self._in_step = False
+        trigger = None
         if not math.isfinite(norm):
-            if self.scaler is not None:
-                self._overflows += 1
-                if self._overflows < self.scaler_patience:
-                    return True  # the scaler skips this step and lowers its scale: business as usual
-            return self._fail("gradient", grad_norm=norm)
-        self._overflows = 0
-        if self.spike_factor and len(self._norms) >= 10:
-            med = statistics.median(self._norms)
-            if med > 0 and norm > self.spike_factor * med:
-                self._snapshot("grad_spike", grad_norm=norm)  # finite: record it, let the step go on
-        self._norms.append(norm)
+            entries_finite = _all_grads_finite(self.model)
+            if entries_finite:  # a float32 norm of finite, huge gradients: the norm overflowed, not the values
+                norm = _total_norm(self.model, torch.float64)
+                trigger = Trigger.GRAD_NORM_OVERFLOW
+            else:
+                trigger = Trigger.GRADIENT
+        row = self._row()
+        row["grad_norm"] = norm
+        if trigger == Trigger.GRADIENT and self.scaler is not None:
+            scale = float(self.scaler.get_scale())
+            row["scale"] = scale
+            if scale > 1.0:
+                row["overflow"] = True  # the scaler skips this step and backs off: business as usual
+                return not self._agree(False)
+        bad = self._agree(trigger is not None)
+        if bad:
+            state = self._culprit_micro_batch() if trigger == Trigger.GRADIENT else None
+            return self._fail(trigger or Trigger.GRADIENT, grad_norm=norm, state=state)
+        self._checked = len(self._states) - 1
+        self._spike(norm)
         return True
 
     def step(self, loss: torch.Tensor, *, clip: float | None = None) -> bool:
         """One call for the whole update: check, backward, check, optimizer.step().
 
-        Returns False — with a snapshot written and the update skipped — when the
-        loss or the gradients are non-finite. `clip` clips gradients to that norm.
+        Returns False — with a snapshot written and the update skipped — when the loss or the
+        gradients are non-finite. `clip` clips gradients to that norm.
         """
         if self.optimizer is None:
             raise GuardError("NanGuard.step() needs the optimizer: NanGuard(model, optimizer, ...)")
@@ -175,66 +212,119 @@ class NanGuard:
             loss.backward()
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))
-        if not self.grads_ok(norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            return False
+        ok = self.grads_ok(norm)
         if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
+            if ok:
+                self.scaler.step(self.optimizer)  # skips the update itself when the scaled gradients overflowed
+            self.scaler.update()  # always: unscale_() was called, and the next step needs a fresh scaler state
+        elif ok:
             self.optimizer.step()
-        return True
+        if not ok:
+            self.optimizer.zero_grad(set_to_none=True)
+        return ok
 
-    # ------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------ bookkeeping
 
     def _new_step(self, step: int | None) -> None:
         self.step_index = self.step_index + 1 if step is None else step
         self._in_step = True
+        self._states = []
+        self._checked = -1
+        self.micro_batch = None
         self.history.append({"step": self.step_index, "loss": None, "grad_norm": None})
 
-    def _record(self, **kv: float) -> None:
-        if not self.history:
+    def _row(self) -> dict:
+        if not self.history or self.history[-1]["step"] != self.step_index:
             self.history.append({"step": self.step_index, "loss": None, "grad_norm": None})
-        self.history[-1].update(kv)
+        return self.history[-1]
 
-    def _fail(self, trigger: str, **extra: Any) -> bool:
-        path = self._snapshot(trigger, **extra)
+    def _agree(self, bad: bool) -> list[int]:
+        """The ranks that saw a non-finite value at this check ([] when none); with sync_ranks all ranks agree."""
+        rank = _rank()
+        if not (self.sync_ranks and rank is not None):
+            return [rank or 0] if bad else []
+        dist = torch.distributed
+        dev = next(self.model.parameters()).device if dist.get_backend() == "nccl" else torch.device("cpu")
+        flags = torch.zeros(dist.get_world_size(), device=dev)
+        flags[rank] = float(bad)
+        dist.all_reduce(flags)
+        ranks = [i for i, v in enumerate(flags.tolist()) if v]
+        if ranks and self._bad_ranks is None:
+            self._bad_ranks = ranks
+        return ranks
+
+    def _spike(self, norm: float) -> None:
+        if self.spike_factor and len(self._norms) >= 10:
+            med = statistics.median(self._norms)
+            if med > 0 and norm > self.spike_factor * med:
+                self._snapshot(Trigger.GRAD_SPIKE, {"grad_norm": norm, "spike_median": med})
+        self._norms.append(norm)
+
+    def _culprit_micro_batch(self) -> snapshot.StepState | None:
+        """The micro-batch whose gradient is non-finite, when the accumulated check cannot tell."""
+        unchecked = self._states[self._checked + 1:]
+        if len(unchecked) <= 1 or not self.export:
+            return None
+        try:
+            return snapshot.first_nonfinite_micro_batch(self.model, unchecked, self._forward_loss,
+                                                        self._autocast or None) or unchecked[-1]
+        except Exception as e:  # noqa: BLE001 - finding it is a courtesy; never break training
+            log.debug("nanreplay: could not find the micro-batch that broke the gradients: %s", e)
+            return None
+
+    # ------------------------------------------------------------------ writing
+
+    def _fail(self, trigger: Trigger, **extra: Any) -> bool:
+        path = self._snapshot(trigger, extra)
         if self.on_nonfinite == "raise":
-            raise NonFiniteStep(trigger, path)
+            raise NonFiniteStep(trigger, path, _SAID[trigger])
         return False
 
-    def _snapshot(self, trigger: str, **extra: Any) -> str | None:
-        self.last_snapshot = None
-        if len(self.snapshots) >= self.max_snapshots:
-            if not self._cap_warned:
-                self._warn(f"not writing more than {self.max_snapshots} snapshots for this run "
-                           f"(max_snapshots); already wrote {self.snapshots}")
-                self._cap_warned = True
+    def _snapshot(self, trigger: Trigger, extra: dict) -> str | None:
+        spike = trigger == Trigger.GRAD_SPIKE
+        taken, cap = (self.spike_snapshots, self.max_spike_snapshots) if spike else (self.snapshots, self.max_snapshots)
+        if not spike:
+            self.last_snapshot = None
+        if len(taken) >= cap:
+            self._warn_once(f"cap:{spike}", f"not writing more than {cap} {'spike ' if spike else ''}snapshots for "
+                                            f"this run ({'max_spike_snapshots' if spike else 'max_snapshots'}); "
+                                            f"already wrote {taken}")
             return None
         try:
             path = self._write(trigger, extra)
         except Exception as e:  # noqa: BLE001 - never crash the training loop
             self.last_error = f"{type(e).__name__}: {e}"
-            self._warn(f"could not write a snapshot for the non-finite {trigger} at step {self.step_index}: "
-                       f"{self.last_error}")
+            self._warn_once(f"write:{type(e).__name__}", f"could not write a snapshot for the {_SAID[trigger]} at "
+                                                         f"step {self.step_index}: {self.last_error}")
             return None
-        self.snapshots.append(path)
-        self.last_snapshot = path
-        log.warning("nanreplay: non-finite %s at step %s; snapshot written to %s", trigger, self.step_index, path)
+        taken.append(path)
+        if not spike:
+            self.last_snapshot = path
+        micro = f" (micro-batch {self.micro_batch})" if self.micro_batch is not None else ""
+        log.warning("nanreplay: %s at step %s%s; snapshot written to %s", _SAID[trigger], self.step_index, micro, path)
         return path
 
-    def _warn(self, msg: str) -> None:
-        warnings.warn(f"nanreplay: {msg}", RuntimeWarning, stacklevel=4)
+    def _warn_once(self, key: str, msg: str) -> None:
+        """A warning and a log line, once per kind per run; never an exception (also under -W error)."""
+        if key in self._warned:
+            return
+        self._warned.add(key)
         log.warning("nanreplay: %s", msg)
+        try:
+            warnings.warn(f"nanreplay: {msg}", RuntimeWarning, stacklevel=4)
+        except Exception:  # noqa: BLE001, S110 - warnings turned into errors must not stop training
+            pass
 
-    def _write(self, trigger: str, extra: dict) -> str:
-        if self._state is None:
-            raise RuntimeError("no batch: call guard.begin(inputs, target) at the start of each step")
+    def _write(self, trigger: Trigger, extra: dict) -> str:
+        if not self._states:
+            raise GuardError("no batch: call guard.begin(inputs, target) at the start of each step")
         d = self.to_dict(trigger, extra)
         self.folder.mkdir(parents=True, exist_ok=True)
         rank = d["rank"]
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        base = f"nan_step{self.step_index:06d}" + (f"_rank{rank}" if rank is not None else "") + f"_{trigger}_{stamp}"
+        micro = f"_micro{d['micro_batch']}" if d.get("micro_batch") is not None else ""
+        base = (f"nan_step{self.step_index:06d}{micro}" + (f"_rank{rank}" if rank is not None else "")
+                + f"_{trigger}_{stamp}")
         for n in range(100):
             path = self.folder / (base + (f"_{n}" if n else "") + ".pt")
             try:
@@ -242,37 +332,58 @@ class NanGuard:
                 return str(path)
             except FileExistsError:
                 continue
-        raise RuntimeError(f"could not find a free file name for {base}.pt in {self.folder}")
+        raise GuardError(f"could not find a free file name for {base}.pt in {self.folder}")
+
+    def _forward_loss(self, st: snapshot.StepState):
+        if self.step_fn is not None:
+            return snapshot.step_forward(self.model, st.batch["batch"], self.step_fn)
+        return snapshot.loss_forward(self.model, st.batch["inputs"], st.batch["target"], self.loss_fn)
 
     def to_dict(self, trigger: str, extra: dict | None = None) -> dict:
         """The native snapshot dict for the current step (CPU copies; loads with weights_only=True)."""
-        extra = extra or {}
-        st = self._state
+        extra = dict(extra or {})
+        st = extra.pop("state", None) or self._states[-1]
         program, constants, why, seconds = None, {}, "recording was switched off (export=False)", 0.0
         if self.export:
-            forward, loss = snapshot.loss_forward(self.model, st.batch["inputs"], st.batch["target"], self.loss_fn)
-            program, constants, why, seconds = snapshot.record(self.model, st, forward, loss,
-                                                               self._autocast or None)
-        if "loss_value" not in extra:
-            extra = {**extra, "loss_value": _last(self.history, "loss")}
+            forward, loss = self._forward_loss(st)
+            program, constants, why, seconds = snapshot.record(self.model, st, forward, loss, self._autocast or None)
+            if program is None:
+                self.last_error = why
+                self._warn_once("record", f"the step could not be recorded as a program ({why}); analyzing its "
+                                          "snapshot will need the model's code (--model, or --trust for its factory)")
         notes = [f"recording the step took {seconds:.2f} s"] if program is not None else []
+        extra.setdefault("loss_value", self._row().get("loss"))
+        extra["micro_batch"] = st.micro_batch
+        if self._bad_ranks is not None:
+            extra["nonfinite_ranks"] = list(self._bad_ranks)
         return snapshot.build(model=self.model, wrapped=self.wrapped, state=st, trigger=trigger, step=self.step_index,
                               extra=extra, program=program, constants=constants, program_error=why,
-                              loss_fn=self.loss_fn, step_fn=None, optimizer=self.optimizer, scaler=self.scaler,
-                              autocast=self._autocast or None, history=list(self.history), factory=self.factory,
-                              notes=notes)
+                              loss_fn=self.loss_fn, step_fn=self.step_fn, optimizer=self.optimizer,
+                              scaler=self.scaler, autocast=self._autocast or None, history=list(self.history),
+                              factory=self.factory, notes=notes)
 
 
-def _last(history: deque, key: str) -> float | None:
-    return history[-1].get(key) if history else None
+# ------------------------------------------------------------------ small helpers
 
 
-def _total_norm(model: nn.Module) -> float:
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+def _rank() -> int | None:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+
+
+def _total_norm(model: nn.Module, dtype: torch.dtype = torch.float32) -> float:
+    """The global gradient norm; in float64 it cannot overflow for any finite float32/fp16/bf16 gradients."""
+    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
     if not grads:
         return 0.0
-    norms = torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads])
-    return float(torch.linalg.vector_norm(norms))
+    norms = ti.foreach_norm(grads, dtype)
+    return float(torch.linalg.vector_norm(torch.stack([n.to(dtype) for n in norms])))
+
+
+def _all_grads_finite(model: nn.Module) -> bool:
+    """Every gradient entry finite (False when there are no gradients to look at)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return bool(grads) and all(bool(torch.isfinite(g).all()) for g in grads)
 
 
 def _autocast_state(model: nn.Module) -> dict | None:
@@ -291,32 +402,23 @@ def _autocast_arg(autocast: dict | bool | None) -> dict | bool | None:
     return False if autocast is False else None
 
 
-def _inspect_graph(loss: torch.Tensor, model: nn.Module, limit: int = 20000) -> tuple[dict | None, list[str]]:
-    """Walk the autograd graph behind `loss` once (first step only).
-
-    Returns the autocast setting the forward evidently ran under — ops that saved
-    fp16/bf16 tensors while the weights are fp32, i.e. loss_ok() was called outside
-    the autocast block — and the custom autograd.Functions the graph holds (their
-    hand-written backward does not survive torch.export).
-    """
+def _saved_low_precision(loss: torch.Tensor, model: nn.Module, limit: int = 20000) -> dict | None:
+    """The autocast the forward evidently ran under: ops that saved fp16/bf16 tensors while the weights are
+    fp32 (loss_ok() was called after the autocast block). Walks the autograd graph once, first step only."""
     p = next(model.parameters(), None)
-    check_dtype = p is not None and p.dtype == torch.float32
-    autocast, custom = None, []
-    seen, todo = set(), [loss.grad_fn]
-    while todo and len(seen) < limit:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        todo.extend(n for n, _ in node.next_functions)
-        if ti.is_custom_function_node(node):
-            name = type(node).__name__.removesuffix("Backward")
-            if name not in custom:
-                custom.append(name)
-        if autocast is not None or not check_dtype:
-            continue
-        for v in ti.saved_tensors_of(node):
-            if v.dtype in (torch.float16, torch.bfloat16):
-                autocast = {"device_type": v.device.type, "dtype": str(v.dtype).removeprefix("torch."), "enabled": True}
-                break
-    return autocast, custom
+    if p is None or p.dtype != torch.float32 or loss.grad_fn is None:
+        return None
+    try:
+        seen, todo = set(), [loss.grad_fn]
+        while todo and len(seen) < limit:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            todo.extend(n for n, _ in node.next_functions)
+            for v in ti.saved_tensors_of(node):
+                if v.dtype in (torch.float16, torch.bfloat16):
+                    return {"device_type": v.device.type, "dtype": str(v.dtype).removeprefix("torch."), "enabled": True}
+    except Exception as e:  # noqa: BLE001 - an observer must never break the training step
+        log.debug("nanreplay: could not inspect the autograd graph: %s", e)
+    return None

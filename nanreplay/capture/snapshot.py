@@ -56,6 +56,7 @@ class StepState:
     batch: Any  # {"inputs": ..., "target": ...} or {"batch": ...}
     rng: dict
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> copy, for buffers forward mutates
+    micro_batch: int | None = None
 
 
 class BufferWatch:
@@ -206,6 +207,44 @@ def _autocast_on(ac: dict) -> bool:
         return False
 
 
+def first_nonfinite_micro_batch(model: nn.Module, states: list[StepState], forward_loss: Callable,
+                                autocast: dict | None) -> StepState | None:
+    """Run forward and backward of each micro-batch again, alone, from its begin() state; the first whose
+    own gradient is non-finite. The live gradients, buffers and RNG are left exactly as they were."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    saved = [p.grad for p in params]
+    live_rng = torch.get_rng_state()
+    bufs = dict(model.named_buffers())
+    with torch.no_grad():
+        live_bufs = {n: b.detach().clone() for n, b in bufs.items()}
+    try:
+        for st in states:
+            for p in params:
+                p.grad = None
+            with torch.no_grad():
+                for n, b in st.buffers.items():
+                    if n in bufs:
+                        bufs[n].copy_(b)
+            if st.rng.get("cpu") is not None:
+                torch.set_rng_state(st.rng["cpu"])
+            forward, loss = forward_loss(st)
+            ctx = torch.autocast(**_autocast_kwargs(autocast)) if autocast and not _autocast_on(autocast) \
+                else _nullcontext()
+            with ctx:
+                value = loss(forward())
+            value.backward()
+            if not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None):
+                return st
+        return None
+    finally:
+        for p, g in zip(params, saved, strict=True):
+            p.grad = g
+        torch.set_rng_state(live_rng)
+        with torch.no_grad():
+            for n, b in live_bufs.items():
+                bufs[n].copy_(b)
+
+
 def loss_forward(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable | None):
     """(forward, loss) callables for the classic `loss_fn(model(inputs), target)` step."""
     return (lambda: call_model(model, inputs)), (lambda out: compute_loss(out, target, loss_fn))
@@ -246,6 +285,8 @@ def build(*, model: nn.Module, wrapped: nn.Module, state: StepState, trigger: st
         "trigger": str(trigger),
         "step": step,
         "micro_batch": extra.get("micro_batch"),
+        "nonfinite_ranks": extra.get("nonfinite_ranks"),
+        "spike_median": extra.get("spike_median"),
         "rank": rank,
         "world_size": world,
         "loss_value": extra.get("loss_value"),

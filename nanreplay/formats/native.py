@@ -45,7 +45,8 @@ _RNG = S.record({"cpu": S.optional(S.tensor((torch.uint8,), 1)),
                  "cuda": S.optional(S.list_of(S.tensor((torch.uint8,), 1), 1024))})
 _HISTORY_ROW = S.record({"step": S.optional(S.integer()), "micro_batch": S.optional(S.integer()),
                          "loss": S.optional(S.number), "grad_norm": S.optional(S.number),
-                         "lr": S.optional(S.number), "scale": S.optional(S.number)})
+                         "lr": S.optional(S.number), "scale": S.optional(S.number),
+                         "overflow": S.optional(S.boolean)})
 _MODEL = S.record({"class": S.optional(S.string(500)), "factory": S.optional(S.string(500)),
                    "factory_source": S.optional(S.string(200))})
 _LOSS_SPEC = S.record({"kind": S.one_of("output", "functional", "module", "callable", "unknown", "step_fn"),
@@ -62,7 +63,9 @@ FIELDS_V2: dict[str, S.Checker] = {
     "trigger": S.optional(S.one_of(*[t.value for t in Trigger])),
     "step": S.optional(S.integer()), "micro_batch": S.optional(S.integer(0)),
     "rank": S.optional(S.integer(0, 10**7)), "world_size": S.optional(S.integer(1, 10**7)),
+    "nonfinite_ranks": S.optional(S.list_of(S.integer(0, 10**7), 100_000)),
     "loss_value": S.optional(S.number), "grad_norm": S.optional(S.number), "grad_scale": S.optional(S.number),
+    "spike_median": S.optional(S.number),
     "batch": S.record({"inputs": S.batch_tree, "target": S.batch_tree, "batch": S.batch_tree}),
     "state": S.dict_of(S.tensor()), "parameters": S.list_of(S.string(1000)),
     "aliases": S.optional(S.dict_of(S.string(1000))), "model_training": S.optional(S.boolean),
@@ -111,16 +114,16 @@ def parse(path: str, d: dict) -> Snapshot:
         unknown = [n for n in clean["parameters"] if n not in state]
         if unknown:
             raise SnapshotError(f"{path}: damaged native snapshot: parameters names {unknown[0]!r}, which state lacks")
-        aliases = clean["aliases"] or {}
+        aliases = clean.get("aliases") or {}
         bad = [a for a, t in aliases.items() if t not in state or a in state]
         if bad:
             raise SnapshotError(f"{path}: damaged native snapshot: alias {bad[0]!r} does not name a stored tensor")
         state = {**state, **{a: state[t] for a, t in aliases.items()}}  # tied names, for eager models (--model)
-    inputs, target = (batch["batch"], None) if batch.get("batch") is not None else (batch["inputs"], batch["target"])
+    inputs, target = (batch["batch"], None) if "batch" in batch else (batch.get("inputs"), batch.get("target"))
     return Snapshot(path=path, format="native", inputs=inputs, target=target, state=state,
-                    keys={"inputs": "inputs", "target": "target"}, raw=clean, step=clean["step"], rank=clean["rank"],
-                    world_size=clean["world_size"], trigger=clean["trigger"], history=list(clean["history"] or []),
-                    created=clean["created"])
+                    keys={"inputs": "inputs", "target": "target"}, raw=clean, step=clean.get("step"),
+                    rank=clean.get("rank"), world_size=clean.get("world_size"), trigger=clean.get("trigger"),
+                    history=list(clean.get("history") or []), created=clean.get("created"))
 
 
 def _prepare(d: dict):
@@ -196,7 +199,7 @@ def _program_subject(snap: Snapshot, dev: torch.device, max_memory: int | None, 
     d = snap.raw
     program = decode(d["step_program"])
     constants = d.get("constants") or {}
-    step_fn = d["batch"].get("batch") is not None
+    step_fn = "batch" in d["batch"]
     batch = {"batch": snap.inputs} if step_fn else {"inputs": snap.inputs, "target": snap.target}
     module = StepModule(program, snap.state, d["parameters"], d.get("aliases") or {}, constants, step_fn=step_fn)
     leaf_meta = {}
@@ -240,6 +243,7 @@ def describe(snap: Snapshot) -> dict:
                 loss_spec={k: v for k, v in (raw.get("loss_spec") or {}).items() if k != "kwargs" and v is not None},
                 autocast=raw.get("autocast"), grad_scale=raw.get("grad_scale"), micro_batch=raw.get("micro_batch"),
                 nanreplay_version=raw.get("nanreplay_version"), format_version=raw.get("version"),
+                nonfinite_ranks=raw.get("nonfinite_ranks"), spike_median=raw.get("spike_median"),
                 notes=raw.get("notes") or [])
 
 

@@ -125,7 +125,8 @@ def dict_of(check: Checker, key: Checker | None = None, limit: int = MAX_ITEMS) 
 
 
 def record(fields: dict[str, Checker], *, required: tuple[str, ...] = (), extra: bool = True) -> Checker:
-    """A dict with named fields; unknown keys are kept out (or refused with extra=False)."""
+    """A dict with named fields (those present; a missing optional field stays missing); unknown keys are
+    kept out (or refused with extra=False)."""
     def fn(v, where):
         if not isinstance(v, dict):
             raise SchemaError(f"{where} must be a dict, not {_what(v)}")
@@ -136,7 +137,7 @@ def record(fields: dict[str, Checker], *, required: tuple[str, ...] = (), extra:
             unknown = [k for k in v if k not in fields]
             if unknown:
                 raise SchemaError(f"{where} has unknown field {str(unknown[0])[:40]!r}")
-        return {k: check(v.get(k), f"{where}.{k}" if where else k) for k, check in fields.items()}
+        return {k: check(v.get(k), f"{where}.{k}" if where else k) for k, check in fields.items() if k in v}
     return fn
 
 
