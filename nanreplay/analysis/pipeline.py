@@ -6,6 +6,7 @@ diagnose — and returns data. Printing and rendering are the caller's business.
 
 from __future__ import annotations
 
+import inspect
 import platform
 import time
 from pathlib import Path
@@ -22,11 +23,15 @@ from nanreplay.replay.subject import Subject, batch_tensors
 
 
 def analyze(path: str | Path, *, model: str | None = None, loss: str | None = None, device: str | None = None,
-            trust: bool = False, verify: bool = True) -> Analysis:
-    """Analyze one snapshot file. Raises NanReplayError subclasses for bad input."""
+            trust: bool = False, verify: bool = True, max_memory: int | None = None) -> Analysis:
+    """Analyze one snapshot file. Raises NanReplayError subclasses for bad input.
+
+    `max_memory` (bytes, None: no limit): a snapshot that would need more is refused (LimitError).
+    """
     t0 = time.perf_counter()
-    snap = formats.load(path, trust=trust)
-    subject = formats.rebuild(snap, model=model, loss=loss, device=device, trust=trust)
+    snap = formats.load(path, trust=trust, max_memory=max_memory)
+    limit = {"max_memory": max_memory} if max_memory is not None and _accepts(formats.rebuild, "max_memory") else {}
+    subject = formats.rebuild(snap, model=model, loss=loss, device=device, trust=trust, **limit)
     t_load = time.perf_counter()
     result = Analysis(snapshot=str(path), verdict="not_reproduced", model=_model_info(subject),
                       environment=_environment(subject), snapshot_info=_snapshot_info(snap),
@@ -83,6 +88,15 @@ def analyze(path: str | Path, *, model: str | None = None, loss: str | None = No
                     "precision": t_end - t_diag, "total": t_end - t0},
     }
     return result
+
+
+def _accepts(fn, name: str) -> bool:
+    """Whether `fn` takes the keyword `name` (a format's rebuild may or may not bound its memory)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _step_dtype(subject: Subject) -> str:

@@ -85,6 +85,7 @@ class NanGuard:
             raise ValueError("on_nonfinite must be 'return' or 'raise'")
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.folder = Path(folder)
+        atomic.clean_stale_temps(self.folder, "nan_step")  # temp files of writes killed midway (kill -9)
         self.factory = factory
         self.export = export
         self.max_snapshots = max_snapshots
