@@ -71,7 +71,8 @@ def write_with(path: str | os.PathLike, write: Callable[[IO[bytes]], None], *, o
     A `path` that exists and is not a regular file is never replaced (SpecialFileError).
     """
     p = Path(path)
-    check_replaceable(p)
+    if overwrite:
+        check_replaceable(p)
     fd, tmp = _temp_file(p.parent if str(p.parent) else Path("."), p.name)
     try:
         with os.fdopen(fd, "wb") as f:

@@ -61,6 +61,8 @@ def write(p: Plan) -> Result:
         atomic.write_text(p.outdir / "index.html", render_index(doc))
     except OSError as e:
         raise UsageError(f"{p.outdir}: cannot write the triage outputs: {e.strerror or e}") from None
+    finally:
+        p.release()
     return Result(rows=rows, groups=groups, failures=failures, ranks=ranks, summary=summary,
                   index=p.outdir / "index.html", counts=counts)
 

@@ -325,3 +325,16 @@ def test_a_planted_jinja2_next_to_the_snapshot_never_runs(tmp_path, how):
     assert res.returncode == 0, res.stderr[-3000:]
     assert not (tmp_path / "PLANTED_MODULE_RAN").exists()
     assert "LogBackward0" in (tmp_path / "r.html").read_text() or "log" in (tmp_path / "r.html").read_text()
+
+
+def test_the_readme_lists_the_limits_and_their_flags():
+    from samples import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    para = readme.split("Bad input — ", 1)[1].split("## Triage", 1)[0]
+    for needle in ("exit\ncode 2", "exit code 1", "--max-memory SIZE", "--timeout SECONDS", "/dev/null", "symlink",
+                   "FIFO", "zip bomb", "SIGBUS", "jinja2.py", "[U+202E]", "ellipsis"):
+        assert needle in para, needle
+    for cmd in ("analyze", "triage"):
+        help_text = CliRunner().invoke(main, [cmd, "--help"]).output
+        assert "--max-memory" in help_text and "--timeout" in help_text
