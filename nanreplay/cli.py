@@ -12,13 +12,33 @@ from pathlib import Path
 
 import click
 
-from nanreplay import __version__, atomic
-from nanreplay.errors import NanReplayError, UsageError
+from nanreplay import __version__, atomic, limits, outputs
+from nanreplay.errors import NanReplayError, OutputError, TimeLimitError
+from nanreplay.sanitize import one_line
 
 
 def _fail(e: NanReplayError) -> None:
-    click.echo(f"nanreplay: error: {e}", err=True)
+    # The message may quote a snapshot (a module name, a path, an error it recorded): escaped, one line.
+    click.echo(f"nanreplay: error: {one_line(str(e))}", err=True)
     sys.exit(e.exit_code)
+
+
+class Size(click.ParamType):
+    """`--max-memory 8G`: a size in bytes (binary units)."""
+
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        try:
+            return limits.parse_size(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+_MAX_MEMORY_HELP = ("Refuse a snapshot whose data or replay would need more memory than SIZE (e.g. 8G, 512M) "
+                    "[default: 60% of the memory available now]")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -36,7 +56,8 @@ def main() -> None:
               help="Loss: a torch.nn.functional name (cross_entropy, mse_loss, ...) or MODULE:CALLABLE taking "
                    "(output, target). Without it a scalar model output is the loss.")
 @click.option("-o", "--output", "report", metavar="REPORT.html",
-              help="Where to write the HTML report [default: ./<snapshot-stem>.nanreplay.html].")
+              help="Where to write the HTML report ('-' for stdout) [default: ./<snapshot-stem>.nanreplay.html]. "
+                   "Only a regular file is ever replaced.")
 @click.option("--json", "json_path", metavar="PATH|-", help="Also write the analysis as JSON ('-' for stdout).")
 @click.option("--device", metavar="DEV", help="Device to replay on (cpu, cuda, cuda:1) [default: cpu].")
 @click.option("--trust", is_flag=True,
@@ -46,28 +67,44 @@ def main() -> None:
 @click.option("--source", "source", multiple=True, metavar="DIR", type=click.Path(file_okay=False),
               help="Folder whose .py files may be read to show and rewrite the lines a snapshot recorded (only "
                    "where the file's line matches the recorded code) [default: the current folder]. Repeatable.")
+@click.option("--timeout", type=click.FloatRange(min=0), default=0, metavar="SECONDS",
+              help="Give up after SECONDS (exit code 1, no output written) [default: 0, no limit].")
+@click.option("--max-memory", type=Size(), metavar="SIZE", help=_MAX_MEMORY_HELP)
 def analyze(snapshot: str, model: str | None, loss: str | None, report: str | None, json_path: str | None,
-            device: str | None, trust: bool, no_verify: bool, source: tuple[str, ...]) -> None:
+            device: str | None, trust: bool, no_verify: bool, source: tuple[str, ...], timeout: float,
+            max_memory: int | None) -> None:
     """Replay SNAPSHOT, name the op that broke the step, explain it and suggest a verified fix."""
     from nanreplay import analysis as analysis_mod
     from nanreplay import report as report_mod
+    from nanreplay.formats.rebuild import parse_device
 
     try:
-        report_path = _output_path(report or f"{Path(snapshot).stem}.nanreplay.html", snapshot)
-        json_dest = _output_path(json_path, snapshot) if json_path and json_path != "-" else json_path
-        result = analysis_mod.analyze(snapshot, model=model, loss=loss, device=device, trust=trust,
-                                      verify=not no_verify, source=list(source) if source else None)
-        report_mod.write_report(result, report_path)
-        if json_dest:
-            text = json.dumps(result.to_json(), indent=2, allow_nan=False)
-            if json_dest == "-":
-                click.echo(text)
-            else:
-                write_atomic(json_dest, text)
+        report_path = outputs.output_path(report or f"{Path(snapshot).stem}.nanreplay.html", inputs=[snapshot])
+        json_dest = outputs.output_path(json_path, inputs=[snapshot], option="--json") if json_path else None
+        outputs.distinct(("-o", report_path), *([("--json", json_dest)] if json_path else []))
+        parse_device(device)  # a device this machine lacks: one line now, not a traceback later
+        message = f"nanreplay: error: {one_line(snapshot)}: no result after {timeout:g} s (--timeout)"
+        with limits.time_limit(timeout, message):
+            result = analysis_mod.analyze(snapshot, model=model, loss=loss, device=device, trust=trust,
+                                          verify=not no_verify, max_memory=max_memory or limits.default_max_memory(),
+                                          source=list(source) if source else None)
+            html = report_mod.render_html(result)
+            text = json.dumps(result.to_json(), indent=2, allow_nan=False) if json_path else None
+        if report_path is not None:
+            write_atomic(report_path, html, "the report")
+        if text is not None and json_dest is not None:
+            write_atomic(json_dest, text, "the JSON")
+    except limits.DeadlineExceeded:
+        _fail(TimeLimitError(f"{snapshot}: no result after {timeout:g} s (--timeout); nothing was written"))
     except NanReplayError as e:
         _fail(e)
-    summary = report_mod.terminal_summary(result, report_path)
-    click.echo(summary, err=json_dest == "-")
+    if report_path is None:
+        click.echo(html)
+    if text is not None and json_dest is None:
+        click.echo(text)
+    to_stdout = report_path is None or (json_path is not None and json_dest is None)
+    summary = report_mod.terminal_summary(result, report_path or "(stdout)")
+    click.echo(summary, err=to_stdout)
 
 
 @main.command()
@@ -87,8 +124,12 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
               help="Per-snapshot limit; a replay that runs longer is killed and listed as timed out (0: none).")
 @click.option("--no-cache", is_flag=True, help="Re-analyze every snapshot, ignoring results stored in OUTDIR.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar and no per-failure lines; only the summary.")
+@click.option("--max-memory", type=Size(), metavar="SIZE",
+              help="Per snapshot: refuse one whose data or replay would need more memory than SIZE (e.g. 8G) "
+                   "[default: 60% of the memory available now, shared among the workers].")
 def triage(directory: str, outdir: str | None, jobs: int | None, model: str | None, loss: str | None, trust: bool,
-           device: str | None, no_verify: bool, recursive: bool, timeout: float, no_cache: bool, quiet: bool) -> None:
+           device: str | None, no_verify: bool, recursive: bool, timeout: float, no_cache: bool, quiet: bool,
+           max_memory: int | None) -> None:
     """Analyze every snapshot in DIR in parallel and group them by root cause.
 
     Exit code 0 when every snapshot was analyzed, 1 when any could not be (they are
@@ -96,12 +137,20 @@ def triage(directory: str, outdir: str | None, jobs: int | None, model: str | No
     """
     from nanreplay import triage as triage_mod
 
+    plan = None
     try:
+        if device and device != "cpu":  # torch only when a device must be checked: the parent stays light
+            from nanreplay.formats.rebuild import parse_device
+
+            parse_device(device)
+        workers = jobs or triage_mod.default_jobs()
+        # Each worker analyzes one snapshot at a time: by default they share the machine's memory.
+        per_snapshot = max_memory or max(1 << 20, limits.default_max_memory() // workers)
         plan = triage_mod.plan(directory, outdir or triage_mod.default_outdir(directory),
                                options=triage_mod.Options(model=model, loss=loss, trust=trust, device=device,
-                                                          verify=not no_verify),
+                                                          verify=not no_verify, max_memory=per_snapshot),
                                recursive=recursive, use_cache=not no_cache)
-        run = dict(jobs=jobs or triage_mod.default_jobs(), timeout=timeout or None)
+        run = dict(jobs=workers, timeout=timeout or None)
         if plan.todo and not quiet and sys.stderr.isatty():
             with click.progressbar(length=len(plan.todo), label="analyzing", file=sys.stderr) as bar:
                 triage_mod.analyze(plan, progress=bar.update, **run)
@@ -110,35 +159,32 @@ def triage(directory: str, outdir: str | None, jobs: int | None, model: str | No
         result = triage_mod.write(plan)
     except NanReplayError as e:
         _fail(e)
+    finally:
+        if plan is not None:
+            plan.release()
     if not quiet:
-        for f in result.failures:
-            click.echo(f"nanreplay: {f['file']}: {f['label']}: {f['reason']}", err=True)
-    click.echo(f"nanreplay: {result.summary}; index: {result.index}")
+        for f in result.failures:  # file names and reasons come from the snapshots: escaped, one line each
+            click.echo(f"nanreplay: {one_line(f['file'], 300)}: {f['label']}: {one_line(f['reason'])}", err=True)
+    click.echo(f"nanreplay: {result.summary}; index: {one_line(result.index)}")
     sys.exit(result.exit_code)
 
 
-def _output_path(path: str, snapshot: str) -> str:
-    """Validate an output path: never the snapshot itself, and its folder must exist."""
-    p = Path(path)
-    try:
-        if p.exists() and Path(snapshot).exists() and p.resolve() == Path(snapshot).resolve():
-            raise UsageError(f"{path}: refusing to overwrite the snapshot itself with a report")
-    except OSError:
-        pass
-    parent = p.parent if str(p.parent) else Path(".")
-    if not parent.is_dir():
-        raise UsageError(f"{path}: folder {str(parent)!r} does not exist")
-    if p.is_dir():
-        raise UsageError(f"{path}: is a directory; give a file name")
-    return str(p)
-
-
-def write_atomic(path: str, text: str) -> None:
+def write_atomic(path: str, text: str, what: str = "the output") -> None:
     try:
         atomic.write_text(path, text)
     except OSError as e:
-        raise UsageError(f"{path}: cannot write: {e.strerror or e}") from None
+        raise OutputError(f"{path}: cannot write {what}: {e.strerror or e}") from None
+
+
+def _demote_cwd() -> None:
+    """`python -m nanreplay.cli` puts the current folder first on sys.path: move it last, so that a file there
+    (a planted `jinja2.py`) cannot shadow an installed package. `--model mymodel:build` still finds `mymodel.py`."""
+    import os
+
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        sys.path.append(sys.path.pop(0))
 
 
 if __name__ == "__main__":  # pragma: no cover
+    _demote_cwd()
     main()

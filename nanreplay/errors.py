@@ -8,8 +8,10 @@ that escapes is a bug in nanreplay and keeps its traceback.
     │   ├── SnapshotError          the file is not a readable, valid snapshot
     │   ├── TrustError             the snapshot names code and --trust was not given
     │   ├── ModelError             the model / loss / state cannot be rebuilt for this snapshot
-    │   └── OutputError            an output path that must not or cannot be written
+    │   ├── OutputError            an output path that must not or cannot be written
+    │   └── LimitError             the snapshot needs more memory than --max-memory allows
     ├── ReplayError                exit 1: the inputs were fine, the replay itself failed
+    ├── TimeLimitError             exit 1: the analysis ran past --timeout
     ├── GuardError                 training side: the guard was used in a way that cannot work
     ├── NonFiniteStep              training side: raised by NanGuard(on_nonfinite="raise")
     └── PoolError                  triage: the worker pool itself failed
@@ -46,8 +48,18 @@ class OutputError(UsageError):
     """An output path that nanreplay must not or cannot write."""
 
 
+class LimitError(UsageError):
+    """The snapshot would need more memory than the limit allows (`--max-memory`); the message names the flag."""
+
+
 class ReplayError(NanReplayError):
     """The inputs were fine but the replay itself failed."""
+
+    exit_code = 1
+
+
+class TimeLimitError(NanReplayError):
+    """The analysis ran past its time limit (`--timeout`)."""
 
     exit_code = 1
 

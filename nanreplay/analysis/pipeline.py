@@ -30,7 +30,8 @@ def analyze(path: str | Path, *, model: str | None = None, loss: str | None = No
 
     `source`: folders whose .py files may be read to show and rewrite lines the snapshot recorded
     (default: the current folder; a file is used only where its line matches the recorded code).
-    `max_memory`: refuse a replay whose bounded peak memory is larger (bytes).
+    `max_memory` (bytes, None: no limit): a snapshot, or a replay whose peak memory is bounded from
+    its step program, that would need more is refused (LimitError).
     """
     roots = tuple(os.path.abspath(d) for d in source) if source is not None else (os.getcwd(),)
     token = replay.SOURCE_ROOTS.set(roots)
@@ -43,7 +44,7 @@ def analyze(path: str | Path, *, model: str | None = None, loss: str | None = No
 
 def _analyze(path, *, model, loss, device, trust, verify, max_memory, source) -> Analysis:
     t0 = time.perf_counter()
-    snap = formats.load(path, trust=trust)
+    snap = formats.load(path, trust=trust, max_memory=max_memory)
     subject = formats.rebuild(snap, model=model, loss=loss, device=device, trust=trust, max_memory=max_memory)
     t_load = time.perf_counter()
     result = Analysis(snapshot=str(path), verdict=Verdict.NOT_REPRODUCED, model=_model_info(subject),

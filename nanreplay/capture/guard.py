@@ -103,6 +103,7 @@ class NanGuard:
         self.model = snapshot.unwrap(model)  # the user's own module: what a snapshot records
         self.optimizer, self.loss_fn, self.step_fn = optimizer, loss_fn, step_fn
         self.folder = Path(folder)
+        atomic.clean_stale_temps(self.folder, "nan_step")  # temp files of writes killed midway (kill -9)
         self.factory, self.export = factory, export
         self.max_snapshots, self.max_spike_snapshots = max_snapshots, max_spike_snapshots
         self.spike_factor, self.spike_window = spike_factor, spike_window

@@ -23,9 +23,9 @@ _BY_NAME = {f.name: f for f in FORMATS}
 __all__ = ["FORMATS", "Format", "Snapshot", "describe", "load", "read_file", "rebuild"]
 
 
-def load(path: str | Path, *, trust: bool = False) -> Snapshot:
-    """Read and normalise a snapshot file of any supported format."""
-    obj = read_file(path, trust=trust)
+def load(path: str | Path, *, trust: bool = False, max_memory: int | None = None) -> Snapshot:
+    """Read and normalise a snapshot file of any supported format (`max_memory`: see `read_file`)."""
+    obj = read_file(path, trust=trust, max_memory=max_memory)
     if not isinstance(obj, dict):
         raise SnapshotError(f"{path}: not a snapshot: the file holds a {type(obj).__name__}, expected a dict")
     for fmt in FORMATS:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from nanreplay.enums import Trigger
-from nanreplay.errors import ModelError, SnapshotError, TrustError, UsageError
+from nanreplay.errors import LimitError, ModelError, SnapshotError, TrustError, UsageError
 from nanreplay.formats import schema as S
 from nanreplay.formats.base import Format, Snapshot
 from nanreplay.formats.loss_spec import loss_from_spec, loss_label
@@ -215,7 +215,7 @@ def _program_subject(snap: Snapshot, dev: torch.device, max_memory: int | None, 
         leaf_meta[lf.ref] = (lf.shape, t.dtype)
     bound = dry_run(program, leaf_meta)
     if max_memory is not None and bound > max_memory:
-        raise UsageError(f"{snap.path}: replaying this step needs about {_gb(bound)} (bounded from the step "
+        raise LimitError(f"{snap.path}: replaying this step needs about {_gb(bound)} (bounded from the step "
                          f"program's shapes), more than --max-memory {_gb(max_memory)}; raise the limit if this "
                          "machine has the memory")
     module.train(bool(d.get("model_training", True)))

@@ -2,37 +2,54 @@
 
 Loading never runs code from the file. A file that needs more (a pickled module, a
 custom class) is refused with a message that says how to opt in (`--trust`).
+
+Loading never memory-maps the file: a file truncated while it is being analyzed
+would kill the process with SIGBUS. Before torch.load sees a file, its size is checked:
+only regular files, no bigger than the memory limit, and a zip archive whose entries
+declare no more data than the file can hold (torch.save never compresses; a "zip bomb"
+that would inflate to many times its size is refused).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import stat
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from nanreplay.errors import SnapshotError, TrustError, first_line
+from nanreplay.errors import LimitError, SnapshotError, TrustError, first_line
+from nanreplay.limits import format_size
 
 _ZIP_MAGIC = b"PK\x03\x04"
 # torch.save's legacy (pre-1.6) format starts with a protocol-2 pickle of this magic number.
 _LEGACY_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."
 
+# torch.save stores its entries uncompressed: what they declare fits in the file (plus this slack).
+_ZIP_SLACK = 1 << 20
 
-def read_file(path: str | Path, *, trust: bool = False) -> Any:
-    """torch.load a file safely, turning every failure into one clear line."""
+
+def read_file(path: str | Path, *, trust: bool = False, max_memory: int | None = None) -> Any:
+    """torch.load a file safely, turning every failure into one clear line.
+
+    `max_memory` (bytes): refuse a file whose data would need more (LimitError).
+    """
     p = Path(path)
     try:
-        st = p.stat()
+        st = os.stat(p)
         if stat.S_ISDIR(st.st_mode):
-            raise SnapshotError(f"{path}: is a directory (use `nanreplay triage DIR` for a folder)")
-        if not stat.S_ISREG(st.st_mode):  # a FIFO would block, a device would never end
-            raise SnapshotError(f"{path}: not a regular file (a device, FIFO or socket); a snapshot is a file")
+            raise IsADirectoryError
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block forever, a device never end
+            raise SnapshotError(f"{path}: not a regular file, not a snapshot")
         with p.open("rb") as f:
             head = f.read(len(_LEGACY_MAGIC))
     except FileNotFoundError:
         raise SnapshotError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise SnapshotError(f"{path}: is a directory (use `nanreplay triage DIR` for a folder)") from None
     except OSError as e:
         raise SnapshotError(f"{path}: cannot read: {e.strerror or e}") from None
     if not head:
@@ -41,8 +58,9 @@ def read_file(path: str | Path, *, trust: bool = False) -> Any:
     if not is_zip and not head.startswith(_LEGACY_MAGIC):
         kind = "a plain pickle" if head[:1] == b"\x80" else "not a torch.save file"
         raise SnapshotError(f"{path}: not a snapshot ({kind}; expected a file written by torch.save)")
+    check_size(path, st.st_size, is_zip=is_zip, max_memory=max_memory)
     try:
-        return torch.load(p, map_location="cpu", weights_only=True, mmap=is_zip)
+        return torch.load(p, map_location="cpu", weights_only=True, mmap=False)
     except Exception as e:  # noqa: BLE001 - torch.load raises many types; each becomes one line
         msg = str(e)
         if "Weights only load failed" not in msg:
@@ -61,6 +79,25 @@ def read_file(path: str | Path, *, trust: bool = False) -> Any:
         return torch.load(p, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001
         raise SnapshotError(f"{path}: cannot load snapshot even with --trust: {type(e).__name__}: {first_line(e)}") from None
+
+
+def check_size(path: str | Path, size: int, *, is_zip: bool, max_memory: int | None) -> None:
+    """Refuse a file that would need more memory than allowed, or a zip that declares more data than it holds."""
+    limit = f"the memory limit of {format_size(max_memory)} (raise it with --max-memory)" if max_memory else ""
+    if max_memory and size > max_memory:
+        raise LimitError(f"{path}: the file is {format_size(size)}, more than {limit}")
+    if not is_zip:
+        return
+    try:
+        with zipfile.ZipFile(path) as z:
+            declared = sum(max(0, i.file_size) for i in z.infolist())
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError):
+        return  # torch.load will say what is wrong with it, in its words
+    if declared > 2 * size + _ZIP_SLACK:
+        raise SnapshotError(f"{path}: refusing to load: the archive declares {format_size(declared)} of data in a "
+                            f"{format_size(size)} file (torch.save never compresses; a zip bomb?)")
+    if max_memory and declared > max_memory:
+        raise LimitError(f"{path}: the snapshot holds {format_size(declared)} of data, more than {limit}")
 
 
 def _needed_global(msg: str) -> str:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from nanreplay.errors import ModelError, UsageError
+from nanreplay.errors import ModelError, UsageError, first_line
 from nanreplay.formats.base import Snapshot
 from nanreplay.replay.subject import Subject, to_device
 
@@ -51,13 +52,42 @@ def load_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 
 def parse_device(spec: str | None) -> torch.device:
+    """The replay device: `cpu` [default], or one this machine has (`cuda`, `cuda:1`, `mps`, ...); else one line."""
     try:
-        dev = torch.device(spec or "cpu")
-    except (RuntimeError, ValueError) as e:
-        raise UsageError(f"--device {spec!r}: {e}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {spec!r}: CUDA is not available on this machine (use --device cpu)")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "'mkldnn' is no longer used as device type"
+            dev = torch.device(spec or "cpu")
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise UsageError(f"--device {spec!r}: {first_line(e)}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "meta":
+        raise UsageError(f"--device {spec!r}: meta tensors hold no values, so no step can be replayed on them "
+                         "(use --device cpu)")
+    if not _available(dev.type):
+        name = "CUDA" if dev.type == "cuda" else dev.type
+        raise UsageError(f"--device {spec!r}: {name} is not available on this machine (use --device cpu)")
+    count = getattr(getattr(torch, dev.type, None), "device_count", None)
+    n = _call(count) if callable(count) else None
+    if dev.index is not None and isinstance(n, int) and dev.index >= n:
+        raise UsageError(f"--device {spec!r}: this machine has {n} {dev.type} device{'s' if n != 1 else ''}"
+                         + (f" ({dev.type}:0 to {dev.type}:{n - 1})" if n else ""))
     return dev
+
+
+def _available(kind: str) -> bool:
+    """Whether torch can run on a device of this type here (False for every type torch has no backend for)."""
+    if kind == "mps":
+        return bool(_call(torch.backends.mps.is_available))
+    check = getattr(getattr(torch, kind, None), "is_available", None)
+    return callable(check) and bool(_call(check))
+
+
+def _call(fn: Callable) -> Any:
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - a backend that cannot even say is as good as absent
+        return None
 
 
 def eager_subject(snap: Snapshot, model: nn.Module, how: str, loss_fn: Callable | None, loss_name: str | None,

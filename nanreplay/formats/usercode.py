@@ -24,9 +24,7 @@ def resolve_callable(spec: str, what: str) -> Callable:
     mod_name, sep, attr = spec.partition(":")
     if not sep or not mod_name or not attr:
         raise ModelError(f"{what} {spec!r}: expected MODULE:NAME, e.g. mypkg.models:build")
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(0, cwd)  # like `python -m`: code next to where you run it is importable
+    make_cwd_importable()
     try:
         obj: Any = importlib.import_module(mod_name)
     except ModuleNotFoundError as e:
@@ -44,6 +42,18 @@ def resolve_callable(spec: str, what: str) -> Callable:
     if not callable(obj):
         raise ModelError(f"{what} {spec!r}: {attr!r} is a {type(obj).__name__}, not callable")
     return obj
+
+
+def make_cwd_importable() -> None:
+    """Let `--model mymodel:build` find `mymodel.py` next to where the command runs — without shadowing.
+
+    The folder goes at the *end* of sys.path: an installed package always wins over a
+    file of the same name there (a `jinja2.py` planted next to a snapshot must not run
+    when the report renders); only names nothing else provides resolve to it.
+    """
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
 
 
 def build_model(spec: str) -> nn.Module:

@@ -20,6 +20,9 @@ from nanreplay.errors import OutputError
 from nanreplay.report.format import TEMPLATE_GLOBALS
 from nanreplay.report.page import build_view
 from nanreplay.report.sources import gather_sources
+from nanreplay.sanitize import cap, cap_strings, html_visible
+
+TEMPLATE_LIMIT = 100_000  # characters of any one printed value (chart geometry is the longest legitimate one)
 
 
 def _template_dir() -> Path:
@@ -47,9 +50,19 @@ def jinja_env():
 
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(_template_dir())),
                              autoescape=True, undefined=jinja2.StrictUndefined,
-                             trim_blocks=True, lstrip_blocks=True)
+                             trim_blocks=True, lstrip_blocks=True, finalize=_visible)
     env.globals.update(TEMPLATE_GLOBALS)
     return env
+
+
+def _visible(value):
+    """Every value a template prints: a plain string gets bidi overrides made visible and a length cap
+    (a backstop: the analysis' own strings are capped tighter before the views are built)."""
+    from markupsafe import Markup
+
+    if isinstance(value, str) and not isinstance(value, Markup):
+        return cap(html_visible(value), TEMPLATE_LIMIT)
+    return value
 
 
 def render_html(a: Analysis | dict) -> str:
@@ -57,6 +70,7 @@ def render_html(a: Analysis | dict) -> str:
     from markupsafe import Markup
 
     d = a.to_json() if isinstance(a, Analysis) else a
+    d = cap_strings(d)  # a 2 MB string in a snapshot must not become a 91 MB page
     v = build_view(d, gather_sources(d))
     css, js = _asset("report.css"), _asset("report.js")
     # The page's own CSS and JS are trusted files shipped with nanreplay; inlined verbatim so their CSP hashes match.

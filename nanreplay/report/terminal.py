@@ -9,6 +9,7 @@ from __future__ import annotations
 from nanreplay.analysis.contract import Analysis
 from nanreplay.report.format import kind_text, module_label, where
 from nanreplay.report.views.banner import anomaly_short, banner, failure_text, loss_source_note
+from nanreplay.sanitize import one_line
 
 
 def terminal_summary(a: Analysis | dict, report_path: str | None) -> str:
@@ -49,4 +50,5 @@ def terminal_summary(a: Analysis | dict, report_path: str | None) -> str:
         lines.append(f"  anomaly  set_detect_anomaly {am}")
     if report_path:
         lines.append(f"  report   {report_path}")
-    return "\n".join(lines)
+    # Module names, paths, code and messages come from the snapshot: each line escaped and capped.
+    return "\n".join(one_line(ln) for ln in lines)

@@ -2,15 +2,18 @@
 
 A pipeline of plain functions that the CLI calls in turn:
 
-    plan()     find the snapshot files, hash them, reuse cached results, name the outputs   (plan.py, cache.py)
+    plan()     lock OUTDIR, find the snapshot files, hash them (files over 64 MiB: in the workers),
+               reuse cached results, name the outputs                            (plan.py, cache.py, lock.py)
     analyze()  analyze the rest in a WorkerPool; each worker writes <name>.html and <name>.json
                (parallel.py in the parent, worker.py in the workers, workpool.py the pool)
-    write()    group the rows; write groups.json, summary.csv, index.html and the cache
+    write()    group the rows; write groups.json, summary.csv, index.html and the cache; unlock
                (groups.py, output.py, index.py)
 
 A snapshot that cannot be analyzed (unreadable, hostile, no model for it, a replay that
-raises or hangs) becomes a failed row with a one-line reason (rows.py); it never stops the
-run. Input files are only ever read: everything is written inside OUTDIR, which may not be DIR.
+raises or hangs) becomes a failed row with a one-line reason (rows.py); a field of the wrong type
+(a string `step`) becomes an empty cell; neither stops the run. Input files are only ever read:
+everything is written inside OUTDIR, which may not be DIR, and only what an earlier triage of the
+same DIR wrote is ever deleted there.
 
 The package stays light to import (no torch, pandas or jinja2 at the top): the parent
 process never needs torch, and the workers import it once, not per snapshot.

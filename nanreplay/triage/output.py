@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,8 +14,8 @@ from nanreplay.errors import UsageError
 from nanreplay.triage.cache import save_cache
 from nanreplay.triage.groups import build_groups, build_ranks
 from nanreplay.triage.index import render_index
-from nanreplay.triage.plan import Plan
-from nanreplay.triage.rows import COLUMNS, FAILURES
+from nanreplay.triage.plan import Plan, mark_duplicates
+from nanreplay.triage.rows import COLUMNS, FAILURES, INT_COLUMNS, as_int
 
 SCHEMA = "nanreplay.triage/1"  # groups.json
 
@@ -35,6 +37,7 @@ class Result:
 
 def write(p: Plan) -> Result:
     """Group the rows and write groups.json, summary.csv and index.html (all atomically)."""
+    mark_duplicates(p.items)  # workers hashed the big files: now every hash is known
     rows = [it.row for it in p.items if it.row is not None]
     groups = build_groups(rows)
     failures = [{"file": r["file"], "failure": r["failure"], "label": FAILURES.get(r["failure"], r["failure"]),
@@ -47,7 +50,7 @@ def write(p: Plan) -> Result:
     summary = summary_line(counts, groups)
     _remove_stale_outputs(p)
     p.old_cache = {}  # cleaned up: the cache now holds only what this run has
-    save_cache(p.outdir, p.items, p.old_cache)
+    save_cache(p.outdir, p.items, p.old_cache, p.dir)
     doc = {"schema": SCHEMA, "nanreplay_version": __version__, "dir": str(p.dir),
            "options": {"model": p.options.model, "loss": p.options.loss, "trust": p.options.trust},
            "summary": summary, "counts": counts, "groups": groups, "failures": failures, "ranks": ranks,
@@ -58,6 +61,8 @@ def write(p: Plan) -> Result:
         atomic.write_text(p.outdir / "index.html", render_index(doc))
     except OSError as e:
         raise UsageError(f"{p.outdir}: cannot write the triage outputs: {e.strerror or e}") from None
+    finally:
+        p.release()
     return Result(rows=rows, groups=groups, failures=failures, ranks=ranks, summary=summary,
                   index=p.outdir / "index.html", counts=counts)
 
@@ -85,8 +90,8 @@ def summary_csv(rows: list[dict]) -> str:
     import pandas as pd
 
     df = pd.DataFrame(rows, columns=COLUMNS)
-    for col in ("step", "rank", "world_size", "source_line"):  # integers with gaps: not 12.0
-        df[col] = df[col].astype("Int64")
+    for col in sorted(INT_COLUMNS):  # integers with gaps: not 12.0; anything else (a string step) stays empty
+        df[col] = pd.array([as_int(r.get(col)) for r in rows], dtype="Int64")  # from the rows: df made them floats
     # A cell a spreadsheet would read as a formula (=, +, -, @) is quoted: file names and code come
     # from the snapshots, and a CSV must not run anything when opened.
     for col in df.columns:
@@ -96,11 +101,21 @@ def summary_csv(rows: list[dict]) -> str:
 
 
 def _remove_stale_outputs(p: Plan) -> None:
-    """Delete reports this tool wrote earlier that no current snapshot owns (only ever in OUTDIR)."""
+    """Delete reports an earlier triage of this same DIR wrote that no current snapshot owns.
+
+    Only names the cache of this DIR recorded (plan() refuses an OUTDIR that holds another DIR's
+    triage), only in OUTDIR, and only regular files: nothing this tool did not write is deleted.
+    """
     live = {it.name for it in p.items if it.row is not None and it.row["status"] == "analyzed"}
     for entry in p.old_cache.values():
         name = entry.get("name")
-        if not name or name in live or "/" in name or name.startswith("."):
+        if not isinstance(name, str) or not name or name in live or "/" in name or "\\" in name \
+                or name.startswith("."):
             continue
         for suffix in ("html", "json"):
-            (p.outdir / f"{name}.{suffix}").unlink(missing_ok=True)
+            f = p.outdir / f"{name}.{suffix}"
+            try:
+                if stat.S_ISREG(os.lstat(f).st_mode):
+                    f.unlink()
+            except OSError:
+                continue

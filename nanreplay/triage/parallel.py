@@ -9,7 +9,7 @@ from pathlib import Path
 
 from nanreplay.errors import PoolError
 from nanreplay.triage.cache import save_cache
-from nanreplay.triage.plan import Plan
+from nanreplay.triage.plan import Plan, cache_key
 from nanreplay.triage.rows import failed, make_row
 from nanreplay.triage.worker import WORKER_PRELOAD, analyze_task, worker_init
 from nanreplay.triage.workpool import Outcome, PoolStats, WorkerPool
@@ -31,7 +31,9 @@ def analyze(p: Plan, *, jobs: int, timeout: float | None = DEFAULT_TIMEOUT, prog
     by_name = {it.name: it for it in todo}
     tasks = [{"path": it.path, "name": it.name, "outdir": str(p.outdir), "model": p.options.model,
               "loss": p.options.loss, "trust": p.options.trust, "device": p.options.device,
-              "verify": p.options.verify} for it in todo]
+              "verify": p.options.verify, "max_memory": p.options.max_memory, "hash": it.hash_in_worker}
+             for it in todo]
+    fingerprint = p.options.fingerprint()
     workers = min(jobs, len(todo))
     threads = threads or max(1, _cpu_count() // workers)
     pool = WorkerPool(analyze_task, jobs=workers, timeout=timeout, init=worker_init, init_args=(threads,),
@@ -40,18 +42,22 @@ def analyze(p: Plan, *, jobs: int, timeout: float | None = DEFAULT_TIMEOUT, prog
     try:
         for task, outcome in pool.map(tasks):
             it = by_name[task["name"]]
-            it.row = make_row(it, _fields_of(outcome))
+            fields = _fields_of(outcome)
+            sha = fields.pop("sha256", None)
+            if isinstance(sha, str) and it.sha256 is None:  # hashed by the worker
+                it.sha256, it.key = sha, cache_key(sha, fingerprint)
+            it.row = make_row(it, fields)
             if outcome.status in ("timeout", "crashed"):
                 _remove_debris(p.outdir, it.name)
             if progress is not None:
                 progress(1)
             if time.monotonic() - saved > 10:
-                save_cache(p.outdir, p.items, p.old_cache)
+                save_cache(p.outdir, p.items, p.old_cache, p.dir)
                 saved = time.monotonic()
     except PoolError as e:
         raise PoolError(f"cannot run the analysis workers: {e}") from None
     finally:
-        save_cache(p.outdir, p.items, p.old_cache)
+        save_cache(p.outdir, p.items, p.old_cache, p.dir)
     p.stats = pool.stats
     return pool.stats
 
@@ -69,7 +75,7 @@ def default_jobs() -> int:
 
 def _fields_of(outcome: Outcome) -> dict:
     if outcome.status == "ok":
-        return outcome.value
+        return dict(outcome.value)
     if outcome.status == "error":
         return failed("internal_error", f"nanreplay bug, please report: {outcome.error}", detail=outcome.detail)
     return failed(outcome.status, outcome.error)

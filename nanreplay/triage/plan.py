@@ -15,12 +15,16 @@ from pathlib import Path, PurePosixPath
 
 from nanreplay import __version__
 from nanreplay.errors import UsageError
-from nanreplay.triage.cache import load_cache
+from nanreplay.triage.cache import cache_entries, read_cache
+from nanreplay.triage.lock import OutdirLock
 from nanreplay.triage.rows import Item, failed, make_row
 from nanreplay.triage.workpool import PoolStats
 
 SNAPSHOT_SUFFIXES = (".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 RESERVED_NAMES = frozenset({"index", "groups", "summary"})  # OUTDIR's own files
+# Files up to this size are hashed while planning; a bigger one is hashed by its worker, under --timeout
+# (a 20 GB sparse file would otherwise hold the parent for a minute before any analysis starts).
+HASH_IN_PARENT = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class Options:
     trust: bool = False
     device: str | None = None
     verify: bool = True
+    max_memory: int | None = None  # bytes per snapshot; not part of the key (refusals for size are never cached)
 
     def fingerprint(self) -> dict:
         return {"model": self.model, "loss": self.loss, "trust": self.trust, "device": self.device,
@@ -47,10 +52,16 @@ class Plan:
     old_cache: dict[str, dict]  # rel -> entry, as the last run left it
     use_cache: bool = True
     stats: PoolStats | None = None
+    lock: OutdirLock | None = None  # held until release(): one triage at a time per OUTDIR
 
     @property
     def todo(self) -> list[Item]:
         return [it for it in self.items if it.row is None]
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
 def default_outdir(directory: str) -> str:
@@ -79,24 +90,48 @@ def plan(directory: str, outdir: str, *, options: Options, recursive: bool = Fal
         raise UsageError(f"{outdir}: cannot create the output folder: {e.strerror or e}") from None
     if not os.access(out, os.W_OK):
         raise UsageError(f"{outdir}: the output folder is not writable")
+    lock = OutdirLock(out).acquire()
+    try:
+        return _plan(d, out, options=options, recursive=recursive, use_cache=use_cache, lock=lock)
+    except BaseException:
+        lock.release()
+        raise
 
+
+def _plan(d: Path, out: Path, *, options: Options, recursive: bool, use_cache: bool, lock: OutdirLock) -> Plan:
+    doc = read_cache(out)
+    if doc is not None and doc.get("dir") != str(d.resolve()):
+        raise UsageError(f"{out}: holds the triage of another folder ({doc.get('dir')}); choose another -o, "
+                         "or delete that folder first (triage never deletes or replaces another run's reports)")
+    old = cache_entries(doc)
     rels, ignored = discover(d, out, recursive=recursive)
     items = [Item(path=str(d / rel), rel=rel) for rel in rels]
     assign_names(items)
-    old = load_cache(out)
     fp = options.fingerprint()
-    first_of: dict[str, str] = {}
     for it in items:
         _fingerprint(it, old.get(it.rel), fp)
         if it.sha256 is None:
             continue
-        dup = first_of.setdefault(it.sha256, it.rel)
-        it.duplicate_of = dup if dup != it.rel else ""
         entry = old.get(it.rel)
         if use_cache and entry and entry.get("key") == it.key and entry.get("name") == it.name \
                 and _outputs_exist(out, entry["row"]):
             it.row = make_row(it, dict(entry["row"]), cached=True)
-    return Plan(dir=d, outdir=out, options=options, items=items, ignored=ignored, old_cache=old, use_cache=use_cache)
+    mark_duplicates(items)
+    return Plan(dir=d, outdir=out, options=options, items=items, ignored=ignored, old_cache=old, use_cache=use_cache,
+                lock=lock)
+
+
+def mark_duplicates(items: list[Item]) -> None:
+    """`duplicate_of`: the first file (in name order) with the same bytes, for every item whose hash is known."""
+    first_of: dict[str, str] = {}
+    for it in items:
+        if it.sha256 is None:
+            it.duplicate_of = ""
+            continue
+        dup = first_of.setdefault(it.sha256, it.rel)
+        it.duplicate_of = dup if dup != it.rel else ""
+        if it.row is not None:
+            it.row["duplicate_of"] = it.duplicate_of
 
 
 def discover(d: Path, out: Path, *, recursive: bool) -> tuple[list[str], list[str]]:
@@ -149,23 +184,35 @@ def assign_names(items: list[Item]) -> None:
 
 
 def _fingerprint(it: Item, entry: dict | None, fp: dict) -> None:
-    """Content hash (reused when size and mtime match the last run) and cache key; a read error is a row."""
+    """Content hash (reused when size and mtime match the last run) and cache key; a read error is a row.
+
+    A file bigger than HASH_IN_PARENT that changed is left to its worker to hash (`hash_in_worker`).
+    """
     try:
         st = os.stat(it.path)
         it.size, it.mtime_ns = st.st_size, st.st_mtime_ns
-        if entry and entry.get("size") == it.size and entry.get("mtime_ns") == it.mtime_ns and entry.get("sha256"):
+        if entry and entry.get("size") == it.size and entry.get("mtime_ns") == it.mtime_ns \
+                and isinstance(entry.get("sha256"), str):
             it.sha256 = entry["sha256"]
+        elif it.size > HASH_IN_PARENT:
+            it.hash_in_worker = True
+            return
         else:
-            it.sha256 = _sha256(it.path)
+            it.sha256 = sha256_file(it.path)
     except OSError as e:
         it.row = make_row(it, failed("unreadable", f"cannot read: {e.strerror or e}"))
         return
-    it.key = hashlib.sha256(json.dumps({"sha256": it.sha256, **fp}, sort_keys=True).encode()).hexdigest()
+    it.key = cache_key(it.sha256, fp)
 
 
-def _sha256(path: str) -> str:
+def cache_key(sha256: str, fingerprint: dict) -> str:
+    """What a cached row is valid for: the file's bytes, nanreplay's version and the options that change a result."""
+    return hashlib.sha256(json.dumps({"sha256": sha256, **fingerprint}, sort_keys=True).encode()).hexdigest()
+
+
+def sha256_file(path: str) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open(path, "rb", buffering=0) as f:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()

@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 from nanreplay import atomic
-from nanreplay.errors import NanReplayError, ReplayError, SnapshotError, TrustError
+from nanreplay.errors import LimitError, NanReplayError, ReplayError, SnapshotError, TrustError
+from nanreplay.triage.plan import sha256_file
 from nanreplay.triage.rows import failed
 
 # Modules a worker needs, imported once: by the fork server (each worker is then a cheap
@@ -34,14 +35,38 @@ def worker_init(threads: int) -> None:
 
 
 def analyze_task(task: dict) -> dict:
-    """Worker side: analyze one snapshot, write its report and JSON, return its row's fields."""
+    """Worker side: analyze one snapshot, write its report and JSON, return its row's fields.
+
+    With `task["hash"]` the worker hashes the file first (a big file the parent left to it):
+    the fields then carry `sha256`.
+    """
+    fields = _hash_first(task) if task.get("hash") else {}
+    if "status" in fields:
+        return fields
+    result = _analyze(task)
+    return {**result, **fields}
+
+
+def _hash_first(task: dict) -> dict:
+    """{"sha256": ...}, or nothing for a file over the memory limit (its analysis refuses it at once),
+    or a failed row when it cannot be read."""
+    limit = task.get("max_memory")
+    try:
+        if limit and os.stat(task["path"]).st_size > limit:
+            return {}
+        return {"sha256": sha256_file(task["path"])}
+    except OSError as e:
+        return failed("unreadable", f"cannot read: {e.strerror or e}")
+
+
+def _analyze(task: dict) -> dict:
     from nanreplay.analysis import analyze as analyze_one
     from nanreplay.report.html import write_report
 
     t0 = time.perf_counter()
     try:
         a = analyze_one(task["path"], model=task["model"], loss=task["loss"], trust=task["trust"],
-                        device=task.get("device"), verify=task.get("verify", True))
+                        device=task.get("device"), verify=task.get("verify", True), max_memory=task.get("max_memory"))
     except NanReplayError as e:
         return failed(_category(e), str(e), path=task["path"])
     seconds = time.perf_counter() - t0
@@ -64,6 +89,8 @@ def analyze_task(task: dict) -> dict:
 def _category(e: NanReplayError) -> str:
     if isinstance(e, TrustError):
         return "refused"
+    if isinstance(e, LimitError):
+        return "over_limit"
     if isinstance(e, ReplayError):
         return "replay_error"
     if isinstance(e, SnapshotError):

@@ -1,0 +1,133 @@
+"""Resource limits of an analysis: how much memory a snapshot may claim, how long an analysis may run.
+
+    parse_size("8G")         -> 8 * 2**30 (the `--max-memory SIZE` flag)
+    default_max_memory()     -> a share of this machine's available memory
+    time_limit(seconds, msg) -> a context in which the analysis must finish (`analyze --timeout`)
+
+Light to import (no torch): triage's parent process uses it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+DEFAULT_SHARE = 0.6  # of the memory available when the command starts
+FALLBACK_MEMORY = 8 << 30  # where the machine cannot say what it has
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]?)(?:I?B)?\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """`8G`, `512M`, `1.5GiB`, `100000` (bytes) -> bytes. Units are binary (1K = 1024). ValueError when unreadable."""
+    m = _SIZE.fullmatch(str(text))
+    if not m:
+        raise ValueError(f"{text!r} is not a size (e.g. 8G, 512M, 1.5GiB)")
+    size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if size <= 0:
+        raise ValueError(f"{text!r}: a size must be more than 0 bytes")
+    return size
+
+
+def format_size(n: int) -> str:
+    """Bytes for people: `1.5 GiB`, `512 MiB`, `300 B`."""
+    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= factor:
+            return f"{n / factor:.3g} {unit}"
+    return f"{n} B"
+
+
+def available_memory() -> int | None:
+    """Bytes this process could use now: the kernel's MemAvailable, lowered by a cgroup (container) limit."""
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, OSError, ValueError):
+            avail = None
+    room = _cgroup_room()
+    if room is not None:
+        avail = room if avail is None else min(avail, room)
+    return avail if avail and avail > 0 else None
+
+
+def _cgroup_room() -> int | None:
+    """cgroup v2: memory.max minus memory.current of this process's cgroup; None without a limit."""
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        return max(0, int(limit) - used)
+    except (OSError, ValueError):
+        return None
+
+
+def default_max_memory(share: float = DEFAULT_SHARE) -> int:
+    """The default `--max-memory`: `share` of the memory available now (8 GiB where that is unknown)."""
+    avail = available_memory()
+    return FALLBACK_MEMORY if avail is None else max(1 << 20, int(avail * share))
+
+
+class DeadlineExceeded(BaseException):
+    """Raised in the main thread when a `time_limit` runs out.
+
+    A BaseException, like KeyboardInterrupt: code that catches `Exception` (a user's
+    model, a replay that turns errors into data) must not swallow it.
+    """
+
+
+@contextmanager
+def time_limit(seconds: float | None, message: str, *, grace: float = 10.0) -> Iterator[None]:
+    """Run the body for at most `seconds` (None or 0: no limit).
+
+    When the time is up, DeadlineExceeded is raised in the main thread (SIGALRM); the
+    body's cleanup runs as for Ctrl-C. Python cannot interrupt one long call into C, so
+    a watchdog thread ends the process `grace` seconds later if the body still runs:
+    it writes `message` as one line on stderr and exits with code 1.
+    """
+    if not seconds or seconds <= 0:
+        yield
+        return
+    use_alarm = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    old = None
+    if use_alarm:
+        old = signal.signal(signal.SIGALRM, _raise_deadline)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+    watchdog = threading.Timer(seconds + (grace if use_alarm else 0), _hard_stop, args=(message,))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        yield
+    finally:
+        watchdog.cancel()
+        if use_alarm:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old if old is not None else signal.SIG_DFL)
+
+
+def _raise_deadline(signum, frame) -> None:
+    raise DeadlineExceeded()
+
+
+def _hard_stop(message: str) -> None:  # pragma: no cover - runs in a process that then ends
+    try:
+        sys.stderr.flush()
+        os.write(2, (message.replace("\n", " ") + "\n").encode("utf-8", "replace"))
+    finally:
+        os._exit(1)
