@@ -23,7 +23,7 @@ from nanreplay.capture.program import NotRecordable, record_step
 from nanreplay.errors import first_line
 from nanreplay.formats.loss_spec import loss_spec
 from nanreplay.formats.native import FORMAT, VERSION
-from nanreplay.replay.subject import call_model, compute_loss
+from nanreplay.replay.subject import call_model, compute_loss, forward_parameter_names
 
 _WRAPPERS = ("DistributedDataParallel", "DataParallel", "FullyShardedDataParallel")
 
@@ -295,6 +295,7 @@ def build(*, model: nn.Module, wrapped: nn.Module, state: StepState, trigger: st
         "batch": cpu_copy(state.batch),
         "state": state_dict,
         "parameters": [n for n in params if n not in aliases],
+        "input_names": forward_parameter_names(model),
         "aliases": aliases,
         "model_training": model.training,
         "constants": {k: v.detach().to("cpu") for k, v in constants.items()},

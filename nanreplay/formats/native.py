@@ -68,6 +68,7 @@ FIELDS_V2: dict[str, S.Checker] = {
     "spike_median": S.optional(S.number),
     "batch": S.record({"inputs": S.batch_tree, "target": S.batch_tree, "batch": S.batch_tree}),
     "state": S.dict_of(S.tensor()), "parameters": S.list_of(S.string(1000)),
+    "input_names": S.optional(S.list_of(S.string(200), 64)),
     "aliases": S.optional(S.dict_of(S.string(1000))), "model_training": S.optional(S.boolean),
     "constants": S.optional(S.dict_of(S.tensor())),
     "step_program": S.optional(S.string(2**31)), "program_error": S.optional(S.string(2000)),
@@ -226,7 +227,7 @@ def _program_subject(snap: Snapshot, dev: torch.device, max_memory: int | None, 
                    loss_name=loss_label(d.get("loss_spec") or {}), device=dev,
                    how="step program in the snapshot (no training code needed)", site=module.site,
                    model_class=cls, input_label="batch" if step_fn else "inputs", target_label="target",
-                   program=True, memory_bound=bound, **common)
+                   program=True, memory_bound=bound, input_names=None if step_fn else d.get("input_names"), **common)
 
 
 def _gb(n: int) -> str:

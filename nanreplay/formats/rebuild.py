@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from nanreplay.errors import ModelError, UsageError, first_line
 from nanreplay.formats.base import Snapshot
-from nanreplay.replay.subject import Subject, to_device
+from nanreplay.replay.subject import Subject, forward_parameter_names, to_device
 
 _PREFIXES = ("module.", "_orig_mod.")  # DistributedDataParallel, torch.compile
 
@@ -96,6 +96,7 @@ def eager_subject(snap: Snapshot, model: nn.Module, how: str, loss_fn: Callable 
     if snap.state is not None:
         load_state(model, snap.state)
     model.to(device)
+    extra.setdefault("input_names", forward_parameter_names(model))
     return Subject(model=model, inputs=to_device(snap.inputs, device), target=to_device(snap.target, device),
                    loss_fn=loss_fn, loss_name=loss_name, how=how, device=device, **extra)
 

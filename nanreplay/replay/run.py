@@ -80,7 +80,7 @@ def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any]
     finally:
         for h in handles + node_handles:
             h.remove()
-    grads = [stats.grad_stats(n, p) for n, p in model.named_parameters()]
+    grads = gradient_rows(model)
     failure = _failure(rec, loss_t, model)
     anomaly = None if skipped else rec.anomaly or Anomaly(False)
     return Step(loss=float(loss_t.detach().double()) if loss_t is not None else None,
@@ -88,6 +88,26 @@ def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any]
                 grads=grads, call_names=[call_name(f) for f in rec.call_funcs],
                 internal_errors=rec.internal_errors, backward_error=backward_error,
                 activations=rec.activations, grad_shapes=rec.grad_shapes)
+
+
+def gradient_rows(model: torch.nn.Module) -> list[dict]:
+    """The per-parameter gradient walk; a tied parameter is one row under all its names (`also`)."""
+    names: dict[int, list[str]] = {}
+    params: dict[int, torch.Tensor] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+        params[id(p)] = p
+    for alias, target in (getattr(model, "aliases", None) or {}).items():  # a step program's tied names
+        p = dict(model.named_parameters()).get(target)
+        if p is not None and alias not in names[id(p)]:
+            names[id(p)].append(alias)
+    rows = []
+    for key, p in params.items():
+        row = stats.grad_stats(names[key][0], p)
+        if len(names[key]) > 1:
+            row["also"] = names[key][1:]
+        rows.append(row)
+    return rows
 
 
 def _backward(loss: torch.Tensor) -> None:

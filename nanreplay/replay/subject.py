@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,7 @@ class Subject:
     model_class: str | None = None  # the user's class name, where `model` is a stand-in (a step program)
     program: bool = False  # `model` runs a recorded step program (forward + loss, its casts explicit)
     memory_bound: int | None = None  # the replay's peak bytes, bounded before it runs (step programs)
+    input_names: list[str] | None = None  # the forward's parameter names, for positional inputs
 
     def __post_init__(self) -> None:
         self.names = {id(m): n for n, m in self.model.named_modules()}
@@ -172,11 +174,32 @@ def compute_loss(output: Any, target: Any, loss_fn: Callable | None) -> torch.Te
     return loss if loss.dim() == 0 else loss.reshape(())
 
 
+def forward_parameter_names(model: nn.Module) -> list[str] | None:
+    """The names of forward's positional parameters (`idx`, `targets`), to name batch tensors in reports."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return names[:64] or None
+
+
 def to_device(obj: Any, device: torch.device) -> Any:
     return map_tensors(obj, lambda t: t.to(device))
 
 
 def batch_tensors(subject: Subject):
-    """(name, role, tensor) for every tensor the batch holds."""
-    yield from ((f"{subject.input_label}{n}", "input", t) for n, t in iter_tensors(subject.inputs))
+    """(name, role, tensor) for every tensor the batch holds. Positional inputs are named by the forward's
+    own parameter names where the snapshot recorded them (`idx` rather than `inputs[0]`)."""
+    names = subject.input_names or []
+    for n, t in iter_tensors(subject.inputs):
+        label = f"{subject.input_label}{n}"
+        if names and not isinstance(subject.inputs, dict):
+            if isinstance(subject.inputs, (tuple, list)):
+                i = int(n[1:n.index("]")]) if n.startswith("[") else -1
+                if 0 <= i < len(names):
+                    label = f"{names[i]}{n[n.index(']') + 1:]}"
+            elif n == "":
+                label = names[0]
+        yield label, "input", t
     yield from ((f"{subject.target_label}{n}", "target", t) for n, t in iter_tensors(subject.target))
