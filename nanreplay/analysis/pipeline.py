@@ -15,7 +15,14 @@ import torch
 from nanreplay import culprit as culprit_mod
 from nanreplay import diagnose, formats, replay, stats
 from nanreplay import verify as verify_mod
-from nanreplay.analysis.contract import Analysis, activation_rows, anomaly_json, culprit_json, event_json
+from nanreplay.analysis.contract import (
+    Analysis,
+    activation_rows,
+    anomaly_json,
+    culprit_json,
+    event_json,
+    forward_inputs_json,
+)
 from nanreplay.replay.subject import Subject, batch_tensors
 
 # ------------------------------------------------------------------ pipeline
@@ -67,6 +74,8 @@ def analyze(path: str | Path, *, model: str | None = None, loss: str | None = No
     result.gradient_shapes = [{"module": m, "output_shape": o, "grad_shape": g, "mismatch": g is not None and g != o}
                               for m, o, g in step.grad_shapes]
     result.diagnosis = diagnose.diagnose(result, subject, step, c, chain, verify_fixes=verify)
+    if c is not None:
+        result.culprit["forward_inputs"] = forward_inputs_json(subject, step, step.events[c])
     t_diag = time.perf_counter()
     if c is not None or step.failure is not None:
         result.precision = verify_mod.precision_probe(subject, _step_dtype(subject),
