@@ -31,7 +31,7 @@ def main() -> None:
 @click.argument("snapshot")
 @click.option("--model", metavar="MODULE:FACTORY",
               help="Zero-argument callable returning the nn.Module whose state is in the snapshot "
-                   "(e.g. mypkg.models:build). Needed for seed-format snapshots.")
+                   "(e.g. mypkg.models:build). Needed for plain state-dict snapshots.")
 @click.option("--loss", metavar="SPEC",
               help="Loss: a torch.nn.functional name (cross_entropy, mse_loss, ...) or MODULE:CALLABLE taking "
                    "(output, target). Without it a scalar model output is the loss.")
@@ -74,7 +74,7 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
                    "[default: ./<DIR name>.nanreplay]. Must not be DIR itself.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), metavar="N",
               help="Worker processes, each analyzing one snapshot at a time [default: the CPU count].")
-@click.option("--model", metavar="MODULE:FACTORY", help="Model factory for seed-format snapshots (as for analyze).")
+@click.option("--model", metavar="MODULE:FACTORY", help="Model factory for plain state-dict snapshots (as for analyze); used only for snapshots that need one.")
 @click.option("--loss", metavar="SPEC", help="Loss spec (as for analyze).")
 @click.option("--trust", is_flag=True, help="Allow running code the snapshots name or contain (as for analyze).")
 @click.option("--device", metavar="DEV", help="Device to replay on (as for analyze) [default: cpu].")
