@@ -23,17 +23,30 @@ from nanreplay.analysis.contract import (
     event_json,
     forward_inputs_json,
 )
+from nanreplay.errors import NanReplayError
 from nanreplay.replay.subject import Subject, batch_tensors
 
 # ------------------------------------------------------------------ pipeline
 
 
 def analyze(path: str | Path, *, model: str | None = None, loss: str | None = None, device: str | None = None,
-            trust: bool = False, verify: bool = True) -> Analysis:
-    """Analyze one snapshot file. Raises NanReplayError subclasses for bad input."""
+            trust: bool = False, verify: bool = True, only_if_needed: bool = False) -> Analysis:
+    """Analyze one snapshot file. Raises NanReplayError subclasses for bad input.
+
+    With `only_if_needed` (triage over a mixed folder), `model` and `loss` apply only to a
+    snapshot that cannot be rebuilt without them (a plain state-dict snapshot): one that
+    carries its own step is replayed as it is.
+    """
     t0 = time.perf_counter()
     snap = formats.load(path, trust=trust)
-    subject = formats.rebuild(snap, model=model, loss=loss, device=device, trust=trust)
+    if only_if_needed and (model or loss):
+        try:
+            subject = formats.rebuild(snap, model=None, loss=None, device=device, trust=trust)
+            model = loss = None
+        except NanReplayError:
+            subject = formats.rebuild(snap, model=model, loss=loss, device=device, trust=trust)
+    else:
+        subject = formats.rebuild(snap, model=model, loss=loss, device=device, trust=trust)
     t_load = time.perf_counter()
     result = Analysis(snapshot=str(path), verdict="not_reproduced", model=_model_info(subject),
                       environment=_environment(subject), snapshot_info=_snapshot_info(snap),

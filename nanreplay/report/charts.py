@@ -96,10 +96,16 @@ class Bar:
 
 @dataclass
 class HLine:
+    """A limit across the plot (a dtype's largest value), labelled in the gutter right of the plot."""
+
     y: float
-    label: str
+    label: str  # "float16 max"
     broken: bool  # drawn above an axis break: the limit is far beyond the data
-    label_y: float  # the label sits just below the line, inside the plot, on a halo
+    label_y: float
+    value: str  # "65504", on the label's second line
+    value_y: float
+    note: str = ""  # a third line where the axis is broken
+    note_y: float = 0.0
 
 
 @dataclass
@@ -123,6 +129,7 @@ class BarChart:
 
 
 BREAK_DECADES = 6  # a limit this many decades above the data is drawn above an axis break
+BROKEN_NOTE = "(axis broken)"
 MIN_SLOT = 14.0  # the narrowest bar slot whose rotated label does not overlap its neighbour's
 MAX_SLOT = 44.0  # the widest: a chart of a few bars stays small
 VALUE_SLOT = 26.0  # a non-finite bar's value ("+Inf") is written above it from this slot width on
@@ -154,19 +161,24 @@ def log_bars(items: Sequence[BarItem], limits: dict[str, float], *, max_width: f
     broken = lim_hi - data_hi > BREAK_DECADES
     hi = max(data_hi if broken else max(data_hi, lim_hi), lo + 2)
     left = 58.0
-    slot = max(1.0, min(MAX_SLOT, (max_width - left - 12.0) / max(1, len(items))))
-    show_labels = slot >= MIN_SLOT
     labels = [_short(it.label) for it in items]
+    values = {k: f"{m:.5g}" for k, m in limits.items()}
+    gutter = max([len(k) for k in limits] + [len(v) for v in values.values()] +
+                 ([len(BROKEN_NOTE)] if broken else []), default=0) * CHAR_W + 2 * TICK_GAP
+
+    def slot_for(left: float) -> float:
+        return max(1.0, min(MAX_SLOT, (max_width - left - gutter) / max(1, len(items))))
+
+    slot = slot_for(left)
+    show_labels = slot >= MIN_SLOT
     longest = max((len(t) for t in labels), default=0) if show_labels else 0
     if show_labels and labels:  # the first label runs down-left from its bar: leave it room
         reach = len(labels[0]) * CHAR_W * math.cos(math.radians(LABEL_ANGLE))
         left = max(left, round(reach - slot / 2 + 6.0, 1))
-        slot = max(1.0, min(MAX_SLOT, (max_width - left - 12.0) / max(1, len(items))))
+        slot = slot_for(left)
     label_band = longest * CHAR_W * math.sin(math.radians(LABEL_ANGLE)) + FONT + 10.0 if show_labels else 10.0
-    limit_text = max((len(k) for k in limits), default=0) + (34 if broken else 0)
-    width = int(math.ceil(max(left + slot * max(1, len(items)) + 12.0, min(max_width, left + limit_text * CHAR_W + 24))))
-    right = width - 12.0
-    slot = (right - left) / max(1, len(items))
+    right = round(left + slot * max(1, len(items)), 1)
+    width = int(math.ceil(right + gutter))
     line_y = BAND + 8.0  # a broken axis: the limit line, just under the band
     top = line_y + 22.0 if broken else BAND + 6.0
     bottom = top + PLOT_H
@@ -193,11 +205,10 @@ def log_bars(items: Sequence[BarItem], limits: dict[str, float], *, max_width: f
                         value, cx=cx, value_y=VALUE_Y, mark_y=mark_y, label_x=round(cx + 3, 1)))
     lines = []
     for label, m in limits.items():
-        if broken and math.log10(m) > hi:
-            lines.append(HLine(line_y, f"{label} (far above the data: axis broken)", True, line_y + FONT + 2))
-        else:
-            ly = round(y_of(m), 1)
-            lines.append(HLine(ly, label, False, ly + FONT + 2))
+        far = broken and math.log10(m) > hi
+        ly = line_y if far else round(y_of(m), 1)
+        lines.append(HLine(ly, label, far, ly + BASELINE, values[label], ly + BASELINE + FONT + 2,
+                           BROKEN_NOTE if far else "", ly + BASELINE + 2 * (FONT + 2)))
     step = max(1, math.ceil((hi - lo) / 8))
     ticks = [_tick(round(y_of(10.0 ** k), 1), f"1e{k}") for k in range(lo, hi + 1) if (k - lo) % step == 0]
     tick_x = left - TICK_GAP
@@ -205,7 +216,7 @@ def log_bars(items: Sequence[BarItem], limits: dict[str, float], *, max_width: f
     break_path = (f"M{tick_x} {axis_break + 3} l6 -6 M{tick_x} {axis_break + 8} l6 -6"
                   if axis_break is not None else "")
     return BarChart(width, height, left, top, right, bottom, bars, ticks, lines, axis_break, show_labels,
-                    tick_x=tick_x, limit_label_x=left + TICK_GAP, label_y=bottom + 6, axis_label_y=(top + bottom) / 2,
+                    tick_x=tick_x, limit_label_x=right + TICK_GAP, label_y=bottom + 6, axis_label_y=(top + bottom) / 2,
                     break_path=break_path)
 
 

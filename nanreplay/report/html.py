@@ -26,7 +26,8 @@ def _template_dir() -> Path:
     return Path(__file__).parent / "templates"
 
 
-def _asset(name: str) -> str:
+def asset(name: str) -> str:
+    """A file shipped with the templates (CSS, JS), as text."""
     return (_template_dir() / name).read_text(encoding="utf-8")
 
 
@@ -58,7 +59,7 @@ def render_html(a: Analysis | dict, *, index: str = "") -> str:
 
     d = a.to_json() if isinstance(a, Analysis) else a
     v = build_view(d, gather_sources(d), index=index)
-    css, js = _asset("report.css"), _asset("report.js")
+    css, js = asset("report.css"), asset("report.js")
     # The page's own CSS and JS are trusted files shipped with nanreplay; inlined verbatim so their CSP hashes match.
     return jinja_env().get_template("report.html.j2").render(v=v, css=Markup(css), js=Markup(js), csp=csp(css, js))
 

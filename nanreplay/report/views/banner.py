@@ -145,7 +145,7 @@ def culprit_sentence(c: dict) -> tuple[str, str]:
     """(headline, subline) for a culprit: the effect in words first, the aten op and autograd node after."""
     kind = kind_text(c.get("kind"), c.get("output"))
     if c.get("phase") == "backward" and c.get("forward_op"):
-        head = f"The gradient of {op_base(c['forward_op'])} made {kind} in backward"
+        head = f"the gradient of {op_base(c['forward_op'])} made {kind} in backward"
         sub = f"{c.get('op')} in {c.get('backward_node') or 'backward'}, the gradient of {c['forward_op']}"
     else:
         head = f"{op_base(c.get('op'))} made {kind} in {c.get('phase')}"
@@ -202,6 +202,7 @@ def banner(d: dict) -> Banner:
     line = None
     if c:
         headline, subline = culprit_sentence(c)
+        headline = headline[:1].upper() + headline[1:] if headline.startswith("the ") else headline
         facts.append(Fact("module", module_label(c.get("module"), model_class), code=True))
         src = c.get("source")
         if src:

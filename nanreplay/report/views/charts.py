@@ -75,11 +75,11 @@ def activation_view(d: dict) -> ActivationView | None:
     labels = call_labels([r.get("module") for r in rows])
     items, k = _bars(rows, labels, cmod, model_class, MAX_BARS)
     dtypes = sorted({r.get("dtype") for r in rows if r.get("dtype")})
-    limits = {f"{t} max {num(m, 5)}": m for t in dtypes if (m := dtype_max(t))}
+    limits = {f"{t} max": m for t in dtypes if (m := dtype_max(t))}
     chart = charts.log_bars(items, limits)
     narrow = None
     if chart.width > charts.NARROW:  # on a phone this one would shrink: draw one for a phone's width
-        per_slot = max(1, int((charts.NARROW - 70) // charts.MIN_SLOT))
+        per_slot = max(1, int((charts.NARROW - 150) // charts.MIN_SLOT))
         few, _ = _bars(rows, labels, cmod, model_class, per_slot)
         narrow = charts.log_bars(few, limits, max_width=charts.NARROW)
     notes = []

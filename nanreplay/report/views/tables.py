@@ -178,12 +178,13 @@ def gradient_table(d: dict) -> GradTable | None:
                             title=f"{int(r.bad):,} of {int(r.size):,} elements NaN or Inf")
             else:
                 frac = Cell("0", sort="0")
+            mean, std, mx = (None if isinstance(x, float) and math.isnan(x) else x for x in (r.mean, r.std, r.max_abs))
             none = "no finite value" if r.bad and r.bad >= r.size else ""
             one = r.size < 2 or (isinstance(r.finite, (int, float)) and not math.isnan(r.finite) and r.finite < 2)
-            stats = [Cell(num(r.mean) if r.mean is not None else "—", sort=sort_key(r.mean), title=none),
-                     Cell("—" if one or r.std is None else num(r.std), sort=sort_key(None if one else r.std),
+            stats = [Cell(num(mean), sort=sort_key(mean), title=none),
+                     Cell("—" if one else num(std), sort=sort_key(None if one else std),
                           title="a std needs two finite values" if one else ""),
-                     Cell(num(r.max_abs) if r.max_abs is not None else "—", sort=sort_key(r.max_abs), title=none)]
+                     Cell(num(mx), sort=sort_key(mx), title=none)]
         rows.append([Cell(str(r.name)), shape, status, frac, *stats,
                      Cell(num(int(r.nan)), bad=bool(r.nan), sort=str(int(r.nan))),
                      Cell(num(int(r.inf)), bad=bool(r.inf), sort=str(int(r.inf)))])
