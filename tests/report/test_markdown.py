@@ -106,3 +106,18 @@ def test_verdicts_without_a_culprit(verdict_case, tmp_path):
     assert md.count("\n") < 20 and "```python" not in md.split("**Fix**")[0]
     if verdict_case == "nonfinite_input":
         assert "NaN/Inf was already in the input batch" in md and "``x[`0`]``" in md
+
+
+def test_the_readme_shows_what_the_command_prints():
+    """README's Markdown sample is the summary of sample_snapshots/sqrt_zero.pt (the environment line aside)."""
+    from samples import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    shown = readme.split("````markdown\n", 1)[1].split("\n````", 1)[0]
+    actual = report.markdown_summary(sample("sqrt_zero")).rstrip("\n")
+
+    def body(md: str) -> list[str]:
+        return [ln for ln in md.splitlines() if not ln.startswith("*Environment*")]
+
+    assert body(shown) == body(actual)
+    assert (ROOT / "docs" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the screenshot it shows
