@@ -75,6 +75,25 @@ CHART_TEXT = """
 """
 
 
+# Chart text cut off by the edge of its SVG (an SVG clips what it draws outside its box).
+CHART_CLIPPED = """
+(function () {
+  var out = [];
+  document.querySelectorAll('svg.chart').forEach(function (svg) {
+    var box = svg.getBoundingClientRect();
+    if (!box.width) { return; }
+    svg.querySelectorAll('text').forEach(function (t) {
+      var r = t.getBoundingClientRect();
+      if (r.top < box.top - 1 || r.bottom > box.bottom + 1 || r.left < box.left - 1 || r.right > box.right + 1) {
+        out.push((t.textContent || '').slice(0, 30));
+      }
+    });
+  });
+  return out;
+})()
+"""
+
+
 def find() -> str | None:
     """The Chromium (or Chrome) executable on PATH, or None."""
     for name in CANDIDATES:
@@ -218,6 +237,9 @@ class Page:
 
     def smallest_chart_text(self) -> float | None:
         return self.eval(CHART_TEXT)
+
+    def clipped_chart_text(self) -> list[str]:
+        return self.eval(CHART_CLIPPED)
 
     def screenshot(self, out: Path, *, width: int, height: int) -> None:
         shot = self.browser.send("Page.captureScreenshot", self.session, format="png", captureBeyondViewport=True,

@@ -19,13 +19,14 @@ Why hand-made SVG and not matplotlib's SVG backend:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 WIDTH = 900  # the widest chart's viewBox width, in CSS pixels: charts are drawn 1:1, never scaled up
 NARROW = 360  # a phone's column: the narrow variant of a chart is drawn this wide
 FONT = 11.0  # the charts' font size (report.css), for the layout of text
-CHAR_W = 6.3  # the width of one character at FONT, on average
+CHAR_W = 6.8  # the width of one character at FONT, with room to spare (the culprit's label is bold)
 
 
 TICK_GAP = 6.0  # between a value axis and its tick labels; also the inset of labels inside the plot
@@ -141,7 +142,23 @@ PLOT_H = 170.0  # the height of the plot itself
 
 
 def _short(s: str, n: int = 24) -> str:
-    return s if len(s) <= n else "…" + s[-(n - 1):]
+    """An axis label of at most n characters that keeps what tells calls apart: the last index in the
+    module path ('layers.7'), the end of the name, and a call number ('#2')."""
+    if len(s) <= n:
+        return s
+    m = re.fullmatch(r"(.*?)( #\d+)?", s)
+    path, call = m.group(1), m.group(2) or ""
+    room = n - len(call)
+    tail = "…" + path[-(room - 1):]
+    parts = path.split(".")
+    idx = [i for i, p in enumerate(parts) if p.isdigit()]
+    if not idx or ".".join(parts[idx[-1]:]) in tail:
+        return tail + call
+    if len(parts[idx[-1]]) + 3 < room:
+        head = parts[idx[-1]] + ".…"
+        rest = ".".join(parts[idx[-1] + 1:])
+        return head + rest[-(room - len(head)):] + call if rest else parts[idx[-1]] + call
+    return tail + call
 
 
 def log_bars(items: Sequence[BarItem], limits: dict[str, float], *, max_width: float = WIDTH) -> BarChart:
@@ -173,7 +190,8 @@ def log_bars(items: Sequence[BarItem], limits: dict[str, float], *, max_width: f
     show_labels = slot >= MIN_SLOT
     longest = max((len(t) for t in labels), default=0) if show_labels else 0
     if show_labels and labels:  # the first label runs down-left from its bar: leave it room
-        reach = len(labels[0]) * CHAR_W * math.cos(math.radians(LABEL_ANGLE))
+        angle = math.radians(LABEL_ANGLE)  # the rotated box: its length across, plus its height's share
+        reach = len(labels[0]) * CHAR_W * math.cos(angle) + FONT * math.sin(angle)
         left = max(left, round(reach - slot / 2 + 6.0, 1))
         slot = slot_for(left)
     label_band = longest * CHAR_W * math.sin(math.radians(LABEL_ANGLE)) + FONT + 10.0 if show_labels else 10.0

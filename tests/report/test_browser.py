@@ -1,7 +1,8 @@
 """The reports and a triage index in a real browser: headless Chromium (the distribution's package).
 
 At a phone's width (420 px) and a desktop's (1280 px): no element sticks out of the
-viewport, no console error, no Content-Security-Policy violation, chart text readable.
+viewport, no console error, no Content-Security-Policy violation, chart text readable and
+not cut at the chart's edge.
 Printed to PDF: every code line is in the PDF's text whole (nothing clipped at a box edge),
 and screen-only instructions are not. Select with `-m browser`; skipped, saying why, where
 Chromium (or poppler's pdftotext, for the print check) is not installed.
@@ -59,7 +60,24 @@ def pages(tmp_path_factory):
                       "groups": len(groups), "ignored": 0, "failures": {"unreadable": 1}},
            "groups": groups, "failures": fails, "ranks": None, "ignored": []}
     (out / "index.html").write_text(render_index(doc), encoding="utf-8")
-    return out, [*names(), "index"]
+    (out / "stress.html").write_text(report.render_html(_stress(analyze(SAMPLES / "sqrt_zero.pt").to_json())),
+                                     encoding="utf-8")
+    return out, [*names(), "index", "stress"]
+
+
+def _stress(d: dict) -> dict:
+    """A report with everything long: 150 module calls of deep modules, a 200-character line, long names."""
+    deep = "encoder.layers.{}.self_attention.output_projection_with_a_long_name"
+    d["activations"] = [dict(d["activations"][i % len(d["activations"])], module=deep.format(i)) for i in range(150)]
+    code = "d = " + " + ".join(f"torch.sqrt(((anchor_embedding_{i} - positive_embedding_{i}) ** 2).sum(-1))"
+                               for i in range(3))
+    d["culprit"]["source"]["code"] = code
+    d["culprit"]["module"] = deep.format(7)
+    d["diagnosis"]["fix"].update(before=code, after=code.replace(".sum(-1))", ".sum(-1) + 1e-10)"))
+    for e in d["chain"]:
+        e["module"] = deep.format(e["index"])
+    d["gradients"] = [dict(d["gradients"][0], name=deep.format(i) + ".weight") for i in range(40)]
+    return d
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -72,6 +90,7 @@ def test_nothing_sticks_out_and_the_console_stays_clean(browser, pages, width):
             over = page.overflowing()
             problems = page.problems()
             smallest = page.smallest_chart_text()
+            cut = page.clipped_chart_text()
         finally:
             page.close()
         if over["scroll"] > over["viewport"] or over["elements"]:
@@ -80,6 +99,8 @@ def test_nothing_sticks_out_and_the_console_stays_clean(browser, pages, width):
             trouble[stem] = problems
         if smallest is not None and smallest < MIN_CHART_FONT:
             trouble[stem] = f"chart text drawn at {smallest:.1f} px"
+        if cut:
+            trouble[stem] = f"chart text cut at the chart's edge: {cut[:5]}"
         assert stem == "index" or smallest is not None  # every report has a chart to check
     assert not trouble, trouble
 

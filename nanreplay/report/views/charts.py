@@ -78,10 +78,12 @@ def activation_view(d: dict) -> ActivationView | None:
     limits = {f"{t} max": m for t in dtypes if (m := dtype_max(t))}
     chart = charts.log_bars(items, limits)
     narrow = None
-    if chart.width > charts.NARROW:  # on a phone this one would shrink: draw one for a phone's width
-        per_slot = max(1, int((charts.NARROW - 150) // charts.MIN_SLOT))
-        few, _ = _bars(rows, labels, cmod, model_class, per_slot)
-        narrow = charts.log_bars(few, limits, max_width=charts.NARROW)
+    if chart.width > charts.NARROW:  # on a phone this one would shrink: draw one for a phone's width,
+        for n in range(int(charts.NARROW // charts.MIN_SLOT), 3, -1):  # with as many bars as keep their labels
+            few, _ = _bars(rows, labels, cmod, model_class, n)
+            narrow = charts.log_bars(few, limits, max_width=charts.NARROW)
+            if narrow.show_labels:
+                break
     notes = []
     if k > 1:
         notes.append(f"{len(rows)} module calls: each bar is the largest of {k} consecutive calls (hover for names).")
