@@ -108,16 +108,25 @@ def test_verdicts_without_a_culprit(verdict_case, tmp_path):
         assert "NaN/Inf was already in the input batch" in md and "``x[`0`]``" in md
 
 
-def test_the_readme_shows_what_the_command_prints():
-    """README's Markdown sample is the summary of sample_snapshots/sqrt_zero.pt (the environment line aside)."""
+def test_the_readme_shows_what_the_command_prints(monkeypatch):
+    """README's Markdown sample is the summary of sample_snapshots/sqrt_zero.pt (the environment line aside),
+    analyzed as the README says: from the repository root."""
     from samples import ROOT
 
+    from nanreplay import replay
+
+    import linecache
+
+    monkeypatch.chdir(ROOT)
+    replay.local_copy.cache_clear()  # paths are resolved against the current folder ...
+    linecache.checkcache()  # ... and lines are cached by those (relative) paths
     readme = (ROOT / "README.md").read_text()
     shown = readme.split("````markdown\n", 1)[1].split("\n````", 1)[0]
-    actual = report.markdown_summary(sample("sqrt_zero")).rstrip("\n")
+    actual = report.markdown_summary(analyze("sample_snapshots/sqrt_zero.pt")).rstrip("\n")
 
     def body(md: str) -> list[str]:
         return [ln for ln in md.splitlines() if not ln.startswith("*Environment*")]
 
+    replay.local_copy.cache_clear()
     assert body(shown) == body(actual)
     assert (ROOT / "docs" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the screenshot it shows
