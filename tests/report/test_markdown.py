@@ -111,11 +111,10 @@ def test_verdicts_without_a_culprit(verdict_case, tmp_path):
 def test_the_readme_shows_what_the_command_prints(monkeypatch):
     """README's Markdown sample is the summary of sample_snapshots/sqrt_zero.pt (the environment line aside),
     analyzed as the README says: from the repository root."""
-    from samples import ROOT
+    import linecache
 
     from nanreplay import replay
-
-    import linecache
+    from samples import ROOT
 
     monkeypatch.chdir(ROOT)
     replay.local_copy.cache_clear()  # paths are resolved against the current folder ...
