@@ -83,7 +83,7 @@ def markdown_summary(a: Analysis | dict) -> str:
             fn = f" in {code(b.line.function + '()')}" if b.line.function else ""
             out += [f"{code(b.line.where)}{fn}:", block(b.line.code, "python")]
         elif src is None:
-            out.append(f"No line of yours: {escape(next((f.value for f in b.facts if f.label == 'source'), ''))}.")
+            out.append(f"Where: {escape(next((f.value for f in b.facts if f.label == 'source'), ''))}.")
         what = f"{escape(b.headline)} ({code(c.get('op') or '')}"
         what += f" in {code(c['backward_node'])})" if c.get("backward_node") else ")"
         if c.get("module") not in (None, "", "<loss>"):
