@@ -59,6 +59,8 @@ def main() -> None:
               help="Where to write the HTML report ('-' for stdout) [default: ./<snapshot-stem>.nanreplay.html]. "
                    "Only a regular file is ever replaced.")
 @click.option("--json", "json_path", metavar="PATH|-", help="Also write the analysis as JSON ('-' for stdout).")
+@click.option("--markdown", "md_path", metavar="PATH|-",
+              help="Also write a short Markdown summary to paste into an issue ('-' for stdout).")
 @click.option("--device", metavar="DEV", help="Device to replay on (cpu, cuda, cuda:1) [default: cpu].")
 @click.option("--trust", is_flag=True,
               help="Allow running code the snapshot names or contains (pickled objects, a model factory "
@@ -71,8 +73,8 @@ def main() -> None:
               help="Give up after SECONDS (exit code 1, no output written) [default: 0, no limit].")
 @click.option("--max-memory", type=Size(), metavar="SIZE", help=_MAX_MEMORY_HELP)
 def analyze(snapshot: str, model: str | None, loss: str | None, report: str | None, json_path: str | None,
-            device: str | None, trust: bool, no_verify: bool, source: tuple[str, ...], timeout: float,
-            max_memory: int | None) -> None:
+            md_path: str | None, device: str | None, trust: bool, no_verify: bool, source: tuple[str, ...],
+            timeout: float, max_memory: int | None) -> None:
     """Replay SNAPSHOT, name the op that broke the step, explain it and suggest a verified fix."""
     from nanreplay import analysis as analysis_mod
     from nanreplay import report as report_mod
@@ -81,7 +83,9 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
     try:
         report_path = outputs.output_path(report or f"{Path(snapshot).stem}.nanreplay.html", inputs=[snapshot])
         json_dest = outputs.output_path(json_path, inputs=[snapshot], option="--json") if json_path else None
-        outputs.distinct(("-o", report_path), *([("--json", json_dest)] if json_path else []))
+        md_dest = outputs.output_path(md_path, inputs=[snapshot], option="--markdown") if md_path else None
+        outputs.distinct(("-o", report_path), *([("--json", json_dest)] if json_path else []),
+                         *([("--markdown", md_dest)] if md_path else []))
         parse_device(device)  # a device this machine lacks: one line now, not a traceback later
         message = f"nanreplay: error: {one_line(snapshot)}: no result after {timeout:g} s (--timeout)"
         with limits.time_limit(timeout, message):
@@ -90,10 +94,13 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
                                           source=list(source) if source else None)
             html = report_mod.render_html(result)
             text = json.dumps(result.to_json(), indent=2, allow_nan=False) if json_path else None
+            md = report_mod.markdown_summary(result) if md_path else None
         if report_path is not None:
             write_atomic(report_path, html, "the report")
         if text is not None and json_dest is not None:
             write_atomic(json_dest, text, "the JSON")
+        if md is not None and md_dest is not None:
+            write_atomic(md_dest, md, "the Markdown summary")
     except limits.DeadlineExceeded:
         _fail(TimeLimitError(f"{snapshot}: no result after {timeout:g} s (--timeout); nothing was written"))
     except NanReplayError as e:
@@ -102,7 +109,10 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
         click.echo(html)
     if text is not None and json_dest is None:
         click.echo(text)
-    to_stdout = report_path is None or (json_path is not None and json_dest is None)
+    if md is not None and md_dest is None:
+        click.echo(md.rstrip("\n"))
+    to_stdout = report_path is None or (json_path is not None and json_dest is None) or \
+        (md_path is not None and md_dest is None)
     summary = report_mod.terminal_summary(result, report_path or "(stdout)")
     click.echo(summary, err=to_stdout)
 
@@ -114,7 +124,8 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
                    "[default: ./<DIR name>.nanreplay]. Must not be DIR itself.")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), metavar="N",
               help="Worker processes, each analyzing one snapshot at a time [default: the CPU count].")
-@click.option("--model", metavar="MODULE:FACTORY", help="Model factory for plain state-dict snapshots (as for analyze).")
+@click.option("--model", metavar="MODULE:FACTORY",
+              help="Model factory for plain state-dict snapshots (as for analyze); only snapshots that need one use it.")
 @click.option("--loss", metavar="SPEC", help="Loss spec (as for analyze).")
 @click.option("--trust", is_flag=True, help="Allow running code the snapshots name or contain (as for analyze).")
 @click.option("--device", metavar="DEV", help="Device to replay on (as for analyze) [default: cpu].")
@@ -127,9 +138,11 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
 @click.option("--max-memory", type=Size(), metavar="SIZE",
               help="Per snapshot: refuse one whose data or replay would need more memory than SIZE (e.g. 8G) "
                    "[default: 60% of the memory available now, shared among the workers].")
+@click.option("--markdown", "md_path", metavar="PATH|-",
+              help="Also write a short Markdown summary of the groups to paste into an issue ('-' for stdout).")
 def triage(directory: str, outdir: str | None, jobs: int | None, model: str | None, loss: str | None, trust: bool,
            device: str | None, no_verify: bool, recursive: bool, timeout: float, no_cache: bool, quiet: bool,
-           max_memory: int | None) -> None:
+           max_memory: int | None, md_path: str | None) -> None:
     """Analyze every snapshot in DIR in parallel and group them by root cause.
 
     Exit code 0 when every snapshot was analyzed, 1 when any could not be (they are
@@ -157,6 +170,8 @@ def triage(directory: str, outdir: str | None, jobs: int | None, model: str | No
         else:
             triage_mod.analyze(plan, **run)
         result = triage_mod.write(plan)
+        if md_path:
+            _emit(md_path, triage_mod.markdown_summary(result.doc), "the Markdown summary", "--markdown")
     except NanReplayError as e:
         _fail(e)
     finally:
@@ -165,8 +180,17 @@ def triage(directory: str, outdir: str | None, jobs: int | None, model: str | No
     if not quiet:
         for f in result.failures:  # file names and reasons come from the snapshots: escaped, one line each
             click.echo(f"nanreplay: {one_line(f['file'], 300)}: {f['label']}: {one_line(f['reason'])}", err=True)
-    click.echo(f"nanreplay: {result.summary}; index: {one_line(result.index)}")
+    click.echo(f"nanreplay: {result.summary}; index: {one_line(result.index)}", err=md_path == "-")
     sys.exit(result.exit_code)
+
+
+def _emit(path: str, text: str, what: str, option: str) -> None:
+    """Write `text` to stdout ('-') or atomically to a checked file."""
+    dest = outputs.output_path(path, option=option)
+    if dest is None:
+        click.echo(text.rstrip("\n"))
+    else:
+        write_atomic(dest, text, what)
 
 
 def write_atomic(path: str, text: str, what: str = "the output") -> None:

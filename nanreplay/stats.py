@@ -149,22 +149,36 @@ def tensor_stats(t: torch.Tensor) -> dict:
 
 @torch.no_grad()
 def grad_stats(name: str, p: torch.Tensor) -> dict:
-    """The seed's per-parameter walk: mean, std, max |g|, NaN?, Inf? (or NO GRADIENT)."""
+    """The per-parameter walk of "Debugging Gradients That Misbehave": mean, std, max |g|, NaN?, Inf? (or NO GRADIENT).
+
+    mean/std/max_abs are over every element (NaN as soon as one is NaN); the `finite_*`
+    fields are over the finite elements only, so a gradient that is partly NaN still says
+    what the rest of it looks like. A std needs two values: null below that.
+    """
     g = p.grad
-    row: dict = {"name": name, "shape": list(p.shape), "dtype": dtype_name(p.dtype), "has_grad": g is not None}
+    row: dict = {"name": name, "shape": list(p.shape), "dtype": dtype_name(p.dtype), "has_grad": g is not None,
+                 "numel": p.numel()}
     if g is None:
-        row.update(mean=None, std=None, max_abs=None, nan=0, inf=0, grad_shape=None)
+        row.update(mean=None, std=None, max_abs=None, nan=0, inf=0, grad_shape=None, finite=0, finite_mean=None,
+                   finite_std=None, finite_max_abs=None)
         return row
     gf = g.detach().double()
     nan = _count(torch.isnan(gf))
     inf = _count(torch.isinf(gf))
     row.update(
-        mean=_num(gf.mean()),
-        std=_num(gf.std()) if gf.numel() > 1 else 0.0,
+        mean=_num(gf.mean()) if gf.numel() else None,
+        std=_num(gf.std()) if gf.numel() > 1 else None,
         max_abs=_num(gf.abs().max()) if gf.numel() else 0.0,
         nan=nan,
         inf=inf,
         grad_shape=list(g.shape),
+    )
+    fin = gf[torch.isfinite(gf)] if nan or inf else gf.reshape(-1)
+    row.update(
+        finite=fin.numel(),
+        finite_mean=float(fin.mean()) if fin.numel() else None,
+        finite_std=float(fin.std()) if fin.numel() > 1 else None,
+        finite_max_abs=float(fin.abs().max()) if fin.numel() else None,
     )
     return row
 
@@ -176,7 +190,11 @@ def leaf_counts(t: torch.Tensor) -> tuple[int, int]:
 
 
 def jsonable(x):
-    """Deep-convert to strict-JSON values (non-finite floats become strings)."""
+    """Deep-convert to strict-JSON values: the one rule for the whole analysis JSON (docs/json.md).
+
+    A NaN or an infinite number is written as the string "nan", "inf" or "-inf"; null
+    always means "no value" (not measured, not applicable), never a non-finite number.
+    """
     if isinstance(x, float):
         return _num(x)
     if isinstance(x, dict):

@@ -27,6 +27,10 @@ class Outcome:
     culprit: dict | None = None  # the next culprit, when it did not verify
 
 
+def _kind(kind: str) -> str:
+    return "NaN" if kind == "nan" else "Inf"  # spelled as everywhere else, not upper-cased
+
+
 def _outcome(step: replay.Step) -> Outcome:
     if step.failure is None:
         if step.loss is not None and all(g["nan"] == 0 and g["inf"] == 0 for g in step.grads):
@@ -36,16 +40,16 @@ def _outcome(step: replay.Step) -> Outcome:
     c = culprit_mod.culprit(step.events, ch)
     what = "the loss" if step.failure.what == "loss" else f"the gradient of {step.failure.name}"
     if c is None:
-        return Outcome(False, f"replayed with the fix: {what} is still {step.failure.kind.upper()}")
+        return Outcome(False, f"replayed with the fix: {what} is still {_kind(step.failure.kind)}")
     ev = step.events[c]
     src = replay.frame_json(step.frame_of(ev))
     where = f" at {src['file']}:{src['line']}" if src else ""
     mod = step.module_of(ev)
     nxt = {"phase": ev.phase, "kind": ev.kind, "op": ev.op, "forward_op": step.forward_op_of(ev),
            "backward_node": ev.node, "module": mod, "source": src}
-    return Outcome(False, f"replayed with the fix: {what} is still {step.failure.kind.upper()}; next culprit "
-                          f"{ev.op} ({ev.phase}{', ' + ev.node if ev.node else ''}) in module "
-                          f"{mod if mod else '<root>'!r}{where}", nxt)
+    return Outcome(False, f"replayed with the fix: {what} is still {_kind(step.failure.kind)}; next culprit "
+                          f"{ev.op} ({ev.phase}{', ' + ev.node if ev.node else ''}) "
+                          f"{f'in module {mod!r}' if mod else 'in the model itself'}{where}", nxt)
 
 
 def try_patch(subject: Subject, intercepts: dict[int, Callable] | None = None, *,

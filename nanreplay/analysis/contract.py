@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 import torch
 
 from nanreplay import __version__, stats
+from nanreplay.analysis.arguments import name_inputs
 from nanreplay.replay import Step, frame_json
+from nanreplay.replay.probe import forward_op_inputs
 
 SCHEMA = "nanreplay.analysis/1"
 
@@ -73,10 +75,11 @@ def activation_rows(step: Step) -> list[dict]:
     rows = []
     for module, mx, dtype in step.activations:
         fmax = torch.finfo(getattr(torch, dtype)).max
-        ratio = mx / fmax if isinstance(mx, float) else None
+        # A non-finite max |x| gives a non-finite ratio, written like every non-finite number ("nan", "inf").
+        ratio = mx / fmax if isinstance(mx, float) else mx
         # Inf output: it overflowed (past "near"). NaN output: its magnitude is unknown, not an overflow.
         rows.append({"module": module, "absmax": mx, "dtype": dtype, "ratio": ratio,
-                     "near_overflow": bool(ratio is not None and ratio >= NEAR_OVERFLOW) or mx in ("inf", "-inf")})
+                     "near_overflow": (isinstance(ratio, float) and ratio >= NEAR_OVERFLOW) or mx in ("inf", "-inf")})
     return rows
 
 
@@ -100,7 +103,11 @@ def event_json(step: Step, ev) -> dict:
 
 
 def culprit_json(step: Step, ev) -> dict:
+    """The `culprit` object. Each input carries `arg` (its schema name) and `role` (what it is, where known);
+    `forward_inputs` is filled in for backward culprits by `forward_inputs_json` (a second look, after replay)."""
     call = step.call_of(ev)
+    call_name = step.call_names[call] if 0 < call < len(step.call_names) else None
+    user_call = step.user_call(call)
     return {
         "phase": ev.phase,
         "kind": ev.kind,
@@ -110,13 +117,27 @@ def culprit_json(step: Step, ev) -> dict:
         "module": step.module_of(ev),
         "source": frame_json(step.frame_of(ev)),
         "forward_source": frame_json(step.forward_frame_of(ev)) if ev.frame else None,
-        "inputs": ev.inputs or [],
+        "inputs": name_inputs(ev.op, ev.inputs or [], backward_node=ev.node, call=user_call or call_name),
         "output": dict(ev.out),
         "role": ev.role,
         "event": ev.index,
-        "call": step.call_names[call] if 0 < call < len(step.call_names) else None,
+        "call": call_name,
+        "user_call": user_call or call_name,
         "scalars": ev.scalars or [],
+        "forward_inputs": None,
     }
+
+
+def forward_inputs_json(subject, step: Step, ev) -> list[dict] | None:
+    """For a backward culprit: the inputs of the forward op whose gradient it computed (`x` of `sqrt(x)`), named."""
+    if ev.phase != "backward" or ev.fwd is None:
+        return None
+    rec = step.ops[ev.fwd]
+    found = forward_op_inputs(subject, ev.fwd, str(rec.op))
+    if found is None:
+        return None
+    call_name = step.call_names[rec.call] if 0 < rec.call < len(step.call_names) else None
+    return stats.jsonable(name_inputs(str(rec.op), found, call=call_name))
 
 
 def anomaly_json(step: Step, c: int | None) -> dict:

@@ -16,8 +16,16 @@ import torch
 from nanreplay import culprit as culprit_mod
 from nanreplay import diagnose, formats, replay, stats, torch_internals
 from nanreplay import verify as verify_mod
-from nanreplay.analysis.contract import Analysis, activation_rows, anomaly_json, culprit_json, event_json
+from nanreplay.analysis.contract import (
+    Analysis,
+    activation_rows,
+    anomaly_json,
+    culprit_json,
+    event_json,
+    forward_inputs_json,
+)
 from nanreplay.enums import Verdict
+from nanreplay.errors import NanReplayError
 from nanreplay.replay.subject import Subject, batch_tensors
 
 # ------------------------------------------------------------------ pipeline
@@ -25,27 +33,38 @@ from nanreplay.replay.subject import Subject, batch_tensors
 
 def analyze(path: str | Path, *, model: str | None = None, loss: str | None = None, device: str | None = None,
             trust: bool = False, verify: bool = True, max_memory: int | None = None,
-            source: list[str] | tuple[str, ...] | None = None) -> Analysis:
+            source: list[str] | tuple[str, ...] | None = None, only_if_needed: bool = False) -> Analysis:
     """Analyze one snapshot file. Raises NanReplayError subclasses for bad input.
 
     `source`: folders whose .py files may be read to show and rewrite lines the snapshot recorded
     (default: the current folder; a file is used only where its line matches the recorded code).
     `max_memory` (bytes, None: no limit): a snapshot, or a replay whose peak memory is bounded from
     its step program, that would need more is refused (LimitError).
+    With `only_if_needed` (triage over a mixed folder), `model` and `loss` apply only to a
+    snapshot that cannot be rebuilt without them (a plain state-dict snapshot): one that
+    carries its own step is replayed as it is.
     """
     roots = tuple(os.path.abspath(d) for d in source) if source is not None else (os.getcwd(),)
     token = replay.SOURCE_ROOTS.set(roots)
     try:
         return _analyze(path, model=model, loss=loss, device=device, trust=trust, verify=verify,
-                        max_memory=max_memory, source=source)
+                        max_memory=max_memory, source=source, only_if_needed=only_if_needed)
     finally:
         replay.SOURCE_ROOTS.reset(token)
 
 
-def _analyze(path, *, model, loss, device, trust, verify, max_memory, source) -> Analysis:
+def _analyze(path, *, model, loss, device, trust, verify, max_memory, source, only_if_needed) -> Analysis:
     t0 = time.perf_counter()
     snap = formats.load(path, trust=trust, max_memory=max_memory)
-    subject = formats.rebuild(snap, model=model, loss=loss, device=device, trust=trust, max_memory=max_memory)
+    limits = {"device": device, "trust": trust, "max_memory": max_memory}
+    if only_if_needed and (model or loss):
+        try:
+            subject = formats.rebuild(snap, model=None, loss=None, **limits)
+            model = loss = None
+        except NanReplayError:
+            subject = formats.rebuild(snap, model=model, loss=loss, **limits)
+    else:
+        subject = formats.rebuild(snap, model=model, loss=loss, **limits)
     t_load = time.perf_counter()
     result = Analysis(snapshot=str(path), verdict=Verdict.NOT_REPRODUCED, model=_model_info(subject),
                       environment=_environment(subject), snapshot_info=_snapshot_info(snap),
@@ -88,6 +107,8 @@ def _analyze(path, *, model, loss, device, trust, verify, max_memory, source) ->
     result.gradient_shapes = [{"module": m, "output_shape": o, "grad_shape": g, "mismatch": g is not None and g != o}
                               for m, o, g in step.grad_shapes]
     result.diagnosis = diagnose.diagnose(result, subject, step, c, chain, verify_fixes=verify)
+    if c is not None:
+        result.culprit["forward_inputs"] = forward_inputs_json(subject, step, step.events[c])
     t_diag = time.perf_counter()
     if c is not None or step.failure is not None:
         result.precision = verify_mod.precision_probe(subject, _step_dtype(subject),

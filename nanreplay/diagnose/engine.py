@@ -80,7 +80,8 @@ def _not_reproduced(result, subject) -> dict:
         worst = max(near, key=lambda a: a["ratio"] if isinstance(a.get("ratio"), float) else math.inf)
         fmax = torch.finfo(getattr(torch, worst["dtype"])).max
         more = f" (and {len(near) - 1} more)" if len(near) > 1 else ""
-        explanation += (f" Close to overflow, though: module {worst['module'] or '<root>'!r}{more} reached "
+        who = f"module {worst['module']!r}" if worst["module"] else "the model"
+        explanation += (f" Close to overflow, though: {who}{more} reached "
                         f"|x| = {worst['absmax']:.4g}, {100 * worst['ratio']:.0f}% of {worst['dtype']}'s largest "
                         f"value {fmax:.6g}; slightly larger inputs or weights will overflow. bfloat16 (float32's "
                         "range) or a normalisation before that module gives headroom.")

@@ -29,7 +29,7 @@ def anomaly_sentence(anomaly: dict, site: Site | None) -> str:
         return f"set_detect_anomaly(True) would have raised at {node}{at}, which is this culprit's node."
     if site is None:
         return f"set_detect_anomaly(True) would have raised at {node}{at}."
-    kind = site.event.kind.upper()
+    kind = "NaN" if site.event.kind == "nan" else "Inf"  # spelled as everywhere else, not upper-cased
     if site.forward:
         return (f"set_detect_anomaly(True) would have raised only in backward, at {node}{at} — a later node than the "
                 f"culprit: anomaly mode checks backward outputs for NaN only, so the {kind} this forward op made "

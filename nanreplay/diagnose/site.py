@@ -128,7 +128,7 @@ class Site:
         s = self.source
         mod = self.step.module_of(self.event)
         at = f"{s['file']}:{s['line']}" if s else f"{self.call_name or self.event.op} (no source line)"
-        return f"{at} (module {mod if mod else '<root>'!r})"
+        return f"{at} (module {mod!r})" if mod else f"{at} (the model's own forward)"
 
     def chain_events(self) -> list[Event]:
         return [self.step.events[i] for i in self.chain]

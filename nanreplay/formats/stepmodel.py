@@ -221,6 +221,14 @@ class StepModule(nn.Module):
             env[r] = t
 
     # ---- attribution for the replay's Recorder
+    def current_user_call(self) -> str | None:
+        """The user-level call (`F.linear`, `Tensor.sqrt`) the running node was recorded in."""
+        i = self._node
+        if i is None:
+            return None
+        node = self.program.nodes[i]
+        return self.program.calls[node.call] if node.call else None
+
     def site(self) -> tuple[str | None, tuple | None, tuple]:
         i = self._node
         if i is None:

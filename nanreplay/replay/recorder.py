@@ -91,6 +91,9 @@ class Recorder:
         self.calls = 0
         self.current_call = 0
         self.call_funcs: list[Any] = [None]
+        # where calls are aten ops of a recorded program: the user's own call each one belongs to (`F.linear`)
+        self.call_label: Callable[[], str | None] | None = None
+        self.user_calls: list[str | None] = [None]
         self.intercepts: dict[int, Callable] = {}  # call number -> fn(func, args, kwargs): fix verification
         self.producer = ti.WeakTensorKeyDictionary()  # forward output tensor -> forward op index
         self.activations: list[list] = []  # [module, max |output|, dtype] in forward completion order
@@ -334,6 +337,7 @@ class _CallMode(TorchFunctionMode):
         rec.calls += 1
         n = rec.calls
         rec.call_funcs.append(func)
+        rec.user_calls.append(rec.call_label() if rec.call_label is not None else None)
         rec.current_call = n
         try:
             fix = rec.intercepts.get(n)

@@ -81,7 +81,8 @@ class Step:
     failure: Failure | None
     anomaly: Anomaly | None
     grads: list[dict]  # per-parameter gradient statistics (the seed's walk)
-    call_names: list[str] = field(default_factory=list)
+    call_names: list[str] = field(default_factory=list)  # what each numbered call was (what a patch receives)
+    user_calls: list[str | None] = field(default_factory=list)  # for a step program: the user's call it ran in
     internal_errors: list[str] = field(default_factory=list)
     backward_error: str | None = None
     activations: list[list] = field(default_factory=list)
@@ -99,6 +100,10 @@ class Step:
 
     def forward_op_of(self, ev: Event) -> str | None:
         return str(self.ops[ev.fwd].op) if ev.fwd is not None else None
+
+    def user_call(self, call: int) -> str | None:
+        """How the user spelled call `call` (`F.linear`, `Tensor.__pow__`), where it differs from what ran."""
+        return self.user_calls[call] if 0 < call < len(self.user_calls) else None
 
     def call_of(self, ev: Event) -> int:
         if ev.frame is not None:

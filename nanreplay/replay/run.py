@@ -34,6 +34,7 @@ def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any]
     """
     rec = Recorder(names, site)
     rec.intercepts = intercepts or {}
+    rec.call_label = getattr(model, "current_user_call", None)  # a step program knows the user's calls
     handles = rec.install_module_hooks() if site is None else []  # exported programs: the site knows
     node_handles: list = []
     model.zero_grad(set_to_none=True)
@@ -85,7 +86,7 @@ def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any]
     anomaly = None if skipped else rec.anomaly or Anomaly(False)
     return Step(loss=float(loss_t.detach().double()) if loss_t is not None else None,
                 events=rec.events, ops=rec.ops, op_by_seq=rec.op_by_seq, failure=failure, anomaly=anomaly,
-                grads=grads, call_names=[call_name(f) for f in rec.call_funcs],
+                grads=grads, call_names=[call_name(f) for f in rec.call_funcs], user_calls=rec.user_calls,
                 internal_errors=rec.internal_errors, backward_error=backward_error,
                 activations=rec.activations, grad_shapes=rec.grad_shapes)
 

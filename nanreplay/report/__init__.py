@@ -4,16 +4,18 @@
     build_view()       the analysis as view models, one per section (report.views)
     render_html()      gather, build, lay out with the template (report.html)
     terminal_summary() the banner in a few lines
+    markdown_summary() the banner as Markdown, to paste into a ticket
 """
 
 from __future__ import annotations
 
 from nanreplay.report.format import module_label, num
 from nanreplay.report.html import render_html, write_report
+from nanreplay.report.markdown import markdown_summary
 from nanreplay.report.page import ReportView, build_view
 from nanreplay.report.sources import gather_sources
 from nanreplay.report.terminal import terminal_summary
 from nanreplay.report.views.source import SourceLine
 
-__all__ = ["ReportView", "SourceLine", "build_view", "gather_sources", "module_label", "num", "render_html",
-           "terminal_summary", "write_report"]
+__all__ = ["ReportView", "SourceLine", "build_view", "gather_sources", "markdown_summary", "module_label", "num",
+           "render_html", "terminal_summary", "write_report"]

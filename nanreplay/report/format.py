@@ -7,6 +7,8 @@ terminal summary. The few a template may call sit in one dict, `TEMPLATE_GLOBALS
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,14 +67,24 @@ def fmt_shape(s: Any) -> str:
     return str(s)
 
 
+ROOT_LABEL = "(the model)"  # the root module, "" in the JSON: the model's own forward, outside any submodule
+LOSS_LABEL = "(the loss)"  # "<loss>" in the JSON: the loss function after the model
+
+
 def module_label(m: str | None, model_class: str | None = None) -> str:
+    """A module path for people: the root module and the loss function are named, not written as `<root>`."""
     if m is None:
         return "(outside any module)"
     if m == "":
-        return f"<root> ({model_class})" if model_class else "<root>"
+        return f"{model_class} (the model)" if model_class else ROOT_LABEL
     if m == "<loss>":
-        return "<loss>"
+        return LOSS_LABEL
     return m
+
+
+def module_short(m: str | None) -> str:
+    """module_label without the model's class: for chart axes and narrow cells."""
+    return module_label(m)
 
 
 def where(src: dict | None) -> str:
@@ -91,6 +103,14 @@ def op_base(op: str | None) -> str:
     parts = op.split(".")
     base = parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]
     return base.rstrip("_") or base
+
+
+def kind_of_value(x: Any) -> str:
+    """How a non-finite number is spelled everywhere (HTML, terminal, Markdown): NaN, +Inf, −Inf; '' when finite."""
+    f = to_float(x)
+    if f is None or math.isfinite(f):
+        return ""
+    return num(f)
 
 
 def kind_text(kind: str | None, out: dict | None = None) -> str:
@@ -116,6 +136,69 @@ def dtype_max(dtype: str | None) -> float | None:
     if not isinstance(t, torch.dtype) or not t.is_floating_point:
         return None
     return float(torch.finfo(t).max)
+
+
+def numel(shape: Any) -> int | None:
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) for d in shape):
+        return None
+    return math.prod(shape)
+
+
+FIX_LABELS = {
+    "epsilon": "add an epsilon", "clamp": "clamp the input", "log_softmax": "use log_softmax",
+    "logsigmoid": "use logsigmoid", "xlogy": "use xlogy", "bce_with_logits": "use BCE with logits",
+    "max_subtraction": "subtract the max first", "finite_mask_value": "a finite mask value",
+    "double_where": "the double-where trick", "correction": "std/var correction", "bf16_or_grad_scaler": "bf16 or GradScaler",
+    "lower_lr_clip_grads": "lower LR, clip gradients", "clean_input": "clean the input batch",
+    "restore_parameters": "restore the weights", "guard_empty_reduction": "guard the empty reduction", "none": "no fix",
+}
+
+
+def fix_label(kind: str | None) -> str:
+    """A fix kind (JSON identifier) as words: 'bf16_or_grad_scaler' -> 'bf16 or GradScaler'."""
+    return FIX_LABELS.get(kind or "", (kind or "").replace("_", " "))
+
+
+@dataclass
+class Seg:
+    """A piece of prose: plain text, or code (what the prose wrote between backticks)."""
+
+    text: str
+    code: bool = False
+
+
+_TICKS = re.compile(r"`([^`\n]+)`")
+
+
+def segments(text: str) -> list[Seg]:
+    """Prose with `code` spans as segments: the page shows them as code, never as raw backticks."""
+    out: list[Seg] = []
+    pos = 0
+    for m in _TICKS.finditer(text or ""):
+        if m.start() > pos:
+            out.append(Seg(text[pos:m.start()]))
+        out.append(Seg(m.group(1), True))
+        pos = m.end()
+    if pos < len(text or ""):
+        out.append(Seg(text[pos:]))
+    return out
+
+
+def plain(text: str) -> str:
+    """Prose without its backticks: for the terminal."""
+    return "".join(s.text for s in segments(text))
+
+
+_SENTENCE_END = re.compile(r"(?<!\be\.g)(?<!\bi\.e)(?<!\bvs)(?<!\betc)\.\s+(?=\S)")
+
+
+def first_sentence(text: str) -> tuple[str, str]:
+    """(the first sentence, the rest) of a paragraph."""
+    text = (text or "").strip()
+    m = _SENTENCE_END.search(text)
+    if not m:
+        return text, ""
+    return text[:m.start() + 1], text[m.end():].strip()
 
 
 TEMPLATE_GLOBALS: dict[str, Any] = {"num": num, "fmt_shape": fmt_shape}

@@ -29,7 +29,8 @@ def _template_dir() -> Path:
     return Path(__file__).parent / "templates"
 
 
-def _asset(name: str) -> str:
+def asset(name: str) -> str:
+    """A file shipped with the templates (CSS, JS), as text."""
     return (_template_dir() / name).read_text(encoding="utf-8")
 
 
@@ -65,21 +66,21 @@ def _visible(value):
     return value
 
 
-def render_html(a: Analysis | dict) -> str:
-    """Read the source lines the report quotes, build the view, render the page."""
+def render_html(a: Analysis | dict, *, index: str = "") -> str:
+    """Read the source lines the report quotes, build the view, render the page (linked back to `index`, if any)."""
     from markupsafe import Markup
 
     d = a.to_json() if isinstance(a, Analysis) else a
     d = cap_strings(d)  # a 2 MB string in a snapshot must not become a 91 MB page
-    v = build_view(d, gather_sources(d))
-    css, js = _asset("report.css"), _asset("report.js")
+    v = build_view(d, gather_sources(d), index=index)
+    css, js = asset("report.css"), asset("report.js")
     # The page's own CSS and JS are trusted files shipped with nanreplay; inlined verbatim so their CSP hashes match.
     return jinja_env().get_template("report.html.j2").render(v=v, css=Markup(css), js=Markup(js), csp=csp(css, js))
 
 
-def write_report(a: Analysis | dict, path: str) -> None:
+def write_report(a: Analysis | dict, path: str, *, index: str = "") -> None:
     """Render, then write atomically: a failure at any point leaves no file (and no half of one) behind."""
-    html = render_html(a)
+    html = render_html(a, index=index)
     try:
         atomic.write_text(path, html)
     except OSError as e:

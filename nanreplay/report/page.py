@@ -17,11 +17,11 @@ from nanreplay.report.views.anomaly import AnomalyView, anomaly_view
 from nanreplay.report.views.banner import Banner, banner
 from nanreplay.report.views.chain import ChainView, chain_view
 from nanreplay.report.views.charts import ActivationView, HistoryView, activation_view, history_view
-from nanreplay.report.views.elements import Fact
 from nanreplay.report.views.environment import (
+    EnvironmentView,
     PrecisionView,
     ReproduceView,
-    environment_facts,
+    environment_view,
     precision_view,
     reproduce_view,
 )
@@ -60,16 +60,18 @@ class ReportView:
     shapes: ShapeTable | None
     history: HistoryView | None
     precision: PrecisionView | None
-    environment: list[Fact]
+    environment: EnvironmentView
     reproduce: ReproduceView
     sections: list[Section] = field(default_factory=list)
+    index: str = ""  # a link back to the triage index this report belongs to ("" when it stands alone)
 
 
-def build_view(a: Analysis | dict, sources: Sources) -> ReportView:
+def build_view(a: Analysis | dict, sources: Sources, *, index: str = "") -> ReportView:
     """Everything the page shows, computed: the template only lays this out.
 
     `sources` is what `gather_sources()` read for this analysis; a source it lacks is
-    shown as the line recorded at replay time.
+    shown as the line recorded at replay time. `index` links the page back to a triage
+    index (a relative URL).
     """
     d = a.to_json() if isinstance(a, Analysis) else a
     v = ReportView(
@@ -87,8 +89,9 @@ def build_view(a: Analysis | dict, sources: Sources) -> ReportView:
         shapes=shape_table(d),
         history=history_view(d),
         precision=precision_view(d),
-        environment=environment_facts(d),
+        environment=environment_view(d),
         reproduce=reproduce_view(d),
+        index=index,
     )
     present = [("verdict", "Verdict", True), ("anomaly", "Anomaly detection", True), ("source", "Source", v.source),
                ("chain", "Causal chain", v.chain), ("culprit-stats", "Culprit inputs", v.stats),

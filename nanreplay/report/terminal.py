@@ -22,11 +22,12 @@ def terminal_summary(a: Analysis | dict, report_path: str | None) -> str:
         how = c["phase"]
         if c.get("backward_node"):
             how += f", {c['backward_node']} ← {c.get('forward_op')}"
-        lines.append(f"  culprit  {c['op']} ({how}) produced {kind_text(c.get('kind'), c.get('output')).upper()}")
+        # NaN / +Inf / −Inf spelled as on the page (not upper-cased): one spelling everywhere
+        lines.append(f"  culprit  {c['op']} ({how}) produced {kind_text(c.get('kind'), c.get('output'))}")
         src = c.get("source")
         loc = f"at {where(src)}" if src else \
             f"({loss_source_note(d)})" if c.get("module") == "<loss>" else "(no user source line)"
-        lines.append(f"  module   {module_label(c.get('module'))}   {loc}")
+        lines.append(f"  module   {module_label(c.get('module'), (d.get('model') or {}).get('class'))}   {loc}")
         if src and src.get("code"):
             lines.append(f"           {src['code']}")
     else:

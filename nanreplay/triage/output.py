@@ -29,6 +29,7 @@ class Result:
     summary: str  # the one line
     index: Path
     counts: dict = field(default_factory=dict)
+    doc: dict = field(default_factory=dict)  # groups.json as written: what the index and the Markdown summary show
 
     @property
     def exit_code(self) -> int:
@@ -64,7 +65,7 @@ def write(p: Plan) -> Result:
     finally:
         p.release()
     return Result(rows=rows, groups=groups, failures=failures, ranks=ranks, summary=summary,
-                  index=p.outdir / "index.html", counts=counts)
+                  index=p.outdir / "index.html", counts=counts, doc=doc)
 
 
 def summary_line(counts: dict, groups: list[dict]) -> str:

@@ -65,8 +65,11 @@ def _analyze(task: dict) -> dict:
 
     t0 = time.perf_counter()
     try:
+        # --model/--loss name the model of plain state-dict snapshots: a snapshot that carries its own step
+        # is replayed as it is, so one folder can hold both kinds
         a = analyze_one(task["path"], model=task["model"], loss=task["loss"], trust=task["trust"],
-                        device=task.get("device"), verify=task.get("verify", True), max_memory=task.get("max_memory"))
+                        device=task.get("device"), verify=task.get("verify", True), max_memory=task.get("max_memory"),
+                        only_if_needed=True)
     except NanReplayError as e:
         return failed(_category(e), str(e), path=task["path"])
     seconds = time.perf_counter() - t0
@@ -75,7 +78,7 @@ def _analyze(task: dict) -> dict:
     d = a.to_json()
     try:
         atomic.write_text(out / js, json.dumps(d, indent=2, allow_nan=False))
-        write_report(a, str(out / report))
+        write_report(a, str(out / report), index="index.html")  # the report links back to the index
     except (OSError, NanReplayError) as e:
         for f in (report, js):
             (out / f).unlink(missing_ok=True)

@@ -142,10 +142,13 @@ def test_sample_report_renders_every_section_that_applies(name, tmp_path):
     assert {h for h in page.attr_values("href")} == {f"#{s}" for s in expected}
     assert out.stat().st_size < SIZE_BUDGET
 
-    # 1. the banner: culprit op, phase, kind, module, file:line, cause, fix with its badge
+    # 1. the banner: the user's line first, then what happened there (the aten op after it), module,
+    #    file:line, cause, one sentence of why, the fix with its badge
     b = v.banner
     assert b.verdict == "culprit_found" and b.tone == "bad"
-    assert c["op"] in b.headline and c["phase"] in b.headline
+    assert b.line.code == c["source"]["code"].strip() and b.line.where == f"{c['source']['file']}:{c['source']['line']}"
+    assert not b.headline.startswith("aten.") and c["phase"] in b.headline and c["op"] in b.subline
+    assert b.why and "`" not in "".join(seg.text for seg in b.why)
     assert b.cause == d["diagnosis"]["title"]
     facts = {f.label: f.value for f in b.facts}
     assert facts["source"].startswith(f"{c['source']['file']}:{c['source']['line']}")
@@ -219,8 +222,10 @@ def test_sample_report_renders_every_section_that_applies(name, tmp_path):
     # 8. shapes, 10. precision / environment / reproduce
     assert v.shapes.total == len(d["gradient_shapes"]) and v.shapes.mismatches == 0
     assert len(v.precision.rows) == len(d["precision"])
-    env = {f.label: f.value for f in v.environment}
-    assert env["torch"] == torch.__version__ and env["snapshot format"] == "native"
+    env = {f.label: f.value for f in v.environment.facts}
+    machines = {r.label: r for r in v.environment.machines}
+    assert machines["torch"].replayed == torch.__version__ and env["snapshot format"] == "native"
+    assert machines["torch"].captured == d["snapshot_info"]["environment"]["torch"]  # what training recorded
     assert env["model rebuilt from"] == d["model"]["how"]
     cmd = shlex.split(v.reproduce.command)
     assert cmd[:3] == ["nanreplay", "analyze", d["snapshot"]]
@@ -265,7 +270,7 @@ EVIL_DIR = "<img src=x onerror=alert(2)>"
 def _assert_inert(html: str, page: Page, *raw: str) -> None:
     for r in raw:
         assert r not in html, f"unescaped {r!r}"
-    assert page.scripts == [report_html._asset("report.js")]  # the only script is our own
+    assert page.scripts == [report_html.asset("report.js")]  # the only script is our own
     assert [t for t, _ in page.tags].count("script") == 1
     assert "img" not in {t for t, _ in page.tags}
     for tag, attrs in page.tags:
@@ -444,7 +449,7 @@ def test_culprit_in_a_named_loss_says_there_is_no_user_line(tmp_path, monkeypatc
     (up,) = [ln for ln in s.lines if ln.mark == "upstream"]
     assert "masked_fill" in text_of(up) and not [ln for ln in s.lines if ln.mark == "culprit"]
     summary = report.terminal_summary(a, None)
-    assert "<loss>" in summary and "--loss cross_entropy" in summary
+    assert "(the loss)" in summary and "--loss cross_entropy" in summary
 
     # without any line of the user's on the chain, the note alone, never an empty code block
     d = copy.deepcopy(a.to_json())
@@ -495,7 +500,7 @@ def _synthetic(**over) -> dict:
     return d
 
 
-def test_gradient_table_is_the_seeds_walk_worst_first():
+def test_gradient_table_is_the_per_parameter_walk_worst_first():
     g = [
         {"name": "ok.weight", "shape": [2, 2], "has_grad": True, "mean": 0.1, "std": 0.2, "max_abs": 0.5, "nan": 0,
          "inf": 0},
@@ -515,10 +520,10 @@ def test_gradient_table_is_the_seeds_walk_worst_first():
                                             "ok.weight"]
     assert [r[2].text for r in gt.rows] == ["NaN", "Inf", "NO GRADIENT", "all zero", "finite", "finite"]
     assert (gt.nonfinite, gt.no_grad, gt.zero) == (2, 1, 1)
-    assert gt.rows[0][5].sort == "Infinity" and gt.rows[2][5].sort == "-Infinity"  # NaN sorts worst, none lowest
+    assert gt.rows[0][6].sort == "Infinity" and gt.rows[2][6].sort == "-Infinity"  # NaN sorts worst, none lowest
     page = Page(report.render_html(_synthetic(gradients=g)))
     assert "NO GRADIENT" in page.section_text("gradients")
-    assert ("table", {"class": "sortable grads"}) in page.tags
+    assert ("table", {"class": "sortable grads stack"}) in page.tags
 
 
 def test_gradient_shapes_flag_mismatches_first():
@@ -617,7 +622,7 @@ def test_a_failed_render_leaves_no_report(tmp_path, monkeypatch):
     old = tmp_path / "old.html"
     old.write_text("previous report")
 
-    def broken(*_):
+    def broken(*_, **__):
         raise RuntimeError("template exploded")
 
     monkeypatch.setattr(report_html, "build_view", broken)
@@ -633,7 +638,7 @@ def test_a_failed_write_leaves_no_half_written_report(tmp_path, monkeypatch):
         def encode(self, *args, **kwargs):
             raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(report_html, "render_html", lambda a: Exploding("<html>"))
+    monkeypatch.setattr(report_html, "render_html", lambda a, **kw: Exploding("<html>"))
     from nanreplay.errors import UsageError
 
     with pytest.raises(UsageError, match="cannot write the report"):

@@ -160,7 +160,7 @@ def _log_of_softmax(s: Site) -> Diagnosis | None:
         "log_softmax", "log(softmax(x)): softmax underflowed to 0 and log made it -inf",
         f"softmax returned exactly 0 for some entries (their logits were far below the row's maximum), "
         f"and log(0) = -inf {'in forward' if s.forward else 'gave 0/0 = NaN in its backward (grad / p)'}. "
-        f"This is the seed's `log(softmax(x))` collapse at {s.where}.",
+        f"This is the `log(softmax(x))` collapse (Debugging Gradients That Misbehave) at {s.where}.",
         [Fix(FixKind.LOG_SOFTMAX, generic, rewrite=rw, patch=patch,
              reasoning="log_softmax computes x - logsumexp(x) directly, so it never takes log(0)")])
 

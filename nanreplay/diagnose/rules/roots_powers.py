@@ -69,8 +69,8 @@ def _sqrt_zero(s: Site) -> Diagnosis | None:
                      floor=(1 / (2 * s.finfo.max)) ** 2, floor_why="the gradient 1/(2*sqrt(eps))")
     return Diagnosis("sqrt_at_zero", "sqrt at zero: infinite gradient",
                      f"sqrt's input held exact zeros at {s.where}. sqrt(0) = 0 is fine in forward, but its "
-                     "derivative 1/(2*sqrt(x)) is Inf there — the seed's `sqrt(0).backward()` case (often a "
-                     "distance or norm between identical vectors).", fixes)
+                     "derivative 1/(2*sqrt(x)) is Inf there — the `sqrt(0).backward()` case of Debugging Gradients "
+                     "That Misbehave (often a distance or norm between identical vectors).", fixes)
 
 
 def _exponent(s: Site) -> float | None:

@@ -1,14 +1,29 @@
 """The report's top block, the verdict: what failed, where, why, and the fix (verified or not).
 
-The terminal summary is built from the same `Banner`, so the two cannot disagree.
+What the first screen shows, in order: the cause, the user's own line, what happened there
+in one sentence, one sentence of why, then the fix. The rest (facts, the full explanation,
+the fix's reasoning, other fixes tried) is folded. The terminal summary and the Markdown
+summary are built from the same `Banner`, so the three cannot disagree.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from nanreplay.report.format import kind_text, module_label, num, to_float, where
+from nanreplay.report.format import (
+    Seg,
+    first_sentence,
+    fix_label,
+    kind_of_value,
+    kind_text,
+    module_label,
+    num,
+    op_base,
+    segments,
+    to_float,
+    where,
+)
 from nanreplay.report.views.elements import Badge, Fact
 
 
@@ -21,7 +36,7 @@ class DiffLine:
 @dataclass
 class FixView:
     kind: str
-    label: str  # "epsilon, ε = 1e-09"
+    label: str  # "add an epsilon, ε = 1e-09"
     diff: list[DiffLine]  # before/after, when the fix is a change of the user's line
     code: str  # otherwise the code to add or change
     badge: Badge
@@ -30,19 +45,32 @@ class FixView:
 
 
 @dataclass
+class CodeLine:
+    """The user's line the verdict is about: where it is and what it says."""
+
+    where: str  # file:line
+    function: str
+    code: str
+    note: str = ""  # e.g. "upstream of the culprit"
+
+
+@dataclass
 class Banner:
     verdict: str
     verdict_label: str
     tone: str  # bad | ok | warn
-    headline: str
-    subline: str
+    headline: str  # what happened, in one sentence that leads with the effect, not the aten op
+    subline: str  # the aten op, its autograd node: for those who want them
     cause: str
-    explanation: str
+    explanation: str  # the diagnosis' explanation, without what the page says elsewhere (the precision probe)
     facts: list[Fact]
     fix: FixView | None
     other_fixes: list[FixView]
     snapshot: str
     no_fix: str = ""  # said instead of a fix when a culprit has none
+    line: CodeLine | None = None
+    why: list[Seg] = field(default_factory=list)  # the explanation's first sentence
+    details: list[Seg] = field(default_factory=list)  # the rest of it, folded
 
 
 _VERDICT_LABEL = {
@@ -68,7 +96,7 @@ def fix_view(fix: dict) -> FixView | None:
     kind = fix.get("kind")
     if not kind or kind == "none":
         return None
-    label = kind.replace("_", " ")
+    label = fix_label(kind)
     if fix.get("epsilon") is not None:
         label += f", ε = {fix['epsilon']:g}" if isinstance(fix["epsilon"], (int, float)) else f", ε = {fix['epsilon']}"
     diff: list[DiffLine] = []
@@ -82,11 +110,20 @@ def fix_view(fix: dict) -> FixView | None:
                    badge=_badge(fix), verification=verification, reasoning=fix.get("reasoning") or "")
 
 
+def failure_kind(d: dict) -> str:
+    """The failure's kind as the page spells it, with the sign of an Inf where the analysis knows it."""
+    f = d.get("failure") or {}
+    if f.get("what") == "loss" and kind_of_value(d.get("loss")):
+        return kind_of_value(d.get("loss"))
+    ev = next((e for e in d.get("chain") or [] if e.get("index") == f.get("event")), None)
+    return kind_text(f.get("kind"), ev)
+
+
 def failure_text(d: dict) -> str:
     f = d.get("failure")
     if not f:
         return ""
-    kind = kind_text(f.get("kind"))
+    kind = failure_kind(d)
     if f.get("what") == "loss":
         return f"the loss became {kind}"
     loss = d.get("loss")
@@ -104,6 +141,56 @@ def anomaly_short(d: dict) -> str:
     return f"would raise at {am.get('node')} ({agree})"
 
 
+def culprit_sentence(c: dict) -> tuple[str, str]:
+    """(headline, subline) for a culprit: the effect in words first, the aten op and autograd node after."""
+    kind = kind_text(c.get("kind"), c.get("output"))
+    if c.get("phase") == "backward" and c.get("forward_op"):
+        head = f"the gradient of {op_base(c['forward_op'])} made {kind} in backward"
+        sub = f"{c.get('op')} in {c.get('backward_node') or 'backward'}, the gradient of {c['forward_op']}"
+    else:
+        head = f"{op_base(c.get('op'))} made {kind} in {c.get('phase')}"
+        sub = f"{c.get('op')}" + (f", called as {c['call']}" if c.get("call") else "")
+    if c.get("module") == "<loss>":
+        head += ", inside the loss function"
+    return head, sub
+
+
+def explanation_of(d: dict) -> str:
+    """The diagnosis' explanation without the precision probe's sentence: the page states that from its own table."""
+    diag = d.get("diagnosis") or {}
+    text = str(diag.get("explanation") or "")
+    note = diag.get("precision")
+    if note and note in text:
+        text = text.replace(note, "").strip()
+    return " ".join(text.split())
+
+
+WHY_MIN = 70  # a first sentence shorter than this (once the location is gone) takes the next one along
+
+
+def _without_location(text: str, d: dict) -> str:
+    """The sentence without the "at file:line (module ...)" the page already shows right above it."""
+    c = d.get("culprit") or {}
+    src = c.get("source")
+    if not src:
+        return text
+    at = f"{src.get('file')}:{src.get('line')}"
+    mod = c.get("module")
+    for suffix in (f" (module {mod!r})", " (the model's own forward)", " (module '<root>')", ""):
+        text = text.replace(f" at {at}{suffix}", "").replace(f" ({at}{suffix})", "")
+    return text
+
+
+def why_and_details(d: dict, explanation: str) -> tuple[str, str]:
+    """One sentence of why (two when the first says little), and the rest of the explanation."""
+    why, rest = first_sentence(explanation)
+    why = _without_location(why, d)
+    if len(why) < WHY_MIN and rest:
+        more, rest = first_sentence(rest)
+        why = f"{why} {_without_location(more, d)}"
+    return why, rest
+
+
 def banner(d: dict) -> Banner:
     verdict = d["verdict"]
     diag = d.get("diagnosis") or {}
@@ -112,20 +199,21 @@ def banner(d: dict) -> Banner:
     facts: list[Fact] = []
     tone = "bad"
     subline = ""
+    line = None
     if c:
-        kind = kind_text(c.get("kind"), c.get("output"))
-        headline = f"{c.get('op')} produced {kind} in {c.get('phase')}"
-        if c.get("backward_node"):
-            subline = f"{c['backward_node']}, the gradient of {c.get('forward_op')}"
+        headline, subline = culprit_sentence(c)
+        headline = headline[:1].upper() + headline[1:] if headline.startswith("the ") else headline
         facts.append(Fact("module", module_label(c.get("module"), model_class), code=True))
         src = c.get("source")
         if src:
             fn = f" in {src['function']}()" if src.get("function") else ""
             facts.append(Fact("source", f"{where(src)}{fn}", code=True))
+            line = CodeLine(where(src), str(src.get("function") or ""), str(src.get("code") or "").strip())
         elif c.get("module") == "<loss>":
             facts.append(Fact("source", loss_source_note(d), tone="muted"))
         else:
             facts.append(Fact("source", "no user source line recorded", tone="muted"))
+        facts.append(Fact("op", subline, code=True))
     elif verdict in ("nonfinite_input", "nonfinite_parameters"):
         leaves = d.get("nonfinite_leaves") or []
         names = ", ".join(f"{r.get('name')} ({r.get('nan', 0)} NaN, {r.get('inf', 0)} Inf)" for r in leaves[:3])
@@ -152,10 +240,13 @@ def banner(d: dict) -> Banner:
     chosen = (diag.get("fix") or {}).get("code")
     others = [fv for f in diag.get("candidates") or [] if f.get("code") != chosen and (fv := fix_view(f))]
     no_fix = "No automatic fix for this pattern: the inputs table shows what the op saw." if c and not fix else ""
+    explanation = explanation_of(d)
+    why, rest = why_and_details(d, explanation)
     return Banner(verdict=verdict, verdict_label=_VERDICT_LABEL.get(verdict, verdict.replace("_", " ")), tone=tone,
                   headline=headline, subline=subline, cause=diag.get("title") or "",
-                  explanation=diag.get("explanation") or "", facts=facts, fix=fix, other_fixes=others,
-                  snapshot=d.get("snapshot") or "", no_fix=no_fix)
+                  explanation=explanation, facts=facts, fix=fix, other_fixes=others,
+                  snapshot=d.get("snapshot") or "", no_fix=no_fix, line=line, why=segments(why),
+                  details=segments(rest))
 
 
 def loss_source_note(d: dict) -> str:

@@ -45,12 +45,23 @@ class FlowStep:
     kind: str
 
 
+# What each role means, said on the page (the legend) and on hover (the role labels).
+ROLES = {
+    "origin": "made here: every input was finite",
+    "conversion": "Inf in, NaN out (0 × ∞, ∞ − ∞, ∞ / ∞)",
+    "literal": "an intentional constant (a -inf mask): not a bug by itself",
+    "propagation": "a NaN/Inf that came in and went on",
+    "failure": "what broke the step: the loss, or the first non-finite parameter gradient",
+}
+
+
 @dataclass
 class ChainView:
     flow: list[FlowStep]
     groups: list[ChainGroup]
     total: int
     shown: int
+    legend: list[tuple[str, str]]  # (role, what it means) for the roles on this chain
 
 
 def _event(e: dict, culprit_index: int | None, failure_index: int | None) -> ChainEvent:
@@ -58,7 +69,7 @@ def _event(e: dict, culprit_index: int | None, failure_index: int | None) -> Cha
     return ChainEvent(index=e.get("index", -1), phase=e.get("phase", ""), op=e.get("op", ""),
                       node=e.get("backward_node") or "", forward_op=e.get("forward_op") or "",
                       module=module_label(e.get("module")), role=e.get("role", ""),
-                      kind=e.get("kind", ""), nan=e.get("nan", 0), posinf=e.get("posinf", 0),
+                      kind=kind_text(e.get("kind"), e), nan=e.get("nan", 0), posinf=e.get("posinf", 0),
                       neginf=e.get("neginf", 0), numel=e.get("numel", 0), where=short_where(src),
                       code=f"{where(src)}: {(src or {}).get('code') or ''}" if src else "",
                       culprit=e.get("index") == culprit_index, failure=e.get("index") == failure_index)
@@ -120,20 +131,29 @@ def chain_view(d: dict) -> ChainView | None:
 
     flow: list[FlowStep] = []
     skipped = 0
+
+    def more() -> None:
+        nonlocal skipped
+        if skipped:  # the same count the table shows between these two steps
+            flow.append(FlowStep(f"{skipped} propagation step{'s' if skipped > 1 else ''}", "", "more", ""))
+        skipped = 0
+
     for e in events:
-        if e.role == "propagation":
+        if e.failure:
+            continue  # the failure step below stands for it
+        if e.role == "propagation" and not e.culprit:
             skipped += 1
             continue
-        if skipped:
-            flow.append(FlowStep(f"{skipped} propagation", "", "more", ""))
-            skipped = 0
-        flow.append(FlowStep(op_base(e.op), f"{e.node or e.phase} · {e.module}", e.role, kind_text(e.kind)))
-    if skipped:
-        flow.append(FlowStep(f"{skipped} propagation", "", "more", ""))
+        more()
+        flow.append(FlowStep(op_base(e.op), f"{e.node or e.phase} · {e.module}", e.role, e.kind))
+    more()
     f = d.get("failure")
     if f:
         what = "the loss" if f.get("what") == "loss" else f"grad of {f.get('name')}"
-        flow.append(FlowStep(what, "the failure", "failure", kind_text(f.get("kind"))))
+        fev = next((e for e in chain if e.get("index") == failure_index), None)
+        flow.append(FlowStep(what, "the failure", "failure", kind_text(f.get("kind"), fev)))
     if len(flow) > 12:
         flow = flow[:5] + [FlowStep(f"{len(flow) - 10} more steps", "", "more", "")] + flow[-5:]
-    return ChainView(flow=flow, groups=groups, total=len(events), shown=shown)
+    roles = {e.role for e in events} | ({"failure"} if f else set())
+    legend = [(r, ROLES[r]) for r in ROLES if r in roles]
+    return ChainView(flow=flow, groups=groups, total=len(events), shown=shown, legend=legend)

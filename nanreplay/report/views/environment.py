@@ -31,8 +31,105 @@ def precision_view(d: dict) -> PrecisionView | None:
                      Cell("finite" if r.get("grads_finite") else f"{num(r.get('nonfinite_grads'))} non-finite",
                           bad=not r.get("grads_finite")),
                      Cell("finite" if ok else "non-finite", bad=not ok)])
-    sentence = (d.get("diagnosis") or {}).get("precision") or ""
-    return PrecisionView(rows, sentence)
+    return PrecisionView(rows, precision_sentence(d))
+
+
+def step_dtype(d: dict) -> str:
+    """How the step ran, from the analysis: 'float16', or 'autocast float16'."""
+    model = d.get("model") or {}
+    ac = model.get("autocast")
+    if ac:
+        return f"autocast {str(ac.get('dtype') or '').removeprefix('torch.')}".strip()
+    dtypes = [str(t) for t in model.get("dtypes") or []]
+    return dtypes[0] if len(dtypes) == 1 else (", ".join(dtypes) or "its own dtype")
+
+
+def precision_sentence(d: dict) -> str:
+    """What the precision table says, in one sentence written from the table's own rows: it cannot contradict them."""
+    rows = [r for r in d.get("precision") or [] if "error" not in r]
+    ok = [str(r.get("dtype")) for r in rows if r.get("loss_finite") and r.get("grads_finite")]
+    bad = [str(r.get("dtype")) for r in rows if not (r.get("loss_finite") and r.get("grads_finite"))]
+    ran = step_dtype(d)
+    if ok:
+        also = f" (and not in {', '.join(bad)} either)" if bad else ""
+        return (f"The step is finite when replayed in {', '.join(ok)}, but not in {ran} as it ran{also}: a "
+                "precision/range problem, not a math domain error.")
+    if bad:
+        return (f"The step is non-finite in {', '.join(bad)} too: a math domain error, not a precision problem; a "
+                "wider dtype will not fix it.")
+    return ""
+
+
+@dataclass
+class MachineRow:
+    label: str
+    captured: str  # what the snapshot recorded when training wrote it
+    replayed: str  # where this analysis ran
+    differs: bool = False
+
+
+@dataclass
+class EnvironmentView:
+    machines: list[MachineRow]  # the training machine (at capture time) beside the replay machine
+    captured_note: str  # why a column is empty, where it is
+    facts: list[Fact]  # the snapshot and the model
+
+
+def _dtype_of(d: dict) -> str:
+    model = d.get("model") or {}
+    dtypes = ", ".join(map(str, model.get("dtypes") or []))
+    ac = model.get("autocast")
+    if ac:
+        dtypes += f" (autocast {ac.get('dtype') or ''})".replace(" )", ")")
+    return dtypes or "—"
+
+
+def machine_rows(d: dict) -> tuple[list[MachineRow], str]:
+    """Training machine (what the snapshot recorded at capture time) against the replay machine."""
+    env = d.get("environment") or {}
+    info = d.get("snapshot_info") or {}
+    cap = info.get("environment") if isinstance(info.get("environment"), dict) else {}
+    note = "" if cap else ("The snapshot recorded nothing about the machine that wrote it"
+                           + (" (a plain state-dict snapshot holds only tensors)." if info.get("format") == "state_dict"
+                              else "."))
+
+    def v(x) -> str:
+        return "—" if x in (None, "") else str(x)
+
+    world = info.get("world_size")
+    rank = info.get("rank")
+    ranks = f"rank {v(rank)} of {v(world)}" if world is not None else (f"rank {rank}" if rank is not None else "—")
+    rows = [MachineRow("torch", v(cap.get("torch")), v(env.get("torch"))),
+            MachineRow("python", v(cap.get("python")), v(env.get("python"))),
+            MachineRow("device", v(cap.get("device")) + (f" ({cap['cuda']})" if cap.get("cuda") else ""),
+                       v(env.get("device"))),
+            MachineRow("dtype", v(cap.get("dtype")), _dtype_of(d)),
+            MachineRow("processes", ranks, "1 (the step replays on one process)" if world not in (None, 1) else "1"),
+            MachineRow("platform", v(cap.get("platform")), v(env.get("platform")))]
+    for r in rows:
+        r.differs = r.captured != "—" and r.replayed != "—" and r.label in ("torch", "device", "dtype") and \
+            r.captured.split(" ")[0] != r.replayed.split(" ")[0]
+    return rows, note
+
+
+def environment_line(d: dict) -> str:
+    """The environment in one line (Markdown summary): what training ran on, what the replay ran on."""
+    rows, _ = machine_rows(d)
+    by = {r.label: r for r in rows}
+
+    def side(attr: str) -> str:
+        parts = [f"torch {getattr(by['torch'], attr)}", getattr(by["device"], attr), getattr(by["dtype"], attr)]
+        if attr == "captured" and by["processes"].captured != "—":
+            parts.append(by["processes"].captured)
+        return ", ".join(p for p in parts if p and "—" not in p)
+
+    cap = side("captured")
+    return (f"captured: {cap}; " if cap else "captured: not recorded; ") + f"replayed: {side('replayed')}"
+
+
+def environment_view(d: dict) -> EnvironmentView:
+    machines, note = machine_rows(d)
+    return EnvironmentView(machines, note, environment_facts(d))
 
 
 def environment_facts(d: dict) -> list[Fact]:
@@ -47,9 +144,6 @@ def environment_facts(d: dict) -> list[Fact]:
     for k, label in (("step", "step"), ("trigger", "trigger"), ("created", "written")):
         if info.get(k) is not None:
             facts.append(Fact(label, num(info[k])))
-    if info.get("rank") is not None or info.get("world_size") is not None:
-        facts.append(Fact("rank", f"{num(info.get('rank'))} of {num(info.get('world_size'))}"
-                          if info.get("world_size") is not None else num(info.get("rank"))))
     facts.append(Fact("model rebuilt from", str(model.get("how") or "—"), code=True))
     if model.get("class"):
         params = f", {model['parameters']:,} parameters" if isinstance(model.get("parameters"), int) else ""
@@ -61,9 +155,7 @@ def environment_facts(d: dict) -> list[Fact]:
         facts.append(Fact("autocast", ", ".join(f"{k}={v}" for k, v in model["autocast"].items())))
     if model.get("training") is not None:
         facts.append(Fact("mode", "train()" if model["training"] else "eval()"))
-    facts += [Fact("device", str(env.get("device") or "—")), Fact("torch", str(env.get("torch") or "—")),
-              Fact("python", str(env.get("python") or "—")), Fact("platform", str(env.get("platform") or "—")),
-              Fact("nanreplay", str(d.get("nanreplay_version") or "—"))]
+    facts += [Fact("torch", str(env.get("torch") or "—")), Fact("nanreplay", str(d.get("nanreplay_version") or "—"))]
     st = d.get("stats") or {}
     t = (st.get("timings") or {}).get("total")
     if isinstance(t, (int, float)):

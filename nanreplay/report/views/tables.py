@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from nanreplay.report.format import dtype_max, fmt_shape, module_label, num, op_base, sort_key, to_float
+from nanreplay.report.format import dtype_max, fmt_shape, module_label, num, numel, op_base, sort_key, to_float
 from nanreplay.report.views.elements import Cell, Fact
 
 MAX_TABLE_ROWS = 1000  # gradient / shape tables: worst rows kept, the rest counted
@@ -22,8 +22,9 @@ _NEAR_OVERFLOW = 0.1
 
 @dataclass
 class StatsRow:
-    label: str
+    label: str  # the argument's schema name ("mat2"), or "input 2" where it is not known
     cells: list[Cell]
+    role: str = ""  # what the argument is: "weight (transposed)", "incoming gradient"
 
 
 @dataclass
@@ -34,30 +35,30 @@ class StatsView:
     output_bad: bool
     scalars: str
     notes: list[str]
+    forward_title: str = ""  # backward culprits: the forward op whose gradient it computed ...
+    forward_rows: list[StatsRow] | None = None  # ... and that op's inputs
 
 
-def stats_view(d: dict) -> StatsView | None:
-    c = d.get("culprit")
-    if not c:
-        return None
-    base = op_base(c.get("op"))
+def _input_rows(base: str, inputs: list[dict], notes: list[str]) -> list[StatsRow]:
+    """One row per tensor input, the value that explains the culprit flagged."""
     zero_bad = base in _ZERO_BAD
     neg_bad = base in _NEG_BAD
-    notes: list[str] = []
     rows = []
-    for i, s in enumerate(c.get("inputs") or []):
+    for i, s in enumerate(inputs):
         dtype = s.get("dtype")
         dmax = dtype_max(dtype)
         absmax = to_float(s.get("absmax"))
+        label = str(s.get("arg") or f"input {i}")
         near = bool(dmax and absmax is not None and absmax >= _NEAR_OVERFLOW * dmax)
         if base in _EXP_LIKE and dmax and absmax is not None and (to_float(s.get("max")) or 0) > math.log(dmax):
             near = True
-            notes.append(f"exp overflows {dtype} above {math.log(dmax):.4g}; input {i} reaches {num(s.get('max'))}.")
+            notes.append(f"exp overflows {dtype} above {math.log(dmax):.4g}; {label} reaches {num(s.get('max'))}.")
         # for a division only the denominator's zeros matter
-        zeros_bad = bool(s.get("zeros")) and zero_bad and (base != "div" or i >= 1)
-        if base == "mul" and s.get("zeros") and any((x.get("inf") or 0) for x in c.get("inputs") or []):
+        denominator = s.get("arg") == "other" if s.get("arg") else i >= 1
+        zeros_bad = bool(s.get("zeros")) and zero_bad and (base != "div" or denominator)
+        if base == "mul" and s.get("zeros") and any((x.get("inf") or 0) for x in inputs):
             zeros_bad = True  # 0 × ∞
-        rows.append(StatsRow(f"input {i}", [
+        rows.append(StatsRow(label, [
             Cell(fmt_shape(s.get("shape"))), Cell(str(dtype)),
             Cell(num(s.get("min")), bad=near and (to_float(s.get("min")) or 0) < 0),
             Cell(num(s.get("max")), bad=near and (to_float(s.get("max")) or 0) > 0),
@@ -66,7 +67,25 @@ def stats_view(d: dict) -> StatsView | None:
             Cell(num(s.get("negatives")), bad=bool(s.get("negatives")) and neg_bad),
             Cell(num(s.get("nan")), bad=bool(s.get("nan"))),
             Cell(num(s.get("inf")), bad=bool(s.get("inf"))),
-        ]))
+        ], role=str(s.get("role") or "")))
+    return rows
+
+
+def stats_view(d: dict) -> StatsView | None:
+    c = d.get("culprit")
+    if not c:
+        return None
+    notes: list[str] = []
+    rows = _input_rows(op_base(c.get("op")), c.get("inputs") or [], notes)
+    forward_title, forward_rows = "", None
+    if c.get("phase") == "backward" and c.get("forward_op"):
+        fwd = c.get("forward_inputs")
+        forward_title = (f"The forward op whose gradient this is, {c['forward_op']}, received (replayed once more up "
+                         "to that op):")
+        if fwd:
+            forward_rows = _input_rows(op_base(c["forward_op"]), fwd, notes)
+        else:
+            forward_title = f"The inputs of the forward op {c['forward_op']} could not be looked up again."
     out = c.get("output") or {}
     output = [Fact("elements", num(out.get("numel"))),
               Fact("NaN", num(out.get("nan")), tone="bad" if out.get("nan") else ""),
@@ -80,7 +99,7 @@ def stats_view(d: dict) -> StatsView | None:
                         for x in c.get("scalars") or [])
     cols = ["", "shape", "dtype", "min", "max", "smallest |x| ≠ 0", "zeros", "negatives", "NaN", "Inf"]
     return StatsView(cols, rows, output, bool(out.get("nan") or out.get("posinf") or out.get("neginf")), scalars,
-                     notes)
+                     notes, forward_title, forward_rows)
 
 
 # ------------------------------------------------------------------ gradients and shapes
@@ -94,21 +113,42 @@ class GradTable:
     nonfinite: int
     no_grad: int
     zero: int
+    failing: str = ""  # the parameter the verdict names (its gradient is the failure): first, highlighted
+    classes: list[str] | None = None  # per row: "failing" for that parameter's row
+
+
+def _finite_stat(g: dict, key: str) -> object:
+    """A statistic over the gradient's finite values (older JSON without `finite_*`: over all of them)."""
+    if f"finite_{key}" in g:
+        return g[f"finite_{key}"]
+    return g.get(key)
 
 
 def gradient_table(d: dict) -> GradTable | None:
-    """The seed's per-parameter walk as a table, worst first (pandas builds and orders the frame)."""
+    """The per-parameter walk as a table: the failing parameter first, then worst first (pandas orders the frame).
+
+    Mean, std and max |g| are over each gradient's finite values, so a gradient that is
+    partly NaN still shows what the rest looks like; how much of it is non-finite has its
+    own column.
+    """
     grads = d.get("gradients") or []
     if not grads:
         return None
     import pandas as pd
 
-    cols = ["name", "shape", "dtype", "has_grad", "mean", "std", "max_abs", "nan", "inf", "grad_shape"]
-    df = pd.DataFrame([{k: g.get(k) for k in cols} for g in grads], columns=cols)
+    fail = d.get("failure") or {}
+    failing = str(fail.get("name")) if fail.get("what") == "gradient" else ""
+    df = pd.DataFrame([{"name": g.get("name"), "shape": g.get("shape"), "has_grad": g.get("has_grad"),
+                        "mean": _finite_stat(g, "mean"), "std": _finite_stat(g, "std"),
+                        "max_abs": _finite_stat(g, "max_abs"), "nan": g.get("nan"), "inf": g.get("inf"),
+                        "numel": g.get("numel") if isinstance(g.get("numel"), int) else numel(g.get("shape")),
+                        "finite": g.get("finite")} for g in grads])
     df["has_grad"] = df["has_grad"].fillna(False).astype(bool)
     df["nan"] = pd.to_numeric(df["nan"], errors="coerce").fillna(0).astype(int)
     df["inf"] = pd.to_numeric(df["inf"], errors="coerce").fillna(0).astype(int)
     df["bad"] = df["nan"] + df["inf"]
+    df["size"] = pd.to_numeric(df["numel"], errors="coerce").fillna(0).astype(int)
+    df["frac"] = [b / n if n else (1.0 if b else 0.0) for b, n in zip(df["bad"], df["size"], strict=True)]
     df["max_f"] = [to_float(v) for v in df["max_abs"]]
     df["max_f"] = df["max_f"].astype(float).fillna(-1.0)
     df["zero"] = df["has_grad"] & (df["max_f"] == 0.0) & (df["bad"] == 0)
@@ -116,29 +156,41 @@ def gradient_table(d: dict) -> GradTable | None:
     df.loc[df["zero"], "rank"] = 1
     df.loc[~df["has_grad"], "rank"] = 2
     df.loc[df["bad"] > 0, "rank"] = 3
-    df = df.sort_values(["rank", "bad", "max_f", "name"], ascending=[False, False, False, True], kind="stable")
+    df.loc[df["name"] == failing, "rank"] = 4
+    df = df.sort_values(["rank", "frac", "bad", "max_f", "name"], ascending=[False, False, False, False, True],
+                        kind="stable")
     total = len(df)
     shown = df.head(MAX_TABLE_ROWS)
-    rows = []
+    rows, classes = [], []
     for r in shown.itertuples(index=False):
+        shape = Cell(fmt_shape(r.shape), sort=str(int(r.size)), title=f"{int(r.size):,} elements")
         if not r.has_grad:
             status = Cell("NO GRADIENT", bad=False, sort="2")
+            frac = Cell("—", sort="-1")
             stats = [Cell("—", sort="-Infinity") for _ in range(3)]
         else:
             label = ("NaN + Inf" if r.nan and r.inf else "NaN" if r.nan else "Inf" if r.inf
                      else "all zero" if r.zero else "finite")
-            status = Cell(label, bad=bool(r.bad), sort={3: "3", 1: "1"}.get(int(r.rank), "0"))
-            stats = [Cell(num(r.mean), bad=to_float(r.mean) is not None and not math.isfinite(to_float(r.mean)),
-                          sort=sort_key(r.mean)),
-                     Cell(num(r.std), bad=to_float(r.std) is not None and not math.isfinite(to_float(r.std)),
-                          sort=sort_key(r.std)),
-                     Cell(num(r.max_abs), bad=to_float(r.max_abs) is not None and not math.isfinite(to_float(r.max_abs)),
-                          sort=sort_key(r.max_abs))]
-        rows.append([Cell(str(r.name)), Cell(fmt_shape(r.shape), sort=None), status, *stats,
+            status = Cell(label, bad=bool(r.bad), sort={4: "4", 3: "3", 1: "1"}.get(int(r.rank), "0"))
+            if r.bad:
+                pct = 100.0 * r.frac
+                frac = Cell("all" if r.bad == r.size else f"{pct:.3g}%", bad=True, sort=repr(r.frac),
+                            title=f"{int(r.bad):,} of {int(r.size):,} elements NaN or Inf")
+            else:
+                frac = Cell("0", sort="0")
+            mean, std, mx = (None if isinstance(x, float) and math.isnan(x) else x for x in (r.mean, r.std, r.max_abs))
+            none = "no finite value" if r.bad and r.bad >= r.size else ""
+            one = r.size < 2 or (isinstance(r.finite, (int, float)) and not math.isnan(r.finite) and r.finite < 2)
+            stats = [Cell(num(mean), sort=sort_key(mean), title=none),
+                     Cell("—" if one else num(std), sort=sort_key(None if one else std),
+                          title="a std needs two finite values" if one else ""),
+                     Cell(num(mx), sort=sort_key(mx), title=none)]
+        rows.append([Cell(str(r.name)), shape, status, frac, *stats,
                      Cell(num(int(r.nan)), bad=bool(r.nan), sort=str(int(r.nan))),
                      Cell(num(int(r.inf)), bad=bool(r.inf), sort=str(int(r.inf)))])
+        classes.append("failing" if failing and r.name == failing else "")
     return GradTable(rows, total, total - len(shown), int((df["bad"] > 0).sum()), int((~df["has_grad"]).sum()),
-                     int(df["zero"].sum()))
+                     int(df["zero"].sum()), failing=failing if failing in set(df["name"]) else "", classes=classes)
 
 
 @dataclass

@@ -1,0 +1,96 @@
+"""One rule for numbers in the analysis JSON (docs/json.md): a non-finite number is the string "nan", "inf" or
+"-inf"; null means "no value" and never stands for a non-finite number."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from nanreplay import stats
+from nanreplay.analysis import analyze
+from samples import SAMPLES, flags
+
+NONFINITE = {"nan", "inf", "-inf"}
+# every field that holds a measured number, as a path with [] for "each element"
+NUMERIC = [
+    "loss", "snapshot_info.loss_value", "snapshot_info.grad_norm", "snapshot_info.history[].loss",
+    "snapshot_info.history[].grad_norm", "gradients[].mean", "gradients[].std", "gradients[].max_abs",
+    "gradients[].finite_mean", "gradients[].finite_std", "gradients[].finite_max_abs", "activations[].absmax",
+    "activations[].ratio", "precision[].loss", "culprit.inputs[].min", "culprit.inputs[].max",
+    "culprit.inputs[].absmax", "culprit.inputs[].absmin_nonzero", "culprit.forward_inputs[].min",
+    "culprit.forward_inputs[].max", "diagnosis.fix.epsilon",
+]
+
+_cache: dict[str, dict] = {}
+
+
+def analysis(name: str) -> dict:
+    if name not in _cache:
+        _cache[name] = analyze(SAMPLES / f"{name}.pt", **flags(name)).to_json()
+    return _cache[name]
+
+
+def values(d, path: str) -> list:
+    """Every value at `path` ('a.b[].c') in `d`; missing keys and null parents give nothing."""
+    out = [d]
+    for part in path.split("."):
+        nxt = []
+        for x in out:
+            key, each = (part[:-2], True) if part.endswith("[]") else (part, False)
+            v = x.get(key) if isinstance(x, dict) else None
+            if v is None:
+                if not each and isinstance(x, dict) and key in x:
+                    nxt.append(None)
+                continue
+            nxt.extend(v if each else [v])
+        out = nxt
+    return out
+
+
+@pytest.mark.parametrize("name", ["fp16_overflow", "sqrt_zero", "log_zero"])
+def test_numbers_are_numbers_or_one_of_three_words_and_null_is_no_value(name):
+    d = analysis(name)
+    json.dumps(d, allow_nan=False)  # strict JSON: no NaN/Infinity tokens anywhere
+    seen_words = set()
+    for path in NUMERIC:
+        for v in values(d, path):
+            assert v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)) \
+                or v in NONFINITE, (path, v)
+            if isinstance(v, str):
+                seen_words.add(v)
+    assert seen_words, "each of these samples has a non-finite number somewhere"
+    for v in values(d, "culprit.inputs[]"):  # min/max are over finite values: null only where there are none
+        if v["min"] is None:
+            assert v["nan"] + v["inf"] == math.prod(v["shape"])
+
+
+def test_a_nonfinite_value_is_never_written_as_null():
+    d = analysis("fp16_overflow")
+    bad = [r for r in d["activations"] if r["absmax"] in NONFINITE]
+    assert bad and all(r["ratio"] == r["absmax"] for r in bad)  # was null before the rule
+    assert all(r["near_overflow"] for r in bad if r["absmax"] == "inf")
+    assert d["loss"] in NONFINITE
+    for g in d["gradients"]:
+        numel = math.prod(g["shape"])
+        if g["nan"]:
+            assert g["mean"] == "nan" and (g["std"] == "nan" or numel < 2)
+        # finite statistics: a number when there are finite values, null (no value) when there are none
+        assert g["finite"] == numel - g["nan"] - g["inf"]
+        assert (g["finite_mean"] is None) == (g["finite"] == 0)
+        assert (g["finite_std"] is None) == (g["finite"] < 2)
+        if numel < 2:
+            assert g["std"] is None  # a std of one value has no value; it is not 0
+    one = [g for g in d["gradients"] if math.prod(g["shape"]) == 1]
+    assert one, "the fp16 sample has a one-element gradient (head.bias)"
+
+
+def test_jsonable_applies_the_rule_deeply():
+    import torch
+
+    x = {"a": math.nan, "b": [math.inf, -math.inf, 1.5, None], "c": (2, {"d": float("nan")}),
+         "t": torch.tensor([1.0, math.inf])}
+    assert stats.jsonable(x) == {"a": "nan", "b": ["inf", "-inf", 1.5, None], "c": [2, {"d": "nan"}],
+                                 "t": [1.0, "inf"]}
+    assert [float(v) for v in ("nan", "inf", "-inf")][1:] == [math.inf, -math.inf]  # how readers get them back

@@ -1,0 +1,183 @@
+"""The reports and a triage index in a real browser: headless Chromium (the distribution's package).
+
+At a phone's width (420 px) and a desktop's (1280 px): no element sticks out of the
+viewport, no console error, no Content-Security-Policy violation, chart text readable and
+not cut at the chart's edge.
+Printed to PDF: every code line is in the PDF's text whole (nothing clipped at a box edge),
+and screen-only instructions are not. Select with `-m browser`; skipped, saying why, where
+Chromium (or poppler's pdftotext, for the print check) is not installed.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+
+from chromium import Chromium, find, pdf_text
+from nanreplay import __version__, report
+from nanreplay.analysis import analyze
+from nanreplay.triage.groups import build_groups
+from nanreplay.triage.index import render_index
+from nanreplay.triage.rows import Item, failed, make_row
+from nanreplay.triage.worker import analysis_fields
+from samples import SAMPLES, flags, names
+
+pytestmark = pytest.mark.browser
+
+WIDTHS = (420, 1280)
+MIN_CHART_FONT = 9.0  # px, as rendered: an SVG scaled down shrinks its text with it
+CODE = "Array.from(document.querySelectorAll('pre.code, .src .line')).map(function (e) { return e.textContent; })"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if find() is None:
+        pytest.skip("headless Chromium not found on PATH (apt-get install chromium): real-browser checks skipped")
+    with Chromium.start() as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def pages(tmp_path_factory):
+    """Every sample's report (linked back to an index, as triage writes them) and that index."""
+    out = tmp_path_factory.mktemp("pages")
+    rows = []
+    for n in names():
+        a = analyze(SAMPLES / f"{n}.pt", **flags(n))
+        report.write_report(a, str(out / f"{n}.html"), index="index.html")
+        fields = {**analysis_fields(a.to_json()), "report": f"{n}.html", "json": f"{n}.json"}
+        rows.append(make_row(Item(path=str(SAMPLES / f"{n}.pt"), rel=f"{n}.pt", name=n), fields))
+    rows.append(make_row(Item(path="broken.pt", rel="broken.pt", name="broken"),
+                         failed("unreadable", "not a snapshot (not a torch.save file)")))
+    groups = build_groups(rows)
+    fails = [{"file": r["file"], "failure": r["failure"], "label": "unreadable", "reason": r["reason"]}
+             for r in rows if r["status"] != "analyzed"]
+    doc = {"schema": "nanreplay.triage/1", "nanreplay_version": __version__, "dir": "sample_snapshots",
+           "options": {"model": None, "loss": None, "trust": False}, "summary": "",
+           "counts": {"snapshots": len(rows), "analyzed": len(rows) - 1, "failed": 1, "cached": 0,
+                      "groups": len(groups), "ignored": 0, "failures": {"unreadable": 1}},
+           "groups": groups, "failures": fails, "ranks": None, "ignored": []}
+    (out / "index.html").write_text(render_index(doc), encoding="utf-8")
+    (out / "stress.html").write_text(report.render_html(_stress(analyze(SAMPLES / "sqrt_zero.pt").to_json())),
+                                     encoding="utf-8")
+    (out / "bad_input.html").write_text(report.render_html(_bad_input(out)), encoding="utf-8")
+    return out, [*names(), "index", "stress", "bad_input"]
+
+
+def _bad_input(folder) -> dict:
+    """A verdict without a culprit: NaN already in the batch (no replay, a leaves table instead)."""
+    import torch
+
+    import nanmodels
+
+    torch.manual_seed(3)
+    x = torch.randn(6, 4)
+    x[2, 1] = float("nan")
+    torch.save({"x": x, "y": torch.randint(0, 5, (6,)), "state": nanmodels.classifier().state_dict()},
+               folder / "bad_input.pt")
+    return analyze(folder / "bad_input.pt", model="nanmodels:classifier", loss="nll_loss").to_json()
+
+
+def _stress(d: dict) -> dict:
+    """A report with everything long: 150 module calls of deep modules, a 200-character line, long names."""
+    deep = "encoder.layers.{}.self_attention.output_projection_with_a_long_name"
+    d["activations"] = [dict(d["activations"][i % len(d["activations"])], module=deep.format(i)) for i in range(150)]
+    code = "d = " + " + ".join(f"torch.sqrt(((anchor_embedding_{i} - positive_embedding_{i}) ** 2).sum(-1))"
+                               for i in range(3))
+    d["culprit"]["source"]["code"] = code
+    d["culprit"]["module"] = deep.format(7)
+    d["diagnosis"]["fix"].update(before=code, after=code.replace(".sum(-1))", ".sum(-1) + 1e-10)"))
+    for e in d["chain"]:
+        e["module"] = deep.format(e["index"])
+    d["gradients"] = [dict(d["gradients"][0], name=deep.format(i) + ".weight") for i in range(40)]
+    return d
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_nothing_sticks_out_and_the_console_stays_clean(browser, pages, width):
+    folder, stems = pages
+    trouble = {}
+    for stem in stems:
+        page = browser.open(folder / f"{stem}.html", width=width)
+        try:
+            over = page.overflowing()
+            problems = page.problems()
+            smallest = page.smallest_chart_text()
+            cut = page.clipped_chart_text()
+        finally:
+            page.close()
+        if over["scroll"] > over["viewport"] or over["elements"]:
+            trouble[stem] = f"{over['scroll']} px wide in a {over['viewport']} px viewport: {over['elements'][:5]}"
+        if problems:
+            trouble[stem] = problems
+        if smallest is not None and smallest < MIN_CHART_FONT:
+            trouble[stem] = f"chart text drawn at {smallest:.1f} px"
+        if cut:
+            trouble[stem] = f"chart text cut at the chart's edge: {cut[:5]}"
+        assert stem in ("index", "bad_input") or smallest is not None  # every replayed report has a chart
+    assert not trouble, trouble
+
+
+def test_the_policy_holds_and_the_check_would_see_a_violation(browser, pages, tmp_path):
+    folder, _ = pages
+    html = (folder / "sqrt_zero.html").read_text()
+    bad = tmp_path / "injected.html"
+    bad.write_text(html.replace("<h1>", '<img src="https://example.invalid/x.png"><script>document.title="ran"</script>'
+                                        '<h1 style="color:red">', 1))
+    page = browser.open(bad, width=1280)
+    try:
+        problems = page.problems()
+        title = page.eval("document.title")
+    finally:
+        page.close()
+    assert title != "ran"  # the injected inline script did not run
+    assert any("img-src" in p for p in problems) and any("script-src" in p for p in problems), problems
+
+
+def test_sorting_the_gradient_table_by_shape_sorts_by_size(browser, pages):
+    folder, _ = pages
+    page = browser.open(folder / "fp16_overflow.html", width=1280)
+    try:
+        page.eval("document.querySelectorAll('table.grads th')[1].click()")
+        first = page.eval("Array.from(document.querySelectorAll('table.grads tbody tr'))"
+                          ".map(function (r) { return r.cells[1].textContent; })")
+        page.eval("document.querySelectorAll('table.grads th')[1].click()")
+        second = page.eval("Array.from(document.querySelectorAll('table.grads tbody tr'))"
+                           ".map(function (r) { return r.cells[1].textContent; })")
+    finally:
+        page.close()
+
+    def size(shape: str) -> int:
+        n = 1
+        for dim in shape.split("×"):
+            n *= int(dim)
+        return n
+
+    # by element count, largest first, then smallest first: 64×64 > 64×32 > 64 > 1, not "1" < "64" < "64×32" as text
+    assert [size(s) for s in first] == sorted((size(s) for s in first), reverse=True)
+    assert [size(s) for s in second] == sorted(size(s) for s in second) and len(set(first)) > 2
+
+
+def test_printed_pdf_has_every_code_line_whole(browser, pages):
+    if shutil.which("pdftotext") is None:
+        pytest.skip("pdftotext (poppler-utils) not found on PATH: the print check needs it")
+    folder, stems = pages
+    clipped = {}
+    for stem in stems:
+        page = browser.open(folder / f"{stem}.html", width=1280)
+        try:
+            lines = [ln for block in page.eval(CODE) for ln in block.split("\n") if ln.strip()]
+            text = pdf_text(page.pdf())
+        finally:
+            page.close()
+        flat = re.sub(r"\s+", "", text)
+        missing = [ln for ln in lines if re.sub(r"\s+", "", ln) not in flat]
+        if missing:
+            clipped[stem] = missing
+        assert stem in ("index", "bad_input") or lines, stem
+        assert "Click a header" not in text and "open them" not in text, stem  # screen-only instructions
+        if stem == "sqrt_zero":
+            assert "aten.neg.default" in text  # a folded run of the chain prints open
+    assert not clipped, clipped
