@@ -824,3 +824,29 @@ def gpt_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     x = torch.randint(0, 32, (8, 17), generator=g)
     return x[:, :-1], x[:, 1:]
+
+
+# ---------------------------------------------------------------- state that every replay touches (for the copies test)
+
+
+class NormedRate(nn.Module):
+    """BatchNorm in train mode (its running stats change on every forward), dropout (it draws random
+    numbers), an in-place op on the batch, and a log of a ReLU rate that hits 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+        self.fc = nn.Linear(4, 3)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        x.mul_(1.0)  # writes into the batch
+        p = F.relu(self.drop(self.fc(self.bn(x))))
+        return -torch.log(p).mean()  # CULPRIT: stateful_log_zero
+
+
+@case("stateful_log_zero", _randn(30, 8, 4), cause="log_of_zero", fix="epsilon", phase="forward", kind="inf",
+      op="aten.log.default")
+@seeded
+def normed_rate():
+    return NormedRate()

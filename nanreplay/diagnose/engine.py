@@ -37,8 +37,7 @@ def diagnose(result, subject, step: Step, c: int | None, chain: list[int], *, ve
             break
     assert diag is not None  # the generic rule always answers
     if verify_fixes:
-        ref = plausible.reference(info, step, subject, range_problem=diag.cause == "fp16_overflow") \
-            if any(f.patch or f.variant for f in diag.fixes) else None
+        ref = plausible.reference(info, step, subject) if any(f.patch or f.variant for f in diag.fixes) else None
         chosen, tried = _verify(diag, subject, ref)
     else:
         chosen, tried = diag.fixes[0], []
@@ -76,8 +75,8 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Reference | None) -> tuple[
             continue
         if o.ok:
             ok, why = plausible.judge(o.loss, o.grad_norm, o.grad_norms, ref)
-            fix.verified = ok is not False
-            fix.verification = o.detail + ("" if fix.verified else f" — {why}")
+            fix.verified = ok is not False  # not judged (nothing to compare with) is said, not hidden
+            fix.verification = o.detail + ("" if ok else f" — {why}")
         else:
             ok, why = False, "the replay is not finite"
             fix.verified, fix.verification = False, o.detail

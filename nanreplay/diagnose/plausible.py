@@ -9,7 +9,7 @@ compared with a reference:
 * without history, this step's finite parts: its own loss when that was finite (a gradient
   failure) or the loss of its finite elements (see `_FiniteParts`; not where most of some op's
   input broke), and the gradient norm of the parameters whose gradients were finite;
-* without either, for a range problem (a float16 overflow), the same step in float64.
+* without either, the same step in float64 where that is finite (a range problem: a float16 overflow).
 
 Plausible means an |loss| within `LOSS_FACTOR` (10×) and a gradient norm within `GRAD_FACTOR` (100×)
 of the reference's largest: one step's gradient norm varies more than its loss.
@@ -48,12 +48,12 @@ def history_rows(info: dict) -> list[dict]:
     return rows[:-1]
 
 
-BROKEN_SHARE = 0.5  # where an op had to drop more of its input than this, the finite parts tell nothing
+BROKEN_SHARE = 0.9  # where an op had to drop more of its input than this, the finite parts tell nothing
 
 
-def reference(info: dict, step: replay.Step, subject, *, range_problem: bool = False) -> Reference | None:
-    """What a fixed step is compared with: the recent history, else this step's finite parts, else (for
-    a range problem, where the wider dtype computes what the step meant) the same step in float64."""
+def reference(info: dict, step: replay.Step, subject) -> Reference | None:
+    """What a fixed step is compared with: the recent history, else this step's finite parts, else the
+    same step in float64 where that is finite (a range problem: the wider dtype computes what was meant)."""
     rows = history_rows(info)
     losses = [abs(v) for r in rows if (v := finite_float(r.get("loss"))) is not None]
     norms = [v for r in rows if (v := finite_float(r.get("grad_norm"))) is not None]
@@ -75,7 +75,7 @@ def reference(info: dict, step: replay.Step, subject, *, range_problem: bool = F
         if sq:
             grad, params = math.sqrt(sum(sq)) / scale, frozenset(g["name"] for g in rows)
     if loss is None and grad is None:
-        f64 = float64_loss(subject) if range_problem else None
+        f64 = float64_loss(subject)
         return Reference("the same step in float64", f64, None) if f64 is not None else None
     return Reference("this step's finite parts", loss, grad, params)
 

@@ -31,27 +31,6 @@ CAUSE_CASES = sorted(n for n, c in causes.CASES.items() if "cause" in c.expect)
 CULPRIT_KEYS = ("phase", "kind", "op", "forward_op", "backward_node", "module")
 
 
-@pytest.fixture
-def run_case(tmp_path, monkeypatch):
-    """Write a case's snapshot and analyze it; `autocast` cases replay under the autocast they ran with."""
-    def run(name: str, module=causes, **kw):
-        c = module.CASES[name]
-        path = c.save(tmp_path / f"{name}_step_3.pt")
-        ac = c.expect.get("autocast")
-        with monkeypatch.context() as m:
-            if ac:  # what a native snapshot carries: the step ran under torch.autocast
-                make = formats.rebuild
-
-                def with_autocast(*a, **k):
-                    sub = make(*a, **k)
-                    sub.autocast = dict(ac)
-                    return sub
-                m.setattr(formats, "rebuild", with_autocast)
-            res = analysis.analyze(path, model=c.model_spec, loss=c.loss, **kw)
-        return res, path
-    return run
-
-
 @pytest.mark.parametrize("name", CAUSE_CASES)
 def test_cause_fix_and_verification(run_case, name):
     exp = causes.CASES[name].expect
