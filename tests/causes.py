@@ -850,3 +850,30 @@ class NormedRate(nn.Module):
 @seeded
 def normed_rate():
     return NormedRate()
+
+
+# ---------------------------------------------------------------- a small regressor for runs that replay finite
+
+
+class Regressor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x))).squeeze(-1)
+
+
+@seeded
+def regressor():
+    return Regressor()
+
+
+def regression_batch(step: int, outlier: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, generator=g)
+    if outlier:
+        x[3] *= 1000.0  # one corrupt sample in the batch
+        y[3] = 50.0
+    return x, y

@@ -19,6 +19,7 @@ import statistics
 import torch
 
 from nanreplay import replay, stats, verify
+from nanreplay import torch_internals as ti
 from nanreplay.diagnose.divergence import clip_value
 from nanreplay.diagnose.model import Fix
 from nanreplay.diagnose.plausible import history_rows, norm_squared
@@ -158,10 +159,17 @@ def _spike(result, subject, step: replay.Step, info: dict) -> dict:
     parts = [f"The gradient norm of this step is {norm:.4g}"
              + (f", {norm / med:.3g}× the median of the previous steps ({med:.3g})" if med else "")
              + " — finite, a spike rather than a failure."]
-    if carriers:
+    shown = [c for c in carriers[:3] if c["share"] is not None and c["share"] >= 0.01]
+    if shown:
         parts.append("It sits in " + ", ".join(f"{c['name']} ({100 * c['share']:.0f}% of the squared norm)"
-                                                for c in carriers[:3] if c["share"] is not None) + ".")
-    if growth:
+                                                for c in shown) + ".")
+        op = _op_of(step, carriers[0]["name"].rpartition(".")[0])
+        if op:
+            spike["carrier_op"] = op
+            src = op.get("source")
+            at = f" at {src['file']}:{src['line']}" if src else ""
+            parts.append(f"That gradient is {op['op']}'s, in module {op['module'] or '<root>'!r}{at}.")
+    if growth and growth["factor"] > 1.5:
         src = growth.get("source")
         at = f" at {src['file']}:{src['line']}" if src else ""
         parts.append(f"In backward the gradient grew most through module {growth['module']!r} ({growth['op']}{at}): "
@@ -222,9 +230,16 @@ def _backward_growth(subject, step: replay.Step) -> dict | None:
     if not rows:
         return None
     name, factor = max(rows, key=lambda r: r[1])
-    rec = next((r for r in step.ops if r.module == name), None)
-    return {"module": name, "factor": factor, "op": str(rec.op) if rec else None,
-            "source": replay.frame_json(rec.frame) if rec else None}
+    op = _op_of(step, name) or {"op": None, "source": None}
+    return {"module": name, "factor": factor, "op": op["op"], "source": op["source"]}
+
+
+def _op_of(step: replay.Step, module: str) -> dict | None:
+    """The first op that computes something (not a view) in `module`, with its line."""
+    rec = next((r for r in step.ops if r.module == module and not ti.op_is_view(r.op)), None)
+    if rec is None:
+        return None
+    return {"op": str(rec.op), "module": module, "source": replay.frame_json(rec.frame)}
 
 
 def _outlier_samples(subject, ratio: float = 10.0) -> list[dict]:

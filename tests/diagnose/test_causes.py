@@ -263,3 +263,79 @@ def test_rules_order_specific_before_generic():
     assert order.index("bce_saturated") < order.index("logsigmoid") < order.index("log_of_zero")
     assert order.index("handwritten_softmax") < order.index("exp_overflow")
     assert order[-1] == "unrecognised"
+
+
+# ---------------------------------------------------------------- magnitude and range
+
+
+def test_magnitude_provenance_names_the_exp(run_case):
+    """A VAE fed raw pixels: exp(0.5 * logvar) makes a finite 1e30, mse_loss squares it past float32. The
+    culprit stays mse_loss (by definition); the story, and the JSON, go back to the exp that made it huge."""
+    d = run_case("vae_pixels")[0].to_json()
+    assert d["culprit"]["op"] == "aten.mse_loss.default" and d["culprit"]["module"] == "<loss>"
+    diag = d["diagnosis"]
+    o = diag["magnitude_origin"]
+    exp_line = next(i for i, t in enumerate(Path(causes.__file__).read_text().splitlines(), 1)
+                    if t.rstrip().endswith("# MAGNITUDE: vae_exp"))
+    assert o["op"] == "aten.exp.default" and o["source"]["line"] == exp_line and o["call"] == "torch.exp"
+    assert o["output_absmax"] > 1e19 and o["input_absmax"] < 100 and o["growth"] > 1e17
+    assert "made huge by aten.exp.default (torch.exp)" in diag["explanation"]
+    assert f"causes.py:{exp_line}" in diag["explanation"]
+    assert diag["fix"]["kind"] == "none" and diag["fix"]["verified"] is None
+
+
+def test_exploded_weights_cover_nan_from_inf_minus_inf(run_case):
+    """Weights of 3e19: LayerNorm's variance overflows inside the op and it returns NaN, not Inf."""
+    d = run_case("exploded_norm")[0].to_json()
+    assert d["culprit"]["kind"] == "nan" and d["culprit"]["role"] == "origin"
+    diag = d["diagnosis"]
+    assert diag["cause"] == "exploded_weights" and "fc.weight" in diag["explanation"]
+    assert "inf − inf" in diag["explanation"]
+
+
+def test_a_bfloat16_overflow_never_suggests_bfloat16(run_case):
+    d = run_case("bf16_overflow")[0].to_json()
+    diag = d["diagnosis"]
+    assert d["culprit"]["inputs"][0]["dtype"] == "bfloat16" and diag["cause"] != "fp16_overflow"
+    texts = [diag["fix"]["code"], *(a["code"] for a in diag["fix"]["alternatives"])]
+    assert not any("bfloat16" in t or "bf16" in t for t in texts), texts
+
+
+def test_no_grad_scaler_is_suggested_to_a_run_that_has_one(run_case):
+    """A pure float16 model: without a GradScaler the untested alternatives include one; with the run's
+    GradScaler (scale 1024, what a native snapshot's grad_scale becomes) they do not, and the text says why."""
+    without = run_case("fp16", module=nanmodels)[0].to_json()["diagnosis"]
+    assert any("GradScaler" in a["code"] for a in without["fix"]["alternatives"])
+    d = run_case("fp16", module=nanmodels, subject={"loss_scale": 1024.0})[0].to_json()["diagnosis"]
+    assert d["cause"] == "fp16_overflow"
+    texts = [d["fix"]["code"], *(a["code"] for a in d["fix"]["alternatives"])]
+    assert not any("GradScaler" in t for t in texts), texts
+    assert "already uses a GradScaler (scale 1024)" in d["explanation"]
+
+
+# ---------------------------------------------------------------- a second look
+
+
+def test_a_masked_mean_over_no_token_is_not_a_zero_norm(run_case):
+    d = run_case("masked_mean")[0].to_json()
+    diag = d["diagnosis"]
+    assert diag["cause"] == "masked_mean_empty" and "normalising" not in diag["explanation"]
+    assert "(x * mask).sum() / mask.sum()" in diag["explanation"] and "selects nothing" in diag["explanation"]
+    assert diag["fix"]["after"].startswith("masked = (per_token * mask).sum() / mask.sum().clamp_min(1)")
+    model, (x, _) = causes.token_regressor(), causes.CASES["masked_mean"].batch()["x"]
+    with torch.no_grad():
+        main = ((model.fc(x).squeeze(-1) - 1.0) ** 2).mean().item()
+    assert diag["fix"]["replay"]["loss"] == pytest.approx(main, rel=1e-6)  # the empty term counts 0
+
+
+def test_variance_cancellation_under_an_eps_suggests_torch_var(run_case):
+    """sqrt(var + 1e-5) with var = E[h²] − E[h]² cancelling below -1e-5: not "sqrt of a negative" with a clamp
+    that hides the bug, but the cancellation, fixed with torch.var — the first candidate, and it verifies."""
+    d = run_case("var_cancellation")[0].to_json()
+    diag = d["diagnosis"]
+    assert diag["cause"] == "sqrt_cancellation" and diag["fix"]["kind"] == "stable_variance"
+    assert diag["fix"]["before"] == "var = (h * h).mean(-1, keepdim=True) - mu * mu"
+    assert diag["fix"]["after"] == "var = torch.var(h, -1, keepdim=True, correction=0)"
+    assert diag["candidates"][0] is not None and diag["candidates"][0]["kind"] == "stable_variance"
+    assert diag["fix"]["verified"] is True and diag["fix"]["tested_as"] == "line"
+    assert "hides the bug" in diag["explanation"]
