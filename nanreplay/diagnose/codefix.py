@@ -465,9 +465,14 @@ def compile_operand(expression: str) -> Callable | None:
     from nanreplay.replay.frames import _SKIP, _frame_kind
 
     try:
-        code = compile(expression, "<nanreplay fix>", "eval")
+        tree = ast.parse(expression, mode="eval")
     except SyntaxError:
         return None
+    # our own templates only: the operand, torch's names, numbers; never a dunder attribute
+    if any(isinstance(n, ast.Name) and n.id not in (PLACEHOLDER, "torch", "F", "math") or
+           isinstance(n, ast.Attribute) and n.attr.startswith("_") for n in ast.walk(tree)):
+        return None
+    code = compile(tree, "<nanreplay fix>", "eval")
     _frame_kind[code] = _SKIP  # ops it runs belong to the user's line that made the call, not to this frame
     env = {"torch": torch, "F": torch.nn.functional, "math": math}
     return lambda value: eval(code, env, {PLACEHOLDER: value})  # noqa: S307 - our own template, never user text

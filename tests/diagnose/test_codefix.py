@@ -97,6 +97,9 @@ def test_the_changed_operand_is_executed_as_shown():
     fn = codefix.compile_operand(change.operand)
     assert change.operand == "__x.clamp_min(1e-7)"
     assert torch.equal(fn(torch.tensor([0.0, 2.0])), torch.tensor([1e-7, 2.0]))
+    # only nanreplay's own templates run: other names, dunder attributes are refused
+    assert codefix.compile_operand("__import__('os')") is None
+    assert codefix.compile_operand("__x.__class__") is None and codefix.compile_operand("os.system") is None
 
 
 # ---------------------------------------------------------------- one door for source, and a window is enough

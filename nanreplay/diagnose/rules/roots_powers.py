@@ -85,16 +85,24 @@ def _var_text(src, node) -> tuple[str, str] | None:
         return None
     rest = [src(a) for a in codefix.arguments(mean)] + [f"{k.arg}={src(k.value)}" for k in mean.keywords]
     tail = "".join(f", {r}" for r in rest) + ", correction=0"
-    literal = all(_literal(a) for a in codefix.arguments(mean)) and all(_literal(k.value) for k in mean.keywords)
-    return f"torch.var({src(x)}{tail})", (f"torch.var({codefix.PLACEHOLDER}{tail})" if literal else "")
+    # what is executed is rebuilt from the literal values, never from the source text itself
+    values = [_literal(a) for a in codefix.arguments(mean)] + [_literal(k.value) for k in mean.keywords]
+    ok = all(v is not _NOT_LITERAL for v in values) and all(k.arg in ("dim", "keepdim") for k in mean.keywords)
+    names = [""] * len(codefix.arguments(mean)) + [f"{k.arg}=" for k in mean.keywords]
+    run = "".join(f", {n}{v!r}" for n, v in zip(names, values, strict=True)) + ", correction=0"
+    return f"torch.var({src(x)}{tail})", (f"torch.var({codefix.PLACEHOLDER}{run})" if ok else "")
 
 
-def _literal(node) -> bool:
+_NOT_LITERAL = object()
+
+
+def _literal(node):
     try:
-        codefix.ast.literal_eval(node)
+        v = codefix.ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError):
-        return False
-    return True
+        return _NOT_LITERAL
+    ok = isinstance(v, (bool, int)) or (isinstance(v, tuple) and all(isinstance(d, int) for d in v))
+    return v if ok else _NOT_LITERAL
 
 
 def _stable_variance(s: Site, sub) -> list[Fix]:
