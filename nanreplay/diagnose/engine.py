@@ -62,7 +62,7 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Reference | None) -> tuple[
     tried = []
     for fix in diag.fixes:
         if fix.patch:
-            label = ("with the rewritten line at its every call" if fix.tested_as == "line" else
+            label = ("with the rewritten line, at every call it makes" if fix.tested_as == "line" else
                      "with an op-level patch at the culprit's call (no line of yours is rewritten)")
             o = verify.try_patch(subject, fix.patch, label=label)
         elif fix.variant:
@@ -76,7 +76,7 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Reference | None) -> tuple[
         if o.ok:
             ok, why = plausible.judge(o.loss, o.grad_norm, o.grad_norms, ref)
             fix.verified = ok is not False  # not judged (nothing to compare with) is said, not hidden
-            fix.verification = o.detail + ("" if ok else f" — {why}")
+            fix.verification = f"{o.detail} — {why}"
         else:
             ok, why = False, "the replay is not finite"
             fix.verified, fix.verification = False, o.detail
