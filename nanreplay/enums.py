@@ -70,4 +70,5 @@ class FixKind(StrEnum):
     RESTORE_PARAMETERS = "restore_parameters"
     GUARD_EMPTY_REDUCTION = "guard_empty_reduction"
     OPTIMIZER_EPS = "optimizer_eps"
+    STABLE_VARIANCE = "stable_variance"  # torch.var instead of E[x²] − E[x]²
     NONE = "none"

@@ -1,14 +1,20 @@
 """Replays that answer "would this change have helped?".
 
-* `try_patch`: replay the step with one call site rewritten (a fix applied at the
-  culprit site only) and report whether the loss and every gradient came out
-  finite — or which op broke it next.
+Every replay here runs on an independent copy of the step (`independent()`): a fix or a probe
+never changes the model, the batch or the dtypes of the step being analyzed.
+
+* `try_patch`: replay the step with some call sites rewritten (a fix applied where the user's
+  line makes that call) and report whether the loss and every gradient came out finite — or
+  which op broke it next — with the replayed loss and gradient norm, for the plausibility check.
 * `try_variant`: the same for a whole-step change (a model in bf16).
 * `precision_probe`: replay the step in other dtypes, uninstrumented.
 """
 
 from __future__ import annotations
 
+import copy as py_copy
+import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,14 +23,59 @@ import torch
 from nanreplay import culprit as culprit_mod
 from nanreplay import replay, stats
 from nanreplay.errors import first_line
+from nanreplay.pytree import iter_tensors, map_tensors
 from nanreplay.replay.subject import Subject
+
+
+def independent(subject: Subject, dtype: torch.dtype | None = None, autocast: dict | None | str = "same") -> Subject:
+    """A copy of the step that shares no tensor with `subject`: model, loss module and batch, then in `dtype`.
+
+    `Subject.converted` makes the copy; whatever parameter, buffer or batch tensor it hands back still
+    shared with the original (a module whose copy keeps the original's tensors) is cloned here before
+    any dtype change, so a probe in float64 or a replay that writes in place cannot touch the step.
+    """
+    copy = subject.converted(None, autocast)
+    _unshare(copy.model, subject.model)
+    loss_fn = copy.loss_fn
+    if dtype is not None:
+        copy.model.to(dtype)
+        if isinstance(loss_fn, torch.nn.Module):  # e.g. CrossEntropyLoss(weight=...)
+            loss_fn = py_copy.deepcopy(loss_fn).to(dtype)
+    originals = {id(t) for t in _tensors((subject.inputs, subject.target))}
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        return t.clone() if id(t) in originals else t
+    return dataclasses.replace(copy, loss_fn=loss_fn, inputs=map_tensors(copy.inputs, own),
+                               target=map_tensors(copy.target, own))
+
+
+def _unshare(copy: torch.nn.Module, original: torch.nn.Module) -> None:
+    """Give `copy` its own parameters and buffers wherever it still holds the original's."""
+    mine = {id(t) for t in original.parameters()} | {id(t) for t in original.buffers()}
+    ptrs = {t.data_ptr() for t in list(original.parameters()) + list(original.buffers()) if t.numel()}
+    for m in copy.modules():
+        for k, p in list(m._parameters.items()):
+            if p is not None and (id(p) in mine or (p.numel() and p.data_ptr() in ptrs)):
+                m._parameters[k] = torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+        for k, b in list(m._buffers.items()):
+            if b is not None and (id(b) in mine or (b.numel() and b.data_ptr() in ptrs)):
+                m._buffers[k] = b.detach().clone()
+
+
+def _tensors(obj):
+    return (t for _, t in iter_tensors(obj))
 
 
 @dataclass
 class Outcome:
-    ok: bool
+    ok: bool  # the loss and every parameter gradient came out finite
     detail: str
     culprit: dict | None = None  # the next culprit, when it did not verify
+    loss: float | None = None  # the replayed loss (unscaled where the step ran with a GradScaler)
+    grad_norm: float | None = None  # the total gradient norm (unscaled)
+    grad_norms: dict[str, float] | None = None  # per parameter
 
 
 def _kind(kind: str) -> str:
@@ -54,26 +105,42 @@ def _outcome(step: replay.Step) -> Outcome:
 
 def try_patch(subject: Subject, intercepts: dict[int, Callable] | None = None, *,
               label: str = "with the fix") -> Outcome:
-    """Replay (instrumented, to name the next culprit if it fails) with the given call sites rewritten."""
+    """Replay (instrumented, to name the next culprit if it fails) with the given call sites rewritten,
+    on an independent copy of the step."""
     try:
-        step = replay.run_subject(subject, intercepts=intercepts, backward_after_bad_loss=False)
+        copy = independent(subject)
+    except Exception as e:  # noqa: BLE001
+        return Outcome(False, f"copying the step to replay it {label} raised {type(e).__name__}: {first_line(e)}")
+    return _replay(copy, intercepts, label, subject.loss_scale)
+
+
+def _replay(copy: Subject, intercepts: dict[int, Callable] | None, label: str, scale: float | None) -> Outcome:
+    try:
+        step = replay.run_subject(copy, intercepts=intercepts, backward_after_bad_loss=False)
     except Exception as e:  # noqa: BLE001 - a fix that breaks the model is a failed fix, not a crash
         return Outcome(False, f"replaying {label} raised {type(e).__name__}: {first_line(e)}")
-    finally:
-        subject.model.zero_grad(set_to_none=True)
     out = _outcome(step)
     out.detail = out.detail.replace("with the fix", label)
+    k = scale or 1.0
+    if step.loss is not None and math.isfinite(step.loss):
+        out.loss = step.loss / k
+    norms = {n: float(p.grad.detach().double().norm()) / k for n, p in copy.model.named_parameters()
+             if p.grad is not None}
+    copy.model.zero_grad(set_to_none=True)
+    if norms and all(math.isfinite(v) for v in norms.values()):
+        out.grad_norms = norms
+        out.grad_norm = math.sqrt(sum(v * v for v in norms.values()))
     return out
 
 
 def try_variant(subject: Subject, *, dtype: torch.dtype | None = None, autocast: dict | None | str = "same",
                 label: str = "") -> Outcome:
-    """The whole step with model and batch in `dtype` and/or another autocast setting."""
+    """The whole step with model and batch in `dtype` and/or another autocast setting (an independent copy)."""
     try:
-        variant = subject.converted(dtype, autocast)
+        variant = independent(subject, dtype, autocast)
     except Exception as e:  # noqa: BLE001
         return Outcome(False, f"converting the step {label} raised {type(e).__name__}: {first_line(e)}")
-    return try_patch(variant, label=label or "with the fix")
+    return _replay(variant, None, label or "with the fix", subject.loss_scale)
 
 
 def plain_step(subject: Subject, *, forward_first: bool = False) -> dict:
@@ -131,7 +198,7 @@ def precision_probe(subject: Subject, step_dtype: str | None, *, failure: str | 
     rows = []
     for label, dtype, autocast in plans:
         try:
-            variant = subject.converted(dtype, autocast)
+            variant = independent(subject, dtype, autocast)
             row = plain_step(variant, forward_first=failure == "loss")
             del variant
         except Exception as e:  # noqa: BLE001 - e.g. an op without a float64 kernel on this device

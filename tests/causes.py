@@ -52,7 +52,7 @@ def _constant_feature():
     return {"x": x}
 
 
-@case("sqrt_cancellation", _constant_feature, cause="sqrt_cancellation", fix="clamp", phase="forward",
+@case("sqrt_cancellation", _constant_feature, cause="sqrt_cancellation", fix="stable_variance", phase="forward",
       kind="nan", op="aten.sqrt.default")
 @seeded
 def one_pass_scaler():
@@ -552,3 +552,328 @@ class Probit(nn.Module):
 @seeded
 def probit():
     return Probit()
+
+
+# ---------------------------------------------------------------- the call that ran, not the smallest match
+
+
+class RMSHead(nn.Module):
+    """sqrt of a mean square written as `** 0.5` after a `.pow(2)`: the culprit is the `** 0.5` (its
+    gradient at 0), not `h.pow(2)`, though both are Tensor.pow calls on the line."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3, bias=False)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return (h.pow(2).mean(-1) ** 0.5).mean()  # CULPRIT: pow_after_pow
+
+
+def _zero_sample():
+    torch.manual_seed(25)
+    x = torch.randn(5, 4)
+    x[2] = 0.0  # an empty sample: its features, and their mean square, are exactly 0
+    return {"x": x}
+
+
+@case("pow_after_pow", _zero_sample, cause="pow_at_zero", fix="epsilon", phase="backward", kind="inf",
+      forward_op="aten.pow.Tensor_Scalar", backward_node="PowBackward0")
+@seeded
+def rms_head():
+    return RMSHead()
+
+
+class NormBlock(nn.Module):
+    """A residual block that divides by the norm of its input: the same line runs in every block."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x):
+        return x + self.fc(x) / x.norm(dim=-1, keepdim=True)  # CULPRIT: every_block
+
+
+class NormStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([NormBlock() for _ in range(3)])
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x).mean()
+
+
+@case("every_block", _zero_sample, cause="normalize_zero_norm", fix="epsilon", phase="forward", kind="nan",
+      op="aten.div.Tensor", module="blocks.0")
+@seeded
+def norm_stack():
+    return NormStack()
+
+
+# ---------------------------------------------------------------- a fix in the user's names, or guidance
+
+
+class PaddedAttention(nn.Module):
+    """nn.MultiheadAttention with a key padding mask; one sequence is all padding: every key masked."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x, pad):
+        h, _ = self.mha(x, x, x, key_padding_mask=pad)  # CULPRIT: mha_all_padding
+        return self.out(h).mean()
+
+
+def _all_padding():
+    torch.manual_seed(26)
+    pad = torch.zeros(3, 5, dtype=torch.bool)
+    pad[1] = True  # the second sequence is padding only
+    return {"x": (torch.randn(3, 5, 8), pad)}
+
+
+@case("mha_all_padding", _all_padding, cause="softmax_all_masked", fix="finite_mask_value", module="mha")
+@seeded
+def padded_attention():
+    return PaddedAttention()
+
+
+# ---------------------------------------------------------------- weights already exploded: NaN inside a normalisation
+
+
+class ExplodedNorm(nn.Module):
+    """Weights of 3e19 (an earlier step diverged): the LayerNorm's variance overflows, inf - inf = NaN."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 1)
+        with torch.no_grad():
+            self.fc.weight.normal_(0, 3e19)
+
+    def forward(self, x):
+        return self.head(self.norm(self.fc(x))).mean()  # CULPRIT: exploded_norm
+
+
+@case("exploded_norm", _positive, cause="exploded_weights", fix="lower_lr_clip_grads", phase="forward", kind="nan",
+      op="aten.native_layer_norm.default", module="norm")
+@seeded
+def exploded_norm():
+    return ExplodedNorm()
+
+
+class ExplodedBF16(nn.Module):
+    """A bfloat16 model whose weights exploded: bfloat16 has float32's range, so bfloat16 is no fix."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.fc2 = nn.Linear(8, 1)
+        with torch.no_grad():
+            self.fc1.weight.fill_(3e19)
+            self.fc2.weight.fill_(3e19)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))).float().mean()  # CULPRIT: bf16_overflow
+
+
+def _positive_bf16():
+    return {"x": _positive()["x"].bfloat16()}
+
+
+@case("bf16_overflow", _positive_bf16, cause="exploded_weights", fix="lower_lr_clip_grads", phase="forward",
+      kind="inf", module="fc2")
+def exploded_bf16():
+    torch.manual_seed(0)
+    return ExplodedBF16().bfloat16()
+
+
+# ---------------------------------------------------------------- magnitude provenance: exp made it huge, mse overflowed
+
+
+class PixelVAE(nn.Module):
+    """A VAE fed raw pixels (0..255): logvar reaches ~140, exp(0.5 * logvar) a finite 1e30, and the
+    reconstruction loss squares it past float32's range."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(16, 8)
+        self.dec = nn.Linear(4, 16)
+
+    def forward(self, x):
+        mu, logvar = self.enc(x).chunk(2, dim=-1)
+        std = torch.exp(0.5 * logvar)  # MAGNITUDE: vae_exp
+        z = mu + std * torch.randn_like(std)
+        return self.dec(z)
+
+
+def _pixels():
+    torch.manual_seed(27)
+    x = torch.rand(6, 16) * 255  # not normalised to [0, 1]
+    return {"x": x, "y": x}
+
+
+@case("vae_pixels", _pixels, loss="mse_loss", cause="huge_values", fix="none", phase="forward", kind="inf",
+      op="aten.mse_loss.default", module="<loss>", marker="none")
+@seeded
+def pixel_vae():
+    return PixelVAE()
+
+
+# ---------------------------------------------------------------- a second look: masked mean, variance cancellation
+
+
+class TokenRegressor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, x, mask):
+        per_token = (self.fc(x).squeeze(-1) - 1.0) ** 2
+        main = per_token.mean()
+        masked = (per_token * mask).sum() / mask.sum()  # CULPRIT: masked_mean
+        return main + 0.1 * masked
+
+
+def _no_tokens():
+    torch.manual_seed(28)
+    return {"x": (torch.randn(2, 6, 4), torch.zeros(2, 6))}  # the mask selects no token in this batch
+
+
+@case("masked_mean", _no_tokens, cause="masked_mean_empty", fix="guard_empty_reduction", phase="forward", kind="nan",
+      op="aten.div.Tensor")
+@seeded
+def token_regressor():
+    return TokenRegressor()
+
+
+class HandLayerNorm(nn.Module):
+    """A hand-written layer norm, variance as E[h²] − E[h]²: near-constant rows with a large offset cancel
+    to a negative variance larger than the eps added to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.head = nn.Linear(6, 1)
+        with torch.no_grad():
+            self.fc.weight.mul_(1e-4)
+            self.fc.bias.fill_(1000.0)
+
+    def forward(self, x):
+        h = self.fc(x)
+        mu = h.mean(-1, keepdim=True)
+        var = (h * h).mean(-1, keepdim=True) - mu * mu
+        return self.head((h - mu) / torch.sqrt(var + 1e-5)).mean()  # CULPRIT: var_cancellation
+
+
+@case("var_cancellation", _randn(29, 8, 4), cause="sqrt_cancellation", fix="stable_variance", phase="forward",
+      kind="nan", op="aten.sqrt.default")
+@seeded
+def hand_layer_norm():
+    return HandLayerNorm()
+
+
+# ---------------------------------------------------------------- a tiny GPT trained with a learning rate far too high
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x, mask):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))  # CULPRIT: diverged_gpt
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 32, ctx: int = 16, d: int = 32, heads: int = 2, layers: int = 2):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList([Block(d, heads) for _ in range(layers)])
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t))
+        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        for b in self.blocks:
+            x = b(x, mask)
+        return self.head(self.ln(x))
+
+
+@seeded
+def tiny_gpt():
+    return TinyGPT()
+
+
+def lm_loss(logits, y):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def gpt_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, 32, (8, 17), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+# ---------------------------------------------------------------- state that every replay touches (for the copies test)
+
+
+class NormedRate(nn.Module):
+    """BatchNorm in train mode (its running stats change on every forward), dropout (it draws random
+    numbers), an in-place op on the batch, and a log of a ReLU rate that hits 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+        self.fc = nn.Linear(4, 3)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        x.mul_(1.0)  # writes into the batch
+        p = F.relu(self.drop(self.fc(self.bn(x))))
+        return -torch.log(p).mean()  # CULPRIT: stateful_log_zero
+
+
+@case("stateful_log_zero", _randn(30, 8, 4), cause="log_of_zero", fix="epsilon", phase="forward", kind="inf",
+      op="aten.log.default")
+@seeded
+def normed_rate():
+    return NormedRate()
+
+
+# ---------------------------------------------------------------- a small regressor for runs that replay finite
+
+
+class Regressor(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x))).squeeze(-1)
+
+
+@seeded
+def regressor():
+    return Regressor()
+
+
+def regression_batch(step: int, outlier: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, generator=g)
+    if outlier:
+        x[3] *= 1000.0  # one corrupt sample in the batch
+        y[3] = 50.0
+    return x, y

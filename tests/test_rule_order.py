@@ -25,13 +25,16 @@ DISPATCH_ORDER = [
     "acos_asin_boundary",
     "std_single_element",
     "empty_reduction",
+    "masked_mean_empty",
     "normalize_zero_norm",
     "division_by_zero",
     "handwritten_softmax",
     "exp_overflow",
     "softmax_all_masked",
+    "training_diverged",
     "fp16_overflow",
     "exploded_weights",
+    "huge_values",
     "unrecognised",
 ]
 

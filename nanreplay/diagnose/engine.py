@@ -1,17 +1,18 @@
 """Diagnose the culprit: try the rules in priority order, then verify their fixes by replay.
 
-The entry points of the package: `diagnose` (a culprit found), and the diagnoses that need no
-rule: `for_leaves` (NaN/Inf already in the batch or the weights) and the finite replay.
+The entry points of the package: `diagnose` (a culprit found, or a finite replay: see finite.py),
+and `for_leaves` (NaN/Inf already in the batch or the weights), which needs no rule.
 """
 
 from __future__ import annotations
 
-import math
-
-import torch
-
 from nanreplay import verify
-from nanreplay.diagnose import rules  # noqa: F401  (importing the families registers every rule)
+from nanreplay.diagnose import (
+    finite,
+    magnitude,
+    plausible,
+    rules,  # noqa: F401  (importing the families registers every rule)
+)
 from nanreplay.diagnose.model import RULES, Diagnosis, Fix
 from nanreplay.diagnose.prose import anomaly_sentence
 from nanreplay.diagnose.site import Site
@@ -21,9 +22,10 @@ from nanreplay.replay import Step
 
 def diagnose(result, subject, step: Step, c: int | None, chain: list[int], *, verify_fixes: bool = True) -> dict:
     """The `diagnosis` object of the JSON contract, with fixes verified by replay."""
+    info = getattr(result, "snapshot_info", None) or {}
     if c is None:
-        return _not_reproduced(result, subject)
-    site = Site(step, step.events[c], chain, subject)
+        return finite.diagnose_finite(result, subject, step if step.failure is None else None, info)
+    site = Site(step, step.events[c], chain, subject, info)
     diag = None
     for r in RULES:  # highest priority first
         if not r.applies_to(site):
@@ -34,59 +36,62 @@ def diagnose(result, subject, step: Step, c: int | None, chain: list[int], *, ve
                 raise RuntimeError(f"rule {r.cause!r} returned cause {diag.cause!r}")
             break
     assert diag is not None  # the generic rule always answers
-    chosen, tried = _verify(diag, subject) if verify_fixes else (diag.fixes[0], [])
-    out = {
-        "cause": diag.cause,
-        "title": diag.title,
-        "explanation": diag.explanation + " " + anomaly_sentence(result.anomaly_mode, site),
+    if verify_fixes:
+        ref = plausible.reference(info, step, subject) if any(f.patch or f.variant for f in diag.fixes) else None
+        chosen, tried = _verify(diag, subject, ref)
+    else:
+        chosen, tried = diag.fixes[0], []
+    explanation = diag.explanation
+    out = {"cause": diag.cause, "title": diag.title}
+    origin = diag.extra.get("magnitude_origin") or magnitude.origin_of(site)
+    if origin is not None:
+        out["magnitude_origin"] = origin
+        if "magnitude_origin" not in diag.extra:  # the rule did not tell that story itself
+            explanation += " " + magnitude.sentence(origin, site)
+    out.update({k: v for k, v in diag.extra.items() if k != "magnitude_origin"})
+    out.update({
+        "explanation": explanation + " " + anomaly_sentence(result.anomaly_mode, site),
         "fix": chosen.to_json(),
         "candidates": [f.to_json() for f in tried],
-    }
+    })
     return out
 
 
-def _verify(diag: Diagnosis, subject) -> tuple[Fix, list[Fix]]:
-    """Try each candidate fix in order; the first that verifies wins, else the first."""
+def _verify(diag: Diagnosis, subject, ref: plausible.Reference | None) -> tuple[Fix, list[Fix]]:
+    """Try each candidate fix in order; the first whose replay is finite *and* plausible wins, else the first."""
     tried = []
     for fix in diag.fixes:
         if fix.patch:
-            o = verify.try_patch(subject, fix.patch)
+            label = ("with the rewritten line, at every call it makes" if fix.tested_as == "line" else
+                     "with an op-level patch at the culprit's call (no line of yours is rewritten)")
+            o = verify.try_patch(subject, fix.patch, label=label)
         elif fix.variant:
             v = fix.variant
             o = verify.try_variant(subject, dtype=v.get("dtype"), autocast=v.get("autocast", "same"),
                                    label=v.get("label", ""))
         else:
-            fix.verification = "not a code change at the culprit site: nothing to replay"
+            fix.verification = fix.verification or "not replayed: not a code change at the culprit site"
             tried.append(fix)
             continue
-        fix.verified, fix.verification = o.ok, o.detail
-        tried.append(fix)
         if o.ok:
+            ok, why = plausible.judge(o.loss, o.grad_norm, o.grad_norms, ref)
+            fix.verified = ok is not False  # not judged (nothing to compare with) is said, not hidden
+            fix.verification = f"{o.detail} — {why}"
+        else:
+            ok, why = False, "the replay is not finite"
+            fix.verified, fix.verification = False, o.detail
+        fix.replay = {"loss": o.loss, "grad_norm": o.grad_norm, "plausible": ok, "why": why}
+        tried.append(fix)
+        if fix.verified:
             return fix, tried
     code_fixes = [f for f in tried if f.verified is not None]
     if not code_fixes and diag.fixes and diag.fixes[0].kind not in (FixKind.NONE, FixKind.LOWER_LR_CLIP_GRADS):
         diag.fixes[0].verification = ("could not apply this fix automatically at the culprit call "
                                       "(the call is not spelled as expected); not verified")
-    return (code_fixes[0] if code_fixes else diag.fixes[0]), tried
-
-
-def _not_reproduced(result, subject) -> dict:
-    explanation = ("Replaying the snapshot's step gave a finite loss and finite gradients everywhere. "
-                   "Either the failure depends on state the snapshot does not hold (RNG for dropout, "
-                   "nondeterministic kernels, a different device or dtype), or it happened in a later "
-                   "step (e.g. the optimizer update). nanreplay does not invent a culprit.")
-    near = [a for a in getattr(result, "activations", []) if a.get("near_overflow")]
-    if near:
-        worst = max(near, key=lambda a: a["ratio"] if isinstance(a.get("ratio"), float) else math.inf)
-        fmax = torch.finfo(getattr(torch, worst["dtype"])).max
-        more = f" (and {len(near) - 1} more)" if len(near) > 1 else ""
-        who = f"module {worst['module']!r}" if worst["module"] else "the model"
-        explanation += (f" Close to overflow, though: {who}{more} reached "
-                        f"|x| = {worst['absmax']:.4g}, {100 * worst['ratio']:.0f}% of {worst['dtype']}'s largest "
-                        f"value {fmax:.6g}; slightly larger inputs or weights will overflow. bfloat16 (float32's "
-                        "range) or a normalisation before that module gives headroom.")
-    return {"cause": "not_reproduced", "title": "the replay is finite", "explanation": explanation,
-            "fix": Fix(FixKind.NONE, "# nothing to fix in this step").to_json(), "candidates": []}
+    # none verified: show the first that at least replayed finite (marked implausible), else the first tried
+    finite_ones = [f for f in code_fixes if f.replay and f.replay.get("plausible") is False and f.replay.get("loss")
+                   is not None and f.replay.get("why") != "the replay is not finite"]
+    return (finite_ones[0] if finite_ones else code_fixes[0] if code_fixes else diag.fixes[0]), tried
 
 
 def for_leaves(verdict: str, rows: list[dict], snap) -> dict:

@@ -1,9 +1,10 @@
 """The pieces fixes are made of: the epsilon policy, and runtime call-site patches.
 
-Every fix that is a code change carries a *patch*: a rewrite of exactly the culprit's call
-site(s), keyed by the call number the replay recorded, as `fn(func, args, kwargs)`. The engine
-verifies a fix by replaying the step with its patch; the first candidate that makes the loss
-and every gradient finite is reported.
+Every fix that is a code change carries a *patch*, keyed by the call numbers the replay recorded,
+as `fn(func, args, kwargs)`: a change of the user's line applies at every call that expression made
+(each block of a transformer runs the same line); without a line to change it is an op-level patch
+at the culprit's call. The engine verifies a fix by replaying the step with its patch; the first
+candidate that makes the loss and every gradient finite *and plausible* is reported.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from nanreplay.diagnose import codefix
 from nanreplay.diagnose.model import Fix
-from nanreplay.diagnose.site import Site, packet
+from nanreplay.diagnose.site import Site, finite_float, packet
 from nanreplay.enums import FixKind
 from nanreplay.replay import OpRecord
 
@@ -106,10 +107,13 @@ _LOG_BASE = {"aten.log": 1.0, "aten.log2": 1 / math.log(2), "aten.log10": 1 / ma
 
 
 def stable_log_patch(inner: OpRecord, logs: list[OpRecord], stable: Callable[[tuple, dict], torch.Tensor],
-                     negate: list[OpRecord] = ()) -> dict[int, Callable] | None:
+                     negate: list[OpRecord] = (), every: Callable[[int], list[int]] | None = None,
+                     ) -> dict[int, Callable] | None:
     """Patches for log(f(x)) -> stable(x): remember f's input and output at its call, then answer each
     log call whose argument is (a view of) f's output with the same view of stable(x). `negate` are
-    `1 - f(x)` calls: a log of their output becomes stable(-x) (log(1 - sigmoid(z)) = logsigmoid(-z))."""
+    `1 - f(x)` calls: a log of their output becomes stable(-x) (log(1 - sigmoid(z)) = logsigmoid(-z)).
+    `every(call)`: the calls the same expression made in every execution of its line (a rewritten line
+    changes them all); None: the recorded calls alone."""
     calls = [inner.call] + [r.call for r in logs] + [r.call for r in negate]
     if not all(calls) or len(set(calls)) != len(calls):
         return None  # not separate user calls: nothing to intercept one by one
@@ -141,9 +145,10 @@ def stable_log_patch(inner: OpRecord, logs: list[OpRecord], stable: Callable[[tu
             return func(*args, **kwargs)
         return fn
 
-    patch = {inner.call: grab}
-    patch.update({r.call: grab_complement for r in negate})
-    patch.update({r.call: stable_log(_LOG_BASE[packet(str(r.op))]) for r in logs})
+    each = every or (lambda c: [c])
+    patch = {c: grab for c in each(inner.call)}
+    patch.update({c: grab_complement for r in negate for c in each(r.call)})
+    patch.update({c: stable_log(_LOG_BASE[packet(str(r.op))]) for r in logs for c in each(r.call)})
     return patch
 
 
@@ -166,19 +171,40 @@ def finite_mask(func, args, kwargs):
 
 
 def edge_fix(s: Site, kind: FixKind, scale: float | None, what: str, change_code: Callable[[str, float], str],
-             change: Callable[[torch.Tensor, float], torch.Tensor], generic: Callable[[float], str],
+             change: Callable[[torch.Tensor, float], torch.Tensor], guidance: Callable[[float], str],
              which: str = "input", arg: int = 0, floor: float | None = None, floor_why: str = "",
-             call: int | None = None, call_name: str | None = None, line: int | None = None) -> list[Fix]:
-    """Candidate fixes that change one operand of the culprit call (or of `call`) by an epsilon."""
+             call: int | None = None, scalars: list | None = None, data_eps: float | None = None) -> list[Fix]:
+    """Candidate fixes that change one operand of the culprit call (or of `call`) by an epsilon.
+
+    Where the user's line is rewritten, the verification executes the rewritten operand exactly as shown
+    (`change_code` applied to the operand's value) at every call of that expression; elsewhere `change` is
+    an op-level patch at the culprit's call, and the fix is shown as guidance.
+
+    `data_eps`, the smallest non-zero magnitude the operand takes in this batch, adds a last candidate
+    at that scale: a tiny eps keeps the step finite but can make the values it produces at the edge
+    (x / 1e-7) implausibly large; an eps at the scale of the data does not.
+    """
     eps, why = choose_eps(s.dtype, scale, what, floor=floor, floor_why=floor_why)
     call = s.call if call is None else call
     fixes = []
-    for e in eps_candidates(eps):
-        rw = s.rewrite(codefix.with_operand(which, lambda t, e=e: change_code(t, e)), call_name, line)
-        fixes.append(Fix(kind, generic(e), epsilon=e, reasoning=why,
-                         rewrite=rw,
-                         patch={call: replace_arg(arg, lambda t, e=e: change(t, e))} if call else None))
+    cands = [(e, why) for e in eps_candidates(eps)]
+    d = finite_float(data_eps)
+    if d and d > 0:
+        d = float(f"{10.0 ** math.floor(math.log10(d)):.0e}")
+        if d > cands[-1][0]:
+            cands.append((d, f"eps = {fmt(d)}: the scale of the smallest non-zero value it changes in this batch "
+                             f"({data_eps:.3g}), so the values made at the edge stay in the range of the others"))
+    for e, why in cands:
+        rw = s.rewrite(codefix.with_operand(which, lambda t, e=e: change_code(t, e)), call, scalars=scalars)
+        fn = operand_fn(rw) or (lambda t, e=e: change(t, e))
+        fixes.append(Fix(kind, "", epsilon=e, reasoning=why, rewrite=rw, guidance=f"{guidance(e)} at {s.where}",
+                         patch=s.at_calls(replace_arg(arg, fn), call, rw)))
     return fixes
+
+
+def operand_fn(rw: codefix.Rewrite | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The changed operand of a rewrite as a function: the expression shown, executed on the operand's value."""
+    return codefix.compile_operand(rw.operand) if rw is not None and rw.operand else None
 
 
 def plus_eps(t: str, e: float) -> str:

@@ -28,15 +28,19 @@ if TYPE_CHECKING:
 @dataclass
 class Fix:
     kind: FixKind  # a FixKind or its string; anything else fails loudly
-    code: str  # the change, as code for this site (a generic snippet where the source is not known)
+    code: str  # the change: the user's statement rewritten, else guidance as a comment (never made-up names)
     epsilon: float | None = None
     reasoning: str = ""
     before: str | None = None  # the user's statement as written (when the source is readable)
     after: str | None = None
     patch: dict[int, Callable] | None = None  # call number -> rewrite, for verification
     variant: dict | None = None  # a whole-step change for verification (dtype / autocast)
-    verified: bool | None = None
+    verified: bool | None = None  # replayed finite *and* plausible; False: replayed and not; None: not replayed
     verification: str | None = None
+    guidance: str | None = None  # the change in words: shown (as a comment) where no line of the user's is rewritten
+    alternatives: list[str] = field(default_factory=list)  # other changes that may help: never replayed
+    replay: dict | None = None  # {loss, grad_norm, plausible, why} of the verification replay
+    tested_as: str | None = None  # "line" (the rewritten line, at every call) | "op" (an op-level patch) | "step"
     rewrite: InitVar[codefix.Rewrite | None] = None  # the user's line rewritten: becomes code/before/after
 
     def __post_init__(self, rewrite: codefix.Rewrite | None) -> None:
@@ -46,11 +50,19 @@ class Fix:
             raise ValueError(f"unknown fix kind {self.kind!r}") from None
         if rewrite is not None:
             self.code, self.before, self.after = rewrite.after, rewrite.before, rewrite.after
+        elif self.guidance:
+            self.code = "\n".join(f"# {ln}" if ln else "#" for ln in self.guidance.splitlines())
+        if self.tested_as is None and self.variant:
+            self.tested_as = "step"
+        elif self.tested_as is None and self.patch:
+            self.tested_as = "line" if rewrite is not None or self.after else "op"
 
     def to_json(self) -> dict:
         return {"kind": self.kind.value, "code": self.code, "epsilon": self.epsilon, "verified": self.verified,
                 "verification": self.verification, "reasoning": self.reasoning, "before": self.before,
-                "after": self.after}
+                "after": self.after, "replay": self.replay, "tested_as": self.tested_as,
+                "patched_calls": sorted(self.patch) if self.patch else [],
+                "alternatives": [{"code": a, "tested": False, "label": "untested"} for a in self.alternatives]}
 
 
 @dataclass
@@ -59,6 +71,7 @@ class Diagnosis:
     title: str
     explanation: str
     fixes: list[Fix] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)  # more keys for the JSON's `diagnosis` (evidence, magnitude_origin, ...)
 
 
 @dataclass(frozen=True)

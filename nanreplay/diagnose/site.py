@@ -4,7 +4,8 @@ statistics, what produced the op's inputs, what consumed its output, dtype, sour
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -33,6 +34,7 @@ class Site:
     event: Event
     chain: list[int]
     subject: Any  # rebuild.Subject
+    info: dict = field(default_factory=dict)  # the analysis' snapshot_info: history, trigger, environment, ...
 
     @cached_property
     def rec(self) -> OpRecord | None:
@@ -133,12 +135,68 @@ class Site:
     def chain_events(self) -> list[Event]:
         return [self.step.events[i] for i in self.chain]
 
-    def rewrite(self, transform, call_name: str | None = None, line: int | None = None) -> codefix.Rewrite | None:
-        """Rewrite the culprit call (or `call_name` on `line`) in the user's source, if it can be read."""
-        s = self.source
-        if not s:
+    # ---- the call as it ran: its line, and every call of the same expression on that line
+
+    @cached_property
+    def _call_frames(self) -> dict[int, tuple]:
+        """call number -> the user's frame it ran in (forward calls, and Python calls made during backward)."""
+        out: dict[int, tuple] = {}
+        for r in self.step.ops:
+            if r.call and r.frame is not None and r.call not in out:
+                out[r.call] = r.frame
+        for e in self.step.events:
+            if e.call and e.frame is not None and e.call not in out:
+                out[e.call] = e.frame
+        return out
+
+    def name_of(self, call: int) -> str:
+        return self.step.call_names[call] if 0 < call < len(self.step.call_names) else ""
+
+    def same_site(self, call: int) -> list[int]:
+        """Every call of the same name made from the same source line, in order (one per execution and node)."""
+        fr = self._call_frames.get(call)
+        if fr is None:
+            return [call]
+        name = self.name_of(call)
+        return sorted(c for c, f in self._call_frames.items() if f[:2] == fr[:2] and self.name_of(c) == name)
+
+    def ordinal(self, call: int) -> tuple[int, int]:
+        """(k, n): `call` was the k-th of the n calls of its name that its line made in this step."""
+        calls = self.same_site(call)
+        return (calls.index(call) if call in calls else 0), len(calls)
+
+    def source_of(self, call: int) -> dict | None:
+        return frame_json(self._call_frames.get(call))
+
+    def line_calls(self, call: int) -> list[int]:
+        """The calls the same expression made in every execution of its line (each transformer block, each
+        loop iteration), where the line's source tells how many such expressions it holds; else just `call`."""
+        src = self.source_of(call)
+        k, n = self.ordinal(call)
+        m = codefix.count_calls(src, src["line"], self.name_of(call)) if src else 0
+        if not m or n % m:
+            return [call]
+        calls = self.same_site(call)
+        return [c for i, c in enumerate(calls) if i % m == k % m]
+
+    def at_calls(self, fn: Callable, call: int | None = None, rewrite: codefix.Rewrite | None = None) -> dict | None:
+        """The patch for a fix: `fn` at every call of the rewritten expression when the fix is a change of the
+        user's line; at the culprit's call alone (an op-level patch) when there is no line to change."""
+        call = self.call if call is None else call
+        if not call:
             return None
-        return codefix.rewrite(s["path"], line or s["line"], call_name or self.call_name, transform)
+        return {c: fn for c in (self.line_calls(call) if rewrite is not None else [call])}
+
+    def rewrite(self, transform, call: int | None = None, *, scalars: list | None = None) -> codefix.Rewrite | None:
+        """Rewrite the culprit call (or call number `call`) in the user's source, if it can be read."""
+        call = self.call if call is None else call
+        src = self.source if call == self.call else self.source_of(call)
+        if not src or not call:
+            return None
+        if scalars is None and call == self.call and self.forward:
+            scalars = [v for v in self.event.scalars or [] if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        return codefix.rewrite(src, src["line"], self.name_of(call), transform, ordinal=self.ordinal(call),
+                               scalars=scalars)
 
 
 def finite_float(v: Any) -> float | None:

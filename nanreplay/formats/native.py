@@ -245,7 +245,20 @@ def describe(snap: Snapshot) -> dict:
                 autocast=raw.get("autocast"), grad_scale=raw.get("grad_scale"), micro_batch=raw.get("micro_batch"),
                 nanreplay_version=raw.get("nanreplay_version"), format_version=raw.get("version"),
                 nonfinite_ranks=raw.get("nonfinite_ranks"), spike_median=raw.get("spike_median"),
+                optimizer=_optimizer_summary(raw.get("optimizer")),
                 notes=raw.get("notes") or [])
+
+
+def _optimizer_summary(opt: dict | None) -> dict | None:
+    """The optimizer's class and its first parameter group's learning rate (for the diagnosis' numbers)."""
+    if not isinstance(opt, dict):
+        return None
+    groups = (opt.get("state_dict") or {}).get("param_groups") if isinstance(opt.get("state_dict"), dict) else None
+    group = groups[0] if isinstance(groups, list) and groups and isinstance(groups[0], dict) else {}
+    lr = group.get("lr")
+    if isinstance(lr, torch.Tensor) and lr.numel() == 1:
+        lr = float(lr)
+    return {"class": opt.get("class"), "lr": lr if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None}
 
 
 NATIVE = Format("native", "native snapshot", sniff, parse, rebuild_subject, describe)

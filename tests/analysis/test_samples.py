@@ -1,10 +1,16 @@
-"""Every shipped sample snapshot gets the right culprit and a fix verified by replay."""
+"""Every shipped sample snapshot gets the right culprit, and a fix verified by replay — finite and plausible
+against the run's history — or, where the breaking batch is far outside that history, the fix shown as
+finite but implausible."""
 
 from __future__ import annotations
 
 import pytest
 
 from samples import EXPECTED, SAMPLES, STATE_DICT_SAMPLE, names
+
+# samples whose every candidate fix replays finite but far from the run's history (loss 277 against 0.8–1.5,
+# 7e7 against 0.01, 21 against 0.04): not verified
+IMPLAUSIBLE = {"sqrt_negative", "fp16_overflow", "zero_log_zero"}
 
 
 def test_every_sample_is_covered():
@@ -22,7 +28,8 @@ def test_sample(name):
     assert (d["culprit"]["op"], d["culprit"]["phase"]) == (op, phase)
     assert d["culprit"]["source"]["file"].endswith("models.py")
     assert d["diagnosis"]["cause"] == cause
-    assert d["diagnosis"]["fix"]["verified"] is True
+    fix = d["diagnosis"]["fix"]
+    assert fix["verified"] is (name not in IMPLAUSIBLE) and fix["replay"]["plausible"] is (name not in IMPLAUSIBLE)
 
 
 def test_seed_format_sample_matches_the_native_one():

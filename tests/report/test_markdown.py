@@ -113,7 +113,6 @@ def test_the_readme_shows_what_the_command_prints(monkeypatch):
     analyzed as the README says: from the repository root."""
     import linecache
 
-    from nanreplay import replay
     from samples import ROOT
 
     monkeypatch.chdir(ROOT)

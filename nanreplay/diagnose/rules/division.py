@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from nanreplay.diagnose import codefix
-from nanreplay.diagnose.fixes import choose_eps, clamp_eps, edge_fix, fmt, plus_eps
+from nanreplay.diagnose.fixes import choose_eps, clamp_eps, edge_fix, fmt, operand_fn, plus_eps, replace_arg
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.prose import count
 from nanreplay.diagnose.site import Site, finite_float, packet
@@ -78,8 +78,9 @@ def _std_one(s: Site) -> Diagnosis | None:
     fixes = []
     for e in (None, eps) if denominator else (None,):
         rw = s.rewrite(lambda src, node, e=e: _population_text(src, node, e))
-        generic = f"x.{name}(dim, correction=0)" + (f".clamp_min({fmt(e)})" if e else "")
-        fixes.append(Fix(FixKind.CORRECTION, generic, epsilon=e, rewrite=rw, patch={s.call: _population(e)} if s.call else None,
+        guide = f"pass correction=0 to {name}() at {s.where}" + (f", then clamp it to at least {fmt(e)}" if e else "")
+        fixes.append(Fix(FixKind.CORRECTION, "", epsilon=e, rewrite=rw, guidance=guide,
+                         patch=s.at_calls(_population(e), rewrite=rw),
                          reasoning=f"correction=0 (the population {name}) is 0, not NaN, for one element"
                                    + (f"; it is then a zero denominator, hence clamp_min — {why}" if e else "")))
     return Diagnosis("std_single_element", f"unbiased {name} over a single element",
@@ -110,10 +111,10 @@ def _empty_reduction(s: Site) -> Diagnosis | None:
                 return torch.nan_to_num(func(*args, **kwargs) * 0.0) if t.numel() == 0 else func(*args, **kwargs)
             return t.sum() / max(t.numel(), 1)
         rw = s.rewrite(lambda src, node: _guarded_mean_text(src, node))
-        fix = Fix(FixKind.GUARD_EMPTY_REDUCTION,
-                  "x.sum() / max(x.numel(), 1)  # mean of an empty tensor is NaN",
-                  rewrite=rw,
-                  patch={s.call: guarded_mean} if s.call else None,
+        fix = Fix(FixKind.GUARD_EMPTY_REDUCTION, "", rewrite=rw,
+                  guidance=f"divide the sum by max(number of elements, 1) instead of taking mean() at {s.where}: "
+                           "the mean of an empty tensor is NaN",
+                  patch=s.at_calls(guarded_mean, rewrite=rw),
                   reasoning="an empty selection contributes 0 instead of 0/0 (or skip the term when it is empty)")
         return Diagnosis("empty_reduction", "mean over zero elements",
                          f"mean() of an empty tensor (shape {x['shape']}) is 0/0 = NaN ({s.where}): a mask or filter "
@@ -134,11 +135,10 @@ def _empty_reduction(s: Site) -> Diagnosis | None:
         kw = {**kwargs, "reduction": "sum"}
         return func(*args, **kw) / torch.where(n > 0, n, torch.ones_like(n))
     rw = s.rewrite(lambda src, node: _guarded_ce_text(src, node, ignore))
-    Fn = codefix.functional(s.source["path"] if s.source else None)
-    generic = (f"n = (y != {ignore}).sum()\nloss = {Fn}.cross_entropy(logits, y, ignore_index={ignore}, "
-               "reduction='sum') / n.clamp_min(1)")
-    fix = Fix(FixKind.GUARD_EMPTY_REDUCTION, generic, rewrite=rw,
-              patch={s.call: guarded} if s.call and s.call_is("cross_entropy", "nll_loss") else None,
+    guide = (f"compute the loss with reduction='sum' and divide by the number of targets that are not {ignore} "
+             "(at least 1), so a batch whose targets are all ignored gives 0")
+    fix = Fix(FixKind.GUARD_EMPTY_REDUCTION, "", rewrite=rw, guidance=guide,
+              patch=s.at_calls(guarded, rewrite=rw) if s.call_is("cross_entropy", "nll_loss") else None,
               reasoning="the same mean over the targets that count, but a batch whose targets are all ignored "
                         "contributes 0 instead of 0/0")
     return Diagnosis("empty_reduction", "cross-entropy mean over zero targets (all ignore_index)",
@@ -171,6 +171,44 @@ _NORMS = ("aten.linalg_vector_norm", "aten.norm", "aten.sqrt", "aten.std", "aten
 _DIVS = ("div", "__truediv__", "true_divide", "divide")
 
 
+_MASKS = ("aten.eq", "aten.ne", "aten.gt", "aten.lt", "aten.ge", "aten.le", "aten.logical_not", "aten.logical_and",
+          "aten.logical_or", "aten.bitwise_not", "aten.bitwise_and", "aten.bitwise_or")
+
+
+def _is_mask(s: Site, rec, i: int) -> bool:
+    """The i-th input of `rec` is a mask: a comparison (cast or not) or a tensor of the batch (a leaf)."""
+    return s.src(i, rec) is None or s.origin_packet(i, rec) in _MASKS
+
+
+@rule("masked_mean_empty", aten.div, priority=85)
+def _masked_mean(s: Site) -> Diagnosis | None:
+    """(x * mask).sum() / mask.sum() with a mask that selects nothing: 0/0. Not a norm: a count of zero."""
+    if not (s.forward and s.op_packet == "aten.div" and s.call_is(*_DIVS) and s.event.kind == "nan"):
+        return None
+    d = s.inp(1)
+    den, num = s.origin(1), s.origin(0)
+    if not d.get("zeros") or den is None or num is None or packet(str(den.op)) != "aten.sum" \
+            or packet(str(num.op)) != "aten.sum" or not _is_mask(s, den, 0):
+        return None
+    prod = s.origin(0, num)
+    if prod is None or packet(str(prod.op)) != "aten.mul":
+        return None
+    mask = s.src(0, den)
+    if not any(s.src(i, prod) is mask or (mask is None and s.src(i, prod) is None) for i in range(len(prod.src))):
+        return None  # the product is not weighted by the mask that is counted
+    rw = s.rewrite(codefix.with_operand("other", lambda t: f"{codefix.paren(t)}.clamp_min(1)"))
+    fn = operand_fn(rw) or (lambda t: t.clamp_min(1))
+    fix = Fix(FixKind.GUARD_EMPTY_REDUCTION, "", rewrite=rw, patch=s.at_calls(replace_arg(1, fn), rewrite=rw),
+              guidance=f"divide by the mask's count clamped to at least 1 at {s.where}: an empty mask then gives 0",
+              reasoning="a masked mean over a mask with no selected position has no value; clamping the count to 1 "
+                        "makes it 0 there (the sum is 0) and changes nothing where the mask selects something")
+    return Diagnosis("masked_mean_empty", "masked mean over zero selected positions",
+                     f"a masked mean, (x * mask).sum() / mask.sum(), divided 0 by 0 at {s.where}: the mask selects "
+                     f"nothing in this batch ({count(d['zeros'], 'zero count')}; e.g. a sequence that is all "
+                     "padding). The sum is not a norm, it counts positions: keep the count at least 1, or skip the "
+                     "term when the mask is empty.", [fix])
+
+
 @rule("normalize_zero_norm", aten.div, priority=80)
 def _normalize(s: Site) -> Diagnosis | None:
     if not (s.forward and s.op_packet == "aten.div" and s.call_is(*_DIVS)):
@@ -185,9 +223,10 @@ def _normalize(s: Site) -> Diagnosis | None:
     num = s.inp(0)
     fixes = edge_fix(s, FixKind.EPSILON, num.get("absmax"), f"x / {label}.clamp_min(eps) and its gradient",
                      clamp_eps, lambda t, e: t.clamp_min(e),
-                     lambda e: f"x / x.norm(dim=-1, keepdim=True).clamp_min({fmt(e)})  "
-                                f"# or F.normalize(x, dim=-1, eps={fmt(e)})",
-                      which="other", arg=idx, floor=_floor_clamped(num, s.finfo), floor_why="the quotient x / eps")
+                     lambda e: f"clamp the {label} you divide by to at least {fmt(e)} (F.normalize(..., eps={fmt(e)}) "
+                               "does this for a norm)",
+                     which="other", arg=idx, floor=_floor_clamped(num, s.finfo), floor_why="the quotient x / eps",
+                     data_eps=d.get("absmin_nonzero"))
     what = ("(x - mean) / std with a constant feature or group (std = 0 and x - mean = 0)" if is_std
             else "x / x.norm() with an all-zero vector (norm = 0)")
     return Diagnosis("normalize_zero_norm", f"division by a zero {label}",
@@ -214,14 +253,16 @@ def _div_zero(s: Site) -> Diagnosis | None:
     zero_zero = s.event.kind == "nan"
     n = finite_float(num.get("absmax")) or 0.0
     if d.get("negatives"):  # a signed denominator: clamp_min would flip its sign; push exact zeros off 0 instead
-        code, change, generic = plus_eps, (lambda t, e: t + e), (lambda e: f"x / (y + {fmt(e)})")
+        code, change, generic = plus_eps, (lambda t, e: t + e), (lambda e: f"add {fmt(e)} to the denominator")
         # the gradient reaches the denominator through `+ eps`: x / eps² must stay finite
         floor, floor_why = (math.sqrt(n / s.finfo.max) if n else None), "the gradient x / eps²"
     else:  # clamp_min: where it clamps, no gradient reaches the denominator; only the quotient x / eps must fit
-        code, change, generic = clamp_eps, (lambda t, e: t.clamp_min(e)), (lambda e: f"x / y.clamp_min({fmt(e)})")
+        code, change, generic = clamp_eps, (lambda t, e: t.clamp_min(e)), \
+            (lambda e: f"clamp the denominator to at least {fmt(e)}")
         floor, floor_why = (n / s.finfo.max if n else None), "the quotient x / eps"
     fixes = edge_fix(s, FixKind.EPSILON, d.get("absmax") or n, "the quotient and its gradient",
-                     code, change, generic, which=which, arg=idx, floor=floor, floor_why=floor_why)
+                     code, change, generic, which=which, arg=idx, floor=floor, floor_why=floor_why,
+                     data_eps=d.get("absmin_nonzero"))
     return Diagnosis("division_by_zero", "0/0" if zero_zero else "division by zero",
                      f"the denominator held {count(d['zeros'], 'exact zero')} (range {d.get('min')} .. {d.get('max')}) at "
                      f"{s.where}: {'0/0 = NaN' if zero_zero else 'x/0 = Inf'}. Keep the denominator away from 0, or "

@@ -14,7 +14,17 @@ import torch
 import torch.nn.functional as F
 
 from nanreplay.diagnose import codefix
-from nanreplay.diagnose.fixes import choose_eps, clamp_eps, edge_fix, eps_candidates, fmt, plus_eps, replace_arg, stable_log_patch
+from nanreplay.diagnose.fixes import (
+    choose_eps,
+    clamp_eps,
+    edge_fix,
+    eps_candidates,
+    fmt,
+    operand_fn,
+    plus_eps,
+    replace_arg,
+    stable_log_patch,
+)
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.prose import count
 from nanreplay.diagnose.site import Site, packet
@@ -115,10 +125,10 @@ def _handwritten_bce(s: Site) -> Diagnosis | None:
     if not of_complement:
         return None  # log(sigmoid(z)) alone: the logsigmoid rule
     patch = stable_log_patch(sg, direct + of_complement, lambda a, k: F.logsigmoid(a[0]), complements)
-    Fn = codefix.functional(s.source["path"] if s.source else None)
-    code = (f"# {_frame_at(sg)}: return the logits z instead of torch.sigmoid(z), then\n"
-            f"loss = {Fn}.binary_cross_entropy_with_logits(z, y)\n"
-            f"# (by hand: torch.log(p) -> {Fn}.logsigmoid(z), torch.log(1 - p) -> {Fn}.logsigmoid(-z))")
+    Fn = codefix.functional(s.source)
+    guide = (f"at {_frame_at(sg)}, return the logits (what goes into the sigmoid) instead of the sigmoid's output,\n"
+             f"and compute the loss from them with {Fn}.binary_cross_entropy_with_logits(logits, target)\n"
+             f"(by hand: log(p) becomes {Fn}.logsigmoid(logits), log(1 - p) becomes {Fn}.logsigmoid(-logits))")
     which = "1, so log(1 - p) = log(0)" if s.origin(0) is not sg else "0, so log(p) = log(0)"
     return Diagnosis(
         "bce_saturated", "hand-written binary cross-entropy on a saturated sigmoid",
@@ -126,7 +136,7 @@ def _handwritten_bce(s: Site) -> Diagnosis | None:
         f"for z above about {_sigmoid_one(s.finfo):.0f} and exactly 0 below about {_sigmoid_zero(s.finfo):.0f}. "
         "Computing binary cross-entropy from probabilities loses everything beyond float precision; "
         f"compute it from the logits (sigmoid at {_frame_at(sg)}).",
-        [Fix(FixKind.BCE_WITH_LOGITS, code, patch=patch,
+        [Fix(FixKind.BCE_WITH_LOGITS, "", guidance=guide, patch=patch,
              reasoning="binary_cross_entropy_with_logits uses log(sigmoid(z)) = -softplus(-z), exact for any logit")])
 
 
@@ -135,15 +145,15 @@ def _log_of_sigmoid(s: Site) -> Diagnosis | None:
     sg = s.origin(0)
     if sg is None or packet(str(sg.op)) != "aten.sigmoid" or not _stable_log_candidate(s):
         return None
-    patch = stable_log_patch(sg, [s.rec], lambda a, k: F.logsigmoid(a[0]))
-    Fn = codefix.functional(s.source["path"] if s.source else None)
+    Fn = codefix.functional(s.source)
     rw = s.rewrite(lambda src, node: _wrapped_call_text(node, src, "sigmoid", f"{Fn}.logsigmoid"))
-    generic = f"{Fn}.logsigmoid(z)  # instead of torch.log(p), p = torch.sigmoid(z) at {_frame_at(sg)}"
+    patch = stable_log_patch(sg, [s.rec], lambda a, k: F.logsigmoid(a[0]), every=s.line_calls if rw else None)
+    guide = f"replace log(sigmoid(...)) by {Fn}.logsigmoid(...) of the same argument (the sigmoid is at {_frame_at(sg)})"
     return Diagnosis(
         "logsigmoid", "log(sigmoid(x)): sigmoid saturated to 0 and log made it -inf",
         f"sigmoid(x) rounds to exactly 0 in {s.dtype} for x below about {_sigmoid_zero(s.finfo):.0f}, and "
         f"log(0) = -inf at {s.where}.",
-        [Fix(FixKind.LOGSIGMOID, generic, rewrite=rw, patch=patch,
+        [Fix(FixKind.LOGSIGMOID, "", rewrite=rw, guidance=guide, patch=patch,
              reasoning="logsigmoid(x) = -softplus(-x) is exact for any x")])
 
 
@@ -152,16 +162,17 @@ def _log_of_softmax(s: Site) -> Diagnosis | None:
     sm = s.origin(0)
     if sm is None or packet(str(sm.op)) not in ("aten._softmax", "aten.softmax") or not _stable_log_candidate(s):
         return None
-    patch = stable_log_patch(sm, [s.rec], lambda a, k: torch.log_softmax(a[0], dim=_softmax_dim(a, k)))
     rw = s.rewrite(lambda src, node: _wrapped_call_text(node, src, "softmax", "torch.log_softmax"))
-    generic = (f"torch.log_softmax(logits, dim=-1)  # instead of torch.log(p), p = softmax(logits) "
-               f"at {_frame_at(sm)}")
+    patch = stable_log_patch(sm, [s.rec], lambda a, k: torch.log_softmax(a[0], dim=_softmax_dim(a, k)),
+                             every=s.line_calls if rw else None)
+    guide = (f"replace log(softmax(...)) by torch.log_softmax(...) with the same arguments (the softmax is at "
+             f"{_frame_at(sm)})")
     return Diagnosis(
         "log_softmax", "log(softmax(x)): softmax underflowed to 0 and log made it -inf",
         f"softmax returned exactly 0 for some entries (their logits were far below the row's maximum), "
         f"and log(0) = -inf {'in forward' if s.forward else 'gave 0/0 = NaN in its backward (grad / p)'}. "
-        f"This is the `log(softmax(x))` collapse (Debugging Gradients That Misbehave) at {s.where}.",
-        [Fix(FixKind.LOG_SOFTMAX, generic, rewrite=rw, patch=patch,
+        f'This is the `log(softmax(x))` collapse of "Debugging Gradients That Misbehave", at {s.where}.',
+        [Fix(FixKind.LOG_SOFTMAX, "", rewrite=rw, guidance=guide, patch=patch,
              reasoning="log_softmax computes x - logsumexp(x) directly, so it never takes log(0)")])
 
 
@@ -194,20 +205,38 @@ def _zero_log_zero(s: Site) -> Diagnosis | None:
             others = [a for a in args if not (isinstance(a, torch.Tensor) and a is state.get("logp"))]
             q = others[0] if others else state["p"]
             return torch.special.xlogy(q, state["p"])
-        fixes.append(Fix(FixKind.XLOGY, "torch.special.xlogy(p, p)  # = p * log(p), defined as 0 where p == 0",
-                         patch={s.call: grab_log, mrec.call: xlogy},
+        rw = s.rewrite(_xlogy_text, mrec.call)
+        patch = {s.call: grab_log, mrec.call: xlogy}
+        if rw is not None:
+            patch = {**{c: grab_log for c in s.line_calls(s.call)}, **{c: xlogy for c in s.line_calls(mrec.call)}}
+        fixes.append(Fix(FixKind.XLOGY, "", rewrite=rw, patch=patch,
+                         guidance=f"compute p * log(p) as torch.special.xlogy(p, p) at {s.where}: it is 0 where p == 0",
                          reasoning="xlogy(x, y) = x*log(y) with 0 where x == 0 — but its gradient with respect "
                                    "to y is x/y, still 0/0 = NaN at p == 0"))
     for e in eps_candidates(eps):
         rw = s.rewrite(codefix.with_operand("input", lambda t, e=e: f"{codefix.paren(t)}.clamp_min({fmt(e)})"))
-        fixes.append(Fix(FixKind.CLAMP, f"p * torch.log(p.clamp_min({fmt(e)}))", epsilon=e,
-                         rewrite=rw,
-                         patch={s.call: replace_arg(0, lambda t, e=e: t.clamp_min(e))} if s.call else None,
+        fn = operand_fn(rw) or (lambda t, e=e: t.clamp_min(e))
+        fixes.append(Fix(FixKind.CLAMP, "", epsilon=e, rewrite=rw,
+                         guidance=f"clamp log's input to at least {fmt(e)} inside p * log(p) at {s.where}",
+                         patch=s.at_calls(replace_arg(0, fn), rewrite=rw),
                          reasoning=f"clamping inside the log keeps p*log(p) = 0 at p = 0 with finite gradients; {why}"))
     return Diagnosis(
         "zero_times_log_zero", "0 * log(0): an entropy-style term p*log(p) at p = 0",
         f"p held exact zeros, log(p) = -inf at {s.where}, and the product 0 * -inf is NaN. "
         "Mathematically the term is 0 there; numerically it is NaN.", fixes)
+
+
+def _xlogy_text(src, node) -> str | None:
+    """p * torch.log(p) -> torch.special.xlogy(p, p): the product whose one factor is a log call."""
+    ast = codefix.ast
+    if not isinstance(node, ast.BinOp):
+        return None
+    sides = [(node.left, node.right), (node.right, node.left)]
+    for log, other in sides:
+        if isinstance(log, ast.Call) and codefix._callee(log) == "log":
+            x = codefix.operand(log, "input")
+            return f"torch.special.xlogy({src(other)}, {src(x)})" if x is not None else None
+    return None
 
 
 @rule("log_of_zero", *_LOGS, priority=180)
@@ -222,8 +251,8 @@ def _log_zero(s: Site) -> Diagnosis | None:
     if s.forward and x.get("negatives", 0):
         return None  # negatives: the log_of_negative rule
     fixes = edge_fix(s, FixKind.EPSILON, x.get("absmax"), "log(x + eps) and its gradient 1/(x + eps)",
-                     plus_eps, lambda t, e: t + e, lambda e: f"torch.log(p + {fmt(e)})",
-                     floor=1 / s.finfo.max, floor_why="the gradient 1/(x + eps)")
+                     plus_eps, lambda t, e: t + e, lambda e: f"add {fmt(e)} to log's input",
+                     floor=1 / s.finfo.max, floor_why="the gradient 1/(x + eps)", data_eps=x.get("absmin_nonzero"))
     what = "-inf in forward" if s.forward else "0/0 = NaN in its backward (grad / x with x = 0)"
     return Diagnosis("log_of_zero", "log of zero",
                      f"log received {count(x.get('zeros', 0), 'exact zero')} at {s.where}: log(0) = -inf, "
@@ -236,8 +265,8 @@ def _log_negative(s: Site) -> Diagnosis | None:
     if not (s.forward and _log_family(s) and x.get("negatives", 0)):
         return None
     fixes = edge_fix(s, FixKind.CLAMP, x.get("absmax"), "log(x.clamp_min(eps)) and its gradient",
-                     clamp_eps, lambda t, e: t.clamp_min(e), lambda e: f"torch.log(x.clamp_min({fmt(e)}))",
-                     floor=1 / s.finfo.max, floor_why="the gradient 1/eps")
+                     clamp_eps, lambda t, e: t.clamp_min(e), lambda e: f"clamp log's input to at least {fmt(e)}",
+                     floor=1 / s.finfo.max, floor_why="the gradient 1/eps", data_eps=x.get("absmin_nonzero"))
     return Diagnosis("log_of_negative", "log of a negative number",
                      f"log received {count(x['negatives'], 'negative value')} (min {x.get('min')}) at {s.where}: log(x<0) = "
                      "NaN. Check why the input can be negative; clamp it if that is expected.", fixes)

@@ -1,6 +1,8 @@
-"""Range and precision, for any op: a low-precision dtype that overflowed, weights that had
-already exploded. They claim any op, so they rank below every rule for a specific op; a
-low-precision overflow outranks exploded weights (both claim Inf from finite inputs)."""
+"""Range and magnitude, for any op: training that diverged, a float16 overflow, weights that had
+already exploded, values made huge upstream. They claim any op, so they rank below every rule for
+a specific op. Divergence outranks the rest (the history says why everything is huge); a float16
+overflow outranks exploded weights (both claim Inf from finite inputs; the wider dtype is the
+fix); values made huge by an op upstream come last before the generic answer."""
 
 from __future__ import annotations
 
@@ -8,68 +10,144 @@ import math
 
 import torch
 
+from nanreplay.diagnose import magnitude
+from nanreplay.diagnose.divergence import divergence, lr_clip_fix
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
-from nanreplay.diagnose.site import Site, finite_float
+from nanreplay.diagnose.site import Site, finite_float, packet
 from nanreplay.enums import FixKind
 
 
-def _low_precision(s: Site) -> bool:
-    return s.dtype in ("float16", "bfloat16") or bool(s.subject.autocast)
+def _low_dtype(s: Site) -> str | None:
+    """'float16' / 'bfloat16' when the step ran in that dtype or under autocast to it, else None."""
+    if s.dtype in ("float16", "bfloat16"):
+        return s.dtype
+    auto = s.subject.autocast
+    if auto:
+        return str(auto.get("dtype", "float16")).removeprefix("torch.")
+    return None
+
+
+def _huge_weights(s: Site, limit: float) -> list[tuple[str, float]]:
+    big = [(n, float(p.detach().abs().max())) for n, p in s.subject.model.named_parameters()
+           if p.is_floating_point() and p.numel()]
+    return sorted(((n, v) for n, v in big if v > limit), key=lambda nv: -nv[1])
+
+
+@rule("training_diverged", priority=35)
+def _diverged(s: Site) -> Diagnosis | None:
+    """The history climbs (loss, gradient norm) and the values are huge: the run diverged before this step."""
+    if s.event.role not in ("origin", "conversion"):
+        return None
+    d = divergence(s.info)
+    if d is None:
+        return None
+    seen = magnitude.culprit_absmax(s)
+    weights = _huge_weights(s, 1e3)
+    if seen < magnitude.huge_limit(s.dtype) and not weights:
+        return None  # the history climbs, but this op saw nothing huge: something else broke it
+    origin = magnitude.origin_of(s)
+    facts = [f"this op's inputs reached |x| = {seen:.3g}"] if seen else []
+    if weights:
+        facts.append("the largest weights: " + ", ".join(f"{n} |w| = {v:.3g}" for n, v in weights[:3]))
+    act = [a for a in s.step.activations if isinstance(a[1], float)]
+    if act:
+        m, v, _ = max(act, key=lambda a: a[1])
+        facts.append(f"the largest activation: module {m or '<root>'!r} |x| = {v:.3g}")
+    what = {"nan": "NaN (e.g. inf − inf inside the op)", "inf": "Inf"}[s.event.kind]
+    expl = (f"Training diverged: {d.story}. By this step {'; '.join(facts)}, and {s.event.op} made {what} at "
+            f"{s.where}. The op is where it finally broke, not the bug: the updates were too large for this model "
+            f"— lower the learning rate (or warm it up), clip gradients, and restart from a checkpoint from before "
+            f"step {d.onset}.")
+    if origin is not None:
+        expl += " " + magnitude.sentence(origin, s)
+    extra = {"divergence": d.to_json()}
+    if origin is not None:
+        extra["magnitude_origin"] = origin
+    return Diagnosis("training_diverged", "training diverged", expl, [lr_clip_fix(d, s.info)], extra)
 
 
 @rule("fp16_overflow", priority=30)
 def _fp16(s: Site) -> Diagnosis | None:
-    if not _low_precision(s) or s.event.role != "origin" or s.event.kind != "inf":
+    low = _low_dtype(s)
+    # bfloat16 has float32's range: its overflow is a magnitude problem (rules below), never fixed by bfloat16
+    if low != "float16" or s.event.role != "origin" or s.event.kind != "inf":
         return None
     big = max((st.get("absmax") or 0 for st in s.inputs if isinstance(st.get("absmax"), (int, float))), default=0)
-    low = s.dtype if s.dtype in ("float16", "bfloat16") else str((s.subject.autocast or {}).get("dtype", "float16"))
-    low = low.removeprefix("torch.")
-    lmax = torch.finfo(getattr(torch, low, torch.float16)).max
+    lmax = torch.finfo(torch.float16).max
     auto = s.subject.autocast
+    scale = finite_float(s.info.get("grad_scale")) or s.subject.loss_scale
+    alternatives = []
     if auto:
         dev = auto.get("device_type", "cuda")
-        code = (f"with torch.autocast({dev!r}, dtype=torch.bfloat16):  # instead of {low}\n"
-                "    loss = ...\n"
-                f"# or keep {low} and scale the loss: scaler = torch.amp.GradScaler({dev!r})")
+        code = f"with torch.autocast({dev!r}, dtype=torch.bfloat16):  # instead of dtype=torch.float16"
         variant = {"autocast": {**auto, "dtype": torch.bfloat16}, "label": "under bfloat16 autocast"}
-        where_run = f"under torch.autocast({dev!r}, dtype=torch.{low})"
+        where_run = f"under torch.autocast({dev!r}, dtype=torch.float16)"
+        if scale is None and not s.forward:
+            alternatives.append(f"keep float16 autocast and scale the loss: scaler = torch.amp.GradScaler({dev!r})")
     else:
-        code = ("model = model.to(torch.bfloat16)  # same range as float32\n"
-                "# or keep float32 weights, run under torch.autocast(..., dtype=torch.float16) and scale the loss "
-                "with torch.amp.GradScaler()")
+        code = ("# run the step in torch.bfloat16 instead of torch.float16 (convert the model and the batch with "
+                ".to(torch.bfloat16)): same range as float32")
         variant = {"dtype": torch.bfloat16, "label": "in bfloat16"}
-        where_run = f"in {low}"
-    return Diagnosis("fp16_overflow", f"{low} overflow",
+        where_run = "in float16"
+        if scale is None:
+            alternatives.append("keep float32 weights, run the forward under torch.autocast(..., dtype=torch.float16) "
+                                "and scale the loss with torch.amp.GradScaler()")
+    if s.forward:
+        alternatives.append(f"keep float16 and keep the values reaching {s.event.op} in range (a normalisation "
+                            "before it, smaller initial weights)")
+    have = (f" The run already uses a GradScaler (scale {scale:g}): it cannot help an overflow in forward, and "
+            "in backward it only skips steps." if scale is not None else
+            " bfloat16 has float32's range; in backward, a GradScaler keeps scaled gradients in range and skips the "
+            "step on overflow.")
+    return Diagnosis("fp16_overflow", "float16 overflow",
                      f"{s.event.op} produced Inf from finite inputs (|x| up to {big:.4g}) {where_run}, whose largest "
-                     f"value is {lmax:.0f} ({s.where}). The same op is finite in a wider dtype. bfloat16 has float32's "
-                     "range; in backward, a GradScaler keeps scaled gradients in range and skips the step on overflow.",
-                     [Fix(FixKind.BF16_OR_GRAD_SCALER, code, variant=variant,
+                     f"value is {lmax:.0f} ({s.where}). The same op is finite in a wider dtype.{have}",
+                     [Fix(FixKind.BF16_OR_GRAD_SCALER, code, variant=variant, alternatives=alternatives,
                           reasoning="bfloat16 trades mantissa bits for float32's exponent range")])
 
 
 @rule("exploded_weights", priority=20)
 def _exploded(s: Site) -> Diagnosis | None:
-    """Inf from finite inputs in a full-range dtype, with parameters already huge: an earlier step diverged."""
-    if s.event.role != "origin" or s.event.kind != "inf":
+    """Inf, or NaN from inf − inf inside one op (a matmul, a normalisation), from finite inputs in a
+    full-range dtype, with parameters already huge: an earlier step diverged."""
+    if s.event.role != "origin":
         return None
     limit = min(1e5, math.sqrt(s.finfo.max) / 16)
-    seen = max((v for v in (finite_float(st.get("absmax")) for st in s.inputs) if v is not None), default=0.0)
+    seen = magnitude.culprit_absmax(s)
     if seen < limit:
-        return None  # the overflowing op never saw a huge value: something else is going on
-    big = [(n, float(p.detach().abs().max())) for n, p in s.subject.model.named_parameters()
-           if p.is_floating_point() and p.numel()]
-    huge = [(n, v) for n, v in big if v > limit]
+        return None  # the op never saw a huge value: something else is going on
+    huge = _huge_weights(s, limit)
     if not huge:
         return None
-    huge.sort(key=lambda nv: -nv[1])
     names = ", ".join(f"{n} (max |w| {v:.3g})" for n, v in huge[:3])
+    made = "overflowed" if s.event.kind == "inf" else "made NaN (inf − inf inside the op) in"
     return Diagnosis("exploded_weights", "weights already exploded",
-                     f"{s.event.op} overflowed {s.dtype} (largest value {s.finfo.max:.3g}; its inputs reached "
+                     f"{s.event.op} {made} {s.dtype} (largest value {s.finfo.max:.3g}; its inputs reached "
                      f"{seen:.3g}) at {s.where} because the parameters are already huge: {names}. The step itself is "
                      "not the bug — earlier steps grew the weights. Lower the learning rate, clip gradients, and "
                      "restore the last good checkpoint.",
-                     [Fix(FixKind.LOWER_LR_CLIP_GRADS,
-                          "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
-                          "# and: lower the learning rate; restore the last checkpoint with finite, sane weights",
-                          reasoning="the weights themselves are the problem: no change at this op makes them sane "
-                                    "again, so there is nothing to verify by replaying this step")])
+                     [lr_clip_fix(None, s.info)])
+
+
+@rule("huge_values", priority=15)
+def _huge_values(s: Site) -> Diagnosis | None:
+    """Inf/NaN from finite but huge inputs that an op upstream made huge (exp(0.5 * logvar) = 1e37)."""
+    if s.event.role != "origin":
+        return None
+    o = magnitude.origin_of(s)
+    if o is None or "op" not in o:
+        return None
+    src = o.get("source")
+    at = f" at {src['file']}:{src['line']}" if src else ""
+    what = f"{o['call'] or o['op']}{at}"
+    guide = (f"keep the values that reach {what} in range: its input reached {o['input_absmax']:.3g}, "
+             f"and it turned that into {o['output_absmax']:.3g}")
+    if packet(o["op"]) == "aten.exp":
+        guide += "\n(an exp of a log-scale quantity: bound that quantity, or the data that feeds it, before exp)"
+    fix = Fix(FixKind.NONE, "", guidance=guide,
+              alternatives=["normalise the inputs (e.g. pixels to [0, 1]) so nothing upstream is that large"],
+              verification="not replayed: the bound to use depends on what the values mean; nanreplay does not guess "
+                           "one")
+    return Diagnosis("huge_values", f"{s.event.op} overflowed values made huge upstream",
+                     f"{s.event.op} made {s.event.kind.upper()} at {s.where} from finite inputs. "
+                     + magnitude.sentence(o, s), [fix], {"magnitude_origin": o})

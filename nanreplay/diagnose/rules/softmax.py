@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from nanreplay.diagnose import codefix
-from nanreplay.diagnose.fixes import finite_mask, replace_arg
+from nanreplay.diagnose.fixes import finite_mask, operand_fn, replace_arg
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.site import Site, packet
 from nanreplay.enums import FixKind
@@ -23,9 +23,9 @@ def _sum_dim(s: Site, sum_rec: OpRecord | None) -> tuple[Any, bool, bool]:
     if sum_rec is None or not sum_rec.call:
         return -1, False, False
     fr = frame_json(sum_rec.frame)
-    name = s.step.call_names[sum_rec.call] if sum_rec.call < len(s.step.call_names) else None
-    dim = codefix.literal_argument(fr and fr["path"], fr and fr["line"], name, "dim", 0)
-    keep = codefix.literal_argument(fr and fr["path"], fr and fr["line"], name, "keepdim", 1, default=False)
+    name, at = s.name_of(sum_rec.call), s.ordinal(sum_rec.call)
+    dim = codefix.literal_argument(fr, name, "dim", 0, ordinal=at)
+    keep = codefix.literal_argument(fr, name, "keepdim", 1, default=False, ordinal=at)
     if isinstance(dim, int) or (isinstance(dim, (tuple, list)) and all(isinstance(d, int) for d in dim)):
         return dim, bool(keep), True
     return -1, False, False
@@ -72,17 +72,20 @@ def _handwritten_softmax(s: Site) -> Diagnosis | None:
     assumed = "" if known else " (the summed dim could not be read from the source; dim=-1 assumed)"
     if log_rec is not None:
         patch = None
+        rw = s.rewrite(lambda src, node: _logsumexp_text(src, node, f"dim={dim!r}"), log_rec.call) \
+            if log_rec.call else None
         if s.call and log_rec.call and len({s.call, log_rec.call, sum_rec.call}) == 3:
             state: dict = {}
 
             def grab(func, args, kwargs):
                 state["x"] = args[0]
                 return func(*args, **kwargs)
-            patch = {s.call: grab, log_rec.call: lambda func, a, k: torch.logsumexp(state["x"], dim, keepdim=keep)}
-        fr = frame_json(log_rec.frame)
-        lname = s.step.call_names[log_rec.call] if 0 < log_rec.call < len(s.step.call_names) else None
-        rw = s.rewrite(lambda src, node: _logsumexp_text(src, node, f"dim={dim!r}"), lname, fr and fr["line"])
-        code = f"torch.logsumexp(x, dim={dim!r})  # not torch.log(torch.exp(x).sum({dim!r}))"
+
+            def lse(func, a, k):
+                return torch.logsumexp(state["x"], dim, keepdim=keep)
+            each = s.line_calls if rw is not None else (lambda c: [c])
+            patch = {**{c: grab for c in each(s.call)}, **{c: lse for c in each(log_rec.call)}}
+        code = f"replace log(exp(...).sum({dim!r})) by torch.logsumexp(..., dim={dim!r}) of the same argument at {s.where}"
         title, stable = "hand-written logsumexp overflowed", "torch.logsumexp"
         then = "and log(Inf) = Inf"
     else:
@@ -90,19 +93,21 @@ def _handwritten_softmax(s: Site) -> Diagnosis | None:
             t = args[0]
             return func(t - t.detach().amax(dim=dim, keepdim=True), *args[1:], **kwargs)
         calls = [r.call for r in siblings]
-        patch = {c: patch_fn for c in calls} if all(calls) and len(set(calls)) == len(calls) else None
         rw = None
         if len(siblings) == 1:  # one exp call to rewrite on the user's line
             rw = s.rewrite(codefix.with_operand(
                 "input", lambda t: codefix.plus(t, f"{codefix.paren(t)}.amax(dim={dim!r}, keepdim=True)", "-")))
-        code = f"torch.softmax(x, dim={dim!r})  # not x.exp() / x.exp().sum({dim!r}, keepdim=True)"
+        each = s.line_calls if rw is not None else (lambda c: [c])
+        patch = {c: patch_fn for r in calls for c in each(r)} if all(calls) and len(set(calls)) == len(calls) else None
+        code = (f"subtract the maximum over dim {dim!r} from exp's input at {s.where} (or use torch.softmax(..., "
+                f"dim={dim!r}), which does)")
         title, stable = "hand-written softmax overflowed", "torch.softmax"
         then = "then the normalisation made Inf/Inf = NaN"
     return Diagnosis("handwritten_softmax", title,
                      f"exp overflowed to Inf for inputs above {lim:.1f} ({s.dtype}; max seen {x.get('max')}) at "
                      f"{s.where}, {then}. Subtracting the maximum over the summed dim first (what torch.softmax and "
                      f"torch.logsumexp do) keeps exp ≤ 1 and changes nothing mathematically.",
-                     [Fix(FixKind.MAX_SUBTRACTION, code, rewrite=rw,
+                     [Fix(FixKind.MAX_SUBTRACTION, "", rewrite=rw, guidance=code,
                           patch=patch, reasoning=f"{stable} is the stable form: exp(x - max) never overflows"
                           + assumed)])
 
@@ -115,8 +120,9 @@ def _exp_overflow(s: Site) -> Diagnosis | None:
     lim = math.floor(math.log(s.finfo.max)) - 1
     fixes = []
     rw = s.rewrite(codefix.with_operand("input", lambda t: f"{codefix.paren(t)}.clamp(max={lim})"))
-    fixes.append(Fix(FixKind.CLAMP, f"torch.exp(x.clamp(max={lim}))", rewrite=rw,
-                     patch={s.call: replace_arg(0, lambda t: t.clamp(max=lim))} if s.call else None,
+    fn = operand_fn(rw) or (lambda t: t.clamp(max=lim))
+    fixes.append(Fix(FixKind.CLAMP, "", rewrite=rw, guidance=f"clamp exp's input to at most {lim} at {s.where}",
+                     patch=s.at_calls(replace_arg(0, fn), rewrite=rw),
                      reasoning=f"exp(x) overflows {s.dtype} above x ≈ {math.log(s.finfo.max):.1f}"))
     return Diagnosis("exp_overflow", "exp overflow",
                      f"exp received values up to {x.get('max')} at {s.where}; in {s.dtype} exp overflows above "
@@ -130,24 +136,29 @@ def _masked_row(s: Site) -> Diagnosis | None:
         return None
     lits = [e for e in s.chain_events() if e.role == "literal" and e.index < s.event.index and e.fwd is not None]
     recs = list({id(r): r for r in (s.step.ops[e.fwd] for e in lits) if r.call}.values())
-    patch = {r.call: finite_mask for r in recs} or None
-    rws = []
+    rws, calls = [], set()
     for r in recs:
-        fr = frame_json(r.frame)
-        name = s.step.call_names[r.call] if r.call < len(s.step.call_names) else None
-        rw = fr and s.rewrite(lambda src, node: _finite_mask_text(src, node, s.dtype), name, fr["line"])
+        rw = s.rewrite(lambda src, node: _finite_mask_text(src, node, s.dtype), r.call)
+        calls.update(s.line_calls(r.call) if rw is not None else [r.call])
         if rw and all(rw.before != o.before for o in rws):
             rws.append(rw)
+    patch = {c: finite_mask for c in sorted(calls)} or None
     rws.sort(key=lambda r: r.line)
     before = "\n".join(r.before for r in rws) or None
     after = "\n".join(r.after for r in rws) or None
-    code = after or "scores = scores.masked_fill(mask, torch.finfo(scores.dtype).min)  # not float('-inf')"
+    where = ", ".join(sorted({f"{fr['file']}:{fr['line']}" for r in recs if (fr := frame_json(r.frame))})) or s.where
+    calls = ", ".join(sorted({s.name_of(r.call) for r in recs if s.name_of(r.call)}))
+    inside = f" (the -inf comes from {calls}, called inside torch from {where})" if calls else f" (at {where})"
+    code = after or (f"some row has every position masked{inside}: keep at least one allowed position per row "
+                     "(e.g. leave sequences that are all padding out of the batch), or mask with "
+                     "torch.finfo(dtype).min instead of -inf")
     return Diagnosis("softmax_all_masked", "softmax over a fully masked row",
                      f"every entry of some softmax row was -inf (a mask with no allowed position, e.g. an all-padding "
                      f"sequence), so softmax computed exp(-inf - (-inf)) = NaN at {s.where}. A healthy causal mask is "
                      "fine; an empty row is not. Use the dtype's most negative finite value as the mask value "
                      "(the row then becomes uniform, and you can zero it), or drop empty rows.",
-                     [Fix(FixKind.FINITE_MASK_VALUE, code, before=before, after=after, patch=patch,
+                     [Fix(FixKind.FINITE_MASK_VALUE, after or "", before=before, after=after, patch=patch,
+                          guidance=None if after else code,
                           reasoning="finfo(dtype).min behaves like -inf for every row that has an allowed position, "
                                     "and keeps fully masked rows finite")])
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from nanreplay.diagnose import codefix
-from nanreplay.diagnose.fixes import denominator_index, replace_arg
+from nanreplay.diagnose.fixes import denominator_index, operand_fn, replace_arg
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.site import Site
 from nanreplay.enums import FixKind
@@ -44,17 +44,20 @@ def _where_trap(s: Site) -> Diagnosis | None:
     if s.packet == "aten.div":
         idx = denominator_index(s.call_name)
     fn_name = s.call_name.rsplit(".", 1)[-1] or s.packet.split(".")[1]
-    patch = {s.call: replace_arg(idx, lambda t: torch.where(ok(t), t, torch.full_like(t, safe)))} if s.call else None
     var = "y" if s.packet == "aten.div" else "x"
     rw = s.rewrite(codefix.with_operand("other" if s.packet == "aten.div" else "input",
                                         lambda t: f"torch.where({cond.replace(var, codefix.paren(t))}, {t}, {safe})"))
+    fn = operand_fn(rw) or (lambda t: torch.where(ok(t), t, torch.full_like(t, safe)))
+    patch = s.at_calls(replace_arg(idx, fn), rewrite=rw)
+    what = "the denominator" if s.packet == "aten.div" else f"{fn_name}'s input"
     return Diagnosis(
         "where_trap", f"the torch.where trap: {fn_name} outside its domain on the branch where() discards",
         f"torch.where(cond, {fn_name}(x), other) computed {fn_name} on every element, including those where cond "
         f"is False. Forward discards them, but backward multiplies their gradient (0) by {fn_name}'s derivative "
         f"there (Inf or NaN), and 0 * Inf = NaN reaches the gradients ({s.where}). The fix is the double where: "
         f"make the input safe *before* the op, so the discarded branch is finite too.",
-        [Fix(FixKind.DOUBLE_WHERE, f"torch.where(cond, {fn_name}(torch.where({cond}, x, {safe})), other)",
-             rewrite=rw, patch=patch,
+        [Fix(FixKind.DOUBLE_WHERE, "", rewrite=rw, patch=patch,
+             guidance=f"at {s.where}, replace {what} by {safe} where {cond.replace(var, 'it')} does not hold, before "
+                      f"{fn_name} runs (torch.where inside as well as outside)",
              reasoning="the inner where feeds the op only values where it is defined; the outer where "
                        "keeps the result exactly as before")])

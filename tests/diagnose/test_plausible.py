@@ -1,0 +1,145 @@
+"""Verified means fixed: a fix is verified only when its replay is finite *and* plausible.
+
+The walk below analyzes every fixture case of the suite (`causes.py`, `nanmodels.py`) and every shipped
+sample, and checks every fix that was replayed: none that is called verified is implausible, and the
+plausibility verdict agrees with the numbers it reports.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import causes
+import nanmodels
+import samples
+from nanreplay import analysis, formats
+from nanreplay.diagnose import plausible
+from nanreplay.diagnose.plausible import GRAD_FACTOR, LOSS_FACTOR, Reference
+
+pytestmark = pytest.mark.filterwarnings(r"ignore:std\(\):UserWarning")
+
+FIXTURES = [pytest.param(m, n, id=f"{m.__name__}.{n}") for m in (causes, nanmodels) for n in m.CASES
+            if m.CASES[n].expect.get("verdict", "culprit_found") == "culprit_found"]
+
+
+def _check_replayed(fix: dict) -> None:
+    r = fix.get("replay")
+    if fix["verified"] is None:
+        assert r is None  # never replayed: no replay numbers either
+        return
+    assert set(r) >= {"loss", "grad_norm", "plausible", "why"}
+    if fix["verified"]:
+        assert r["plausible"] is not False, r  # the point: nothing verified is implausible
+        assert isinstance(r["loss"], float) and math.isfinite(r["loss"])
+        assert "every parameter gradient finite" in fix["verification"]
+    elif r["plausible"] is False and r["why"] != "the replay is not finite":
+        assert r["why"].startswith("finite but implausible") and "finite but implausible" in fix["verification"]
+    if r["plausible"] is True:
+        assert r["why"].startswith("plausible against")
+
+
+def _walk(d: dict) -> list[dict]:
+    diag = d["diagnosis"]
+    fixes = [diag["fix"], *diag.get("candidates", [])]
+    for f in fixes:
+        _check_replayed(f)
+    return fixes
+
+
+@pytest.mark.parametrize("module,name", FIXTURES)
+def test_no_verified_fix_in_the_fixtures_is_implausible(run_case, module, name):
+    d = run_case(name, module=module)[0].to_json()
+    _walk(d)
+
+
+@pytest.mark.parametrize("name", samples.names())
+def test_no_verified_fix_in_the_samples_is_implausible(name):
+    d = analysis.analyze(samples.SAMPLES / f"{name}.pt", **samples.flags(name)).to_json()
+    fixes = _walk(d)
+    rows = plausible.history_rows(d["snapshot_info"])
+    losses = [abs(x["loss"]) for x in rows if isinstance(x.get("loss"), float) and math.isfinite(x["loss"])]
+    norms = [x["grad_norm"] for x in rows if isinstance(x.get("grad_norm"), float) and math.isfinite(x["grad_norm"])]
+    for f in fixes:
+        r = f.get("replay") or {}
+        if r.get("plausible") is not None and "recent history" in r["why"]:  # judged against that very history
+            within = abs(r["loss"]) <= LOSS_FACTOR * max(losses) and (
+                r["grad_norm"] is None or r["grad_norm"] <= GRAD_FACTOR * max(norms))
+            assert r["plausible"] is within, (r, max(losses), max(norms))
+
+
+@pytest.mark.parametrize("name,loss", [("sqrt_negative", 276.8), ("fp16_overflow", 7.08e7)])
+def test_a_finite_but_implausible_fix_is_not_verified(name, loss):
+    """The shipped samples whose fix used to be 'verified' with a loss far outside the run's history:
+    every candidate is replayed, each is shown finite but implausible, and none is verified."""
+    d = analysis.analyze(samples.SAMPLES / f"{name}.pt", **samples.flags(name)).to_json()
+    fix = d["diagnosis"]["fix"]
+    assert fix["verified"] is False and fix["replay"]["plausible"] is False
+    assert fix["replay"]["loss"] == pytest.approx(loss, rel=1e-2)
+    assert "finite but implausible against the recent history" in fix["verification"]
+    tried = [c for c in d["diagnosis"]["candidates"] if c.get("replay")]
+    assert tried and all(c["verified"] is False for c in tried)
+
+
+def test_untested_alternatives_are_labelled():
+    """'… or add a GradScaler' no longer sits in the code under the badge: it is an alternative, untested."""
+    d = analysis.analyze(samples.SAMPLES / "fp16_overflow.pt").to_json()
+    fix = d["diagnosis"]["fix"]
+    assert "GradScaler" not in fix["code"]
+    alts = fix["alternatives"]
+    assert any("GradScaler" in a["code"] for a in alts)
+    assert all(a["tested"] is False and a["label"] == "untested" for a in alts)
+
+
+def test_the_next_candidate_is_tried_after_an_implausible_one(run_case):
+    """x / relu(...) with a zero: a tiny eps keeps the step finite with a quotient of 1e7; each candidate is
+    replayed until one is plausible against this step's finite parts (the other rows)."""
+    d = run_case("x_over_zero")[0].to_json()
+    cands = d["diagnosis"]["candidates"]
+    assert cands[0]["replay"]["plausible"] is False and cands[0]["verified"] is False
+    assert cands[0]["replay"]["loss"] > LOSS_FACTOR * 2  # finite, and far off
+    fix = d["diagnosis"]["fix"]
+    assert fix["verified"] is True and fix is not cands[0] and fix["epsilon"] > cands[0]["epsilon"]
+    assert "this step's finite parts" in fix["replay"]["why"]
+    assert "smallest non-zero value" in fix["reasoning"]  # the eps at the scale of the data
+
+
+def test_judge_against_history():
+    ref = Reference("the recent history (steps 0–4)", 1.5, 0.9)
+    ok, why = plausible.judge(1.2, 3.0, None, ref)
+    assert ok is True and why.startswith("plausible against the recent history")
+    ok, why = plausible.judge(276.8, 3.0, None, ref)
+    assert ok is False and f"> {LOSS_FACTOR:g} × 1.5" in why
+    ok, why = plausible.judge(1.2, 0.9 * GRAD_FACTOR * 1.01, None, ref)
+    assert ok is False and "gradient norm" in why
+    assert plausible.judge(1.2, 3.0, None, None)[0] is None
+
+
+def test_reference_from_history_excludes_the_snapshots_own_step():
+    info = {"step": 5, "history": [{"step": 3, "loss": 1.0, "grad_norm": 0.5}, {"step": 4, "loss": -2.0, "grad_norm": "nan"},
+                                    {"step": 5, "loss": "nan", "grad_norm": None}]}
+    ref = plausible.reference(info, step=None, subject=None)
+    assert (ref.loss, ref.grad_norm) == (2.0, 0.5) and ref.source == "the recent history (steps 3–4)"
+
+
+def _subject(path, c):
+    return formats.rebuild(formats.load(path), model=c.model_spec, loss=c.loss, device=None, trust=False)
+
+
+def test_finite_parts_drop_the_broken_elements(run_case):
+    """Without history, a loss failure is compared with the loss of the elements that did not break:
+    x / t over the rows where t > 0. Where nearly every element broke (22 of 24 logs of 0), what is left
+    says nothing about the step: no reference, and the replay says plausibility was not judged."""
+    _, path = run_case("x_over_zero")
+    subject = _subject(path, causes.CASES["x_over_zero"])
+    with torch.no_grad():
+        t = torch.relu(subject.model.fc(subject.inputs))
+        q = subject.inputs[:, :1].abs() / t
+        expected = q[torch.isfinite(q)].mean().item()
+    assert plausible.finite_part_loss(subject) == pytest.approx(expected, rel=1e-5)
+    res, path = run_case("log_zero", module=nanmodels)
+    assert plausible.finite_part_loss(_subject(path, nanmodels.CASES["log_zero"])) is None
+    fix = res.diagnosis["fix"]
+    assert fix["replay"]["plausible"] is None and "not judged" in fix["replay"]["why"]
