@@ -70,5 +70,6 @@ class FixKind(StrEnum):
     RESTORE_PARAMETERS = "restore_parameters"
     GUARD_EMPTY_REDUCTION = "guard_empty_reduction"
     OPTIMIZER_EPS = "optimizer_eps"
+    NORMALIZE_INPUT = "normalize_input"
     STABLE_VARIANCE = "stable_variance"  # torch.var instead of E[x²] − E[x]²
     NONE = "none"

@@ -57,6 +57,9 @@ def diagnose(result, subject, step: Step, c: int | None, chain: list[int], *, ve
     return out
 
 
+_ADVICE_FIRST = (FixKind.NORMALIZE_INPUT,)  # causes a replay of this step cannot test (they are in the data)
+
+
 def _verify(diag: Diagnosis, subject, ref: plausible.Reference | None) -> tuple[Fix, list[Fix]]:
     """Try each candidate fix in order; the first whose replay is finite *and* plausible wins, else the first."""
     tried = []
@@ -88,7 +91,10 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Reference | None) -> tuple[
     if not code_fixes and diag.fixes and diag.fixes[0].kind not in (FixKind.NONE, FixKind.LOWER_LR_CLIP_GRADS):
         diag.fixes[0].verification = ("could not apply this fix automatically at the culprit call "
                                       "(the call is not spelled as expected); not verified")
-    # none verified: show the first that at least replayed finite (marked implausible), else the first tried
+    # none verified: advice the rule put first for a cause outside the step (the data) wins over a replayed patch
+    if diag.fixes and diag.fixes[0].kind in _ADVICE_FIRST:
+        return diag.fixes[0], tried
+    # else show the first that at least replayed finite (marked implausible), else the first tried
     finite_ones = [f for f in code_fixes if f.replay and f.replay.get("plausible") is False and f.replay.get("loss")
                    is not None and f.replay.get("why") != "the replay is not finite"]
     return (finite_ones[0] if finite_ones else code_fixes[0] if code_fixes else diag.fixes[0]), tried

@@ -102,6 +102,19 @@ class Site:
             r = self.src(0, r)
         return r
 
+    def leaf(self, i: int, rec: OpRecord | None = None) -> tuple[str, str] | None:
+        """(kind, name) when the i-th tensor input of `rec` (default: the culprit's forward op) is, through views
+        and copies, a batch tensor ("input"/"target") or a parameter; None when an op computed it."""
+        rec = rec or self.rec
+        while rec is not None and i < len(rec.src):
+            if rec.src[i] is None:
+                return rec.leaves[i] if rec.leaves and i < len(rec.leaves) else None
+            r = self.step.ops[rec.src[i]]
+            if not (_passes_through(r) and r.src):
+                return None
+            rec, i = r, 0
+        return None
+
     def origin_packet(self, i: int, rec: OpRecord | None = None) -> str | None:
         r = self.origin(i, rec)
         return packet(str(r.op)) if r else None

@@ -96,6 +96,7 @@ class Recorder:
         self.user_calls: list[str | None] = [None]
         self.intercepts: dict[int, Callable] = {}  # call number -> fn(func, args, kwargs): fix verification
         self.producer = ti.WeakTensorKeyDictionary()  # forward output tensor -> forward op index
+        self.leaf_names = ti.WeakTensorKeyDictionary()  # batch tensor / parameter -> (kind, name)
         self.activations: list[list] = []  # [module, max |output|, dtype] in forward completion order
         self.grad_shapes: list[list] = []  # [module, output shape, gradient shape or None]
         self.nan_in_backward = False
@@ -118,7 +119,11 @@ class Recorder:
                 frame = None if view else user_frame(3)
             prod = self.producer
             src = tuple(prod.get(a) for a in args if isinstance(a, torch.Tensor))
-            self.ops.append(OpRecord(func, module, frame, self.current_call, src))
+            leaves = None
+            if None in src and self.leaf_names:
+                leaves = tuple(self.leaf_names.get(a) if s is None else None
+                               for a, s in zip((a for a in args if isinstance(a, torch.Tensor)), src, strict=True))
+            self.ops.append(OpRecord(func, module, frame, self.current_call, src, leaves))
             if seq - 1 not in self.op_by_seq:  # the node an op creates takes the number just before it
                 self.op_by_seq[seq - 1] = fwd
             for t in _tensors(out):

@@ -21,6 +21,7 @@ class OpRecord:
     frame: Frame | None
     call: int  # number of the user-level torch call that ran it (0: none)
     src: tuple  # per tensor argument: the forward op that produced it (None: a leaf or unknown)
+    leaves: tuple | None = None  # per tensor argument: (kind, name) of a known leaf (batch tensor, parameter)
 
 
 @dataclass(slots=True)

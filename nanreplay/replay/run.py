@@ -24,7 +24,8 @@ from nanreplay.replay.records import Failure, Step
 def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor], *,
         names: dict[int, str], prepare: Callable[[], None] | None = None, autocast: dict | None = None,
         site: Callable | None = None, intercepts: dict[int, Callable] | None = None,
-        loss_module: str = "<loss>", backward_after_bad_loss: bool = True) -> Step:
+        loss_module: str = "<loss>", backward_after_bad_loss: bool = True,
+        leaf_names: list[tuple[torch.Tensor, tuple[str, str]]] | None = None) -> Step:
     """Replay forward, loss and backward once, instrumented, and return what happened.
 
     Global state is restored on the way out, even when the replay raises: module
@@ -34,6 +35,8 @@ def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any]
     """
     rec = Recorder(names, site)
     rec.intercepts = intercepts or {}
+    for t, who in (leaf_names or []):
+        rec.leaf_names[t] = who
     rec.call_label = getattr(model, "current_user_call", None)  # a step program knows the user's calls
     handles = rec.install_module_hooks() if site is None else []  # exported programs: the site knows
     node_handles: list = []
@@ -119,9 +122,13 @@ def _backward(loss: torch.Tensor) -> None:
 
 
 def run_subject(subject, **kw) -> Step:
-    """`run` for a rebuilt snapshot (a `rebuild.Subject`)."""
+    """`run` for a rebuilt snapshot (a `replay.subject.Subject`)."""
+    from nanreplay.replay.subject import batch_tensors
+
+    leaves = [(t, (role, name)) for name, role, t in batch_tensors(subject)]
+    leaves += [(p, ("parameter", n)) for n, p in subject.model.named_parameters()]
     return run(subject.model, subject.forward, subject.loss, names=subject.names, prepare=subject.prepare,
-               autocast=subject.run_autocast, site=subject.site, **kw)
+               autocast=subject.run_autocast, site=subject.site, leaf_names=leaves, **kw)
 
 
 def autocast_from(setting: dict | None):

@@ -297,10 +297,12 @@ def test_float_under_autocast_probes_and_verifies(runs):
         _, d, _ = runs[kind]
         assert d["precision"] and all("error" not in r for r in d["precision"]), d["precision"]
     _, fp16, _ = runs["autocast_fp16"]
-    fix = fp16["diagnosis"]["fix"]
-    # bf16 keeps the step finite, but with inputs 3000x too large the loss is nowhere near the run's: not a fix
-    assert fp16["diagnosis"]["cause"] == "fp16_overflow" and fix["verified"] is False
-    assert fix["replay"]["plausible"] is False and fix["replay"]["loss"] is not None
+    # the batch is 3000x too large: the advice is to normalise `x` (named by forward's own parameter name);
+    # bf16 keeps the step finite, but the loss is nowhere near the run's: tried, and not called a fix
+    assert fp16["diagnosis"]["cause"] == "fp16_overflow" and fp16["diagnosis"]["fix"]["kind"] == "normalize_input"
+    assert "`x` holds values up to" in fp16["diagnosis"]["explanation"]
+    bf16 = next(f for f in fp16["diagnosis"]["candidates"] if f["kind"] == "bf16_or_grad_scaler")
+    assert bf16["verified"] is False and bf16["replay"]["plausible"] is False and bf16["replay"]["loss"] is not None
 
 
 def test_wrappers_are_unwrapped_and_noted(runs):

@@ -99,11 +99,34 @@ def _fp16(s: Site) -> Diagnosis | None:
             "in backward it only skips steps." if scale is not None else
             " bfloat16 has float32's range; in backward, a GradScaler keeps scaled gradients in range and skips the "
             "step on overflow.")
-    return Diagnosis("fp16_overflow", "float16 overflow",
+    fixes = [Fix(FixKind.BF16_OR_GRAD_SCALER, code, variant=variant, alternatives=alternatives,
+                 reasoning="bfloat16 trades mantissa bits for float32's exponent range")]
+    raw = _raw_batch_input(s)
+    if raw is not None:  # the values that overflow are the batch itself: its range is the cause
+        name, absmax = raw
+        have = (f" The large values come straight from the batch: `{name}` holds values up to {absmax:.4g}, "
+                "so the input's range is the cause — a model expects normalised inputs (roughly unit scale)."
+                + have)
+        fixes.insert(0, Fix(FixKind.NORMALIZE_INPUT, "", guidance=(
+            f"normalise `{name}` in the data pipeline before the model, e.g. x = (x - mean) / std over the dataset, "
+            "or divide 8/16-bit image data by 255 / 65535"),
+            verification="not replayed: the right normalisation depends on your data; after it, the values "
+                         f"reaching {s.event.op} are of order 1",
+            reasoning=f"|{name}| up to {absmax:.4g}: float16's largest value is {lmax:.0f}"))
+    return Diagnosis("fp16_overflow", "float16 overflow" + (" on un-normalised input" if raw is not None else ""),
                      f"{s.event.op} produced Inf from finite inputs (|x| up to {big:.4g}) {where_run}, whose largest "
-                     f"value is {lmax:.0f} ({s.where}). The same op is finite in a wider dtype.{have}",
-                     [Fix(FixKind.BF16_OR_GRAD_SCALER, code, variant=variant, alternatives=alternatives,
-                          reasoning="bfloat16 trades mantissa bits for float32's exponent range")])
+                     f"value is {lmax:.0f} ({s.where}). The same op is finite in a wider dtype.{have}", fixes)
+
+
+def _raw_batch_input(s: Site) -> tuple[str, float] | None:
+    """(name, |max|) when the culprit's largest input is a batch tensor (through casts and views) far from unit scale."""
+    best = None
+    for i, st in enumerate(s.inputs):
+        v = finite_float(st.get("absmax"))
+        who = s.leaf(i)
+        if v is not None and who is not None and who[0] == "input" and v > 100 and (best is None or v > best[1]):
+            best = (who[1], v)
+    return best
 
 
 @rule("exploded_weights", priority=20)
