@@ -175,7 +175,9 @@ class NanGuard:
         if not math.isfinite(norm):
             entries_finite = _all_grads_finite(self.model)
             if entries_finite:  # a float32 norm of finite, huge gradients: the norm overflowed, not the values
-                norm = _total_norm(self.model, torch.float64)
+                exact = _total_norm(self.model, torch.float64)
+                # clip_grad_norm_ that returned inf has already scaled every gradient by max_norm / inf = 0
+                norm = exact if exact > 0 else norm
                 trigger = Trigger.GRAD_NORM_OVERFLOW
             else:
                 trigger = Trigger.GRADIENT

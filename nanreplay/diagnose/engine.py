@@ -105,13 +105,15 @@ def for_leaves(verdict: str, rows: list[dict], snap) -> dict:
     names = ", ".join(f"{r['name']} ({r['nan']} NaN, {r['inf']} Inf)" for r in rows[:5])
     if verdict == "nonfinite_input":
         samples = sorted({i for r in rows for i in r.get("samples", [])})
+        first = rows[0]["name"] if rows else "x"
+        x = first if first.isidentifier() else "x"  # the batch tensor's own name where it is one (`images`)
         at = f" Bad samples (index along dim 0): {samples[:20]}." if samples else ""
         return {"cause": "nonfinite_input", "title": "NaN/Inf in the input batch",
                 "explanation": f"The batch already holds non-finite values before the model runs: {names}.{at} "
                                "The model is not the culprit; the data pipeline is (a log of 0 or a division by 0 "
                                "in preprocessing, a corrupt record, a missing value read as NaN).",
-                "fix": Fix(FixKind.CLEAN_INPUT, "assert torch.isfinite(x).all(), f'non-finite input in batch {step}'\n"
-                           "# find the source in the data pipeline; as a stopgap: x = torch.nan_to_num(x)",
+                "fix": Fix(FixKind.CLEAN_INPUT, f"assert torch.isfinite({x}).all(), f'non-finite input in batch {{step}}'\n"
+                           f"# find the source in the data pipeline; as a stopgap: {x} = torch.nan_to_num({x})",
                            verification="the batch itself is non-finite: nothing in the model to replay").to_json(),
                 "candidates": []}
     return {"cause": "nonfinite_parameters", "title": "the weights were already non-finite",

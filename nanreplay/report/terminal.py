@@ -33,7 +33,8 @@ def terminal_summary(a: Analysis | dict, report_path: str | None) -> str:
     else:
         lines.append(f"  {b.headline}")
         for r in (d.get("nonfinite_leaves") or [])[:5]:
-            lines.append(f"  {r['role']:10} {r['name']}: {r['nan']} NaN, {r['inf']} Inf")
+            at = f"; bad samples (dim 0): {r['samples']}" if r.get("samples") else ""
+            lines.append(f"  {r['role']:10} {r['name']}: {r['nan']} NaN, {r['inf']} Inf{at}")
     fail = failure_text(d)
     if fail:
         lines.append(f"  failure  {fail}")
