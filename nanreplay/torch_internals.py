@@ -102,6 +102,21 @@ def run_backward(loss: torch.Tensor) -> None:
                         accumulate_grad=True)
 
 
+def autograd_nodes(root: Any, limit: int = 200_000):
+    """Every node of the autograd graph behind `root` (a grad_fn), each once, at most `limit` of them."""
+    seen, todo = set(), [root]
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        yield node
+        try:
+            todo.extend(n for n, _ in node.next_functions)
+        except Exception as e:  # noqa: BLE001
+            _note("autograd_nodes", e)
+
+
 def is_custom_function_node(node: Any) -> bool:
     """Is this autograd node the backward of a user-defined `torch.autograd.Function`?"""
     try:

@@ -164,3 +164,17 @@ def anomaly_json(step: Step, c: int | None) -> dict:
     return out
 
 
+def precision_sentence(rows: list[dict], ran: str) -> str:
+    """What the precision probe's rows say, in one sentence written from those rows (it cannot contradict them):
+    a precision/range problem (finite in a wider dtype) or a math domain error (non-finite in every dtype)."""
+    rows = [r for r in rows or [] if "error" not in r]
+    ok = [str(r.get("dtype")) for r in rows if r.get("loss_finite") and r.get("grads_finite")]
+    bad = [str(r.get("dtype")) for r in rows if not (r.get("loss_finite") and r.get("grads_finite"))]
+    if ok:
+        also = f" (and not in {', '.join(bad)} either)" if bad else ""
+        return (f"The step is finite when replayed in {', '.join(ok)}, but not in {ran} as it ran{also}: a "
+                "precision/range problem, not a math domain error.")
+    if bad:
+        return (f"The step is non-finite in {', '.join(bad)} too: a math domain error, not a precision problem; a "
+                "wider dtype will not fix it.")
+    return ""

@@ -23,6 +23,7 @@ from nanreplay.analysis.contract import (
     culprit_json,
     event_json,
     forward_inputs_json,
+    precision_sentence,
 )
 from nanreplay.enums import Verdict
 from nanreplay.errors import NanReplayError
@@ -143,20 +144,6 @@ def _step_label(subject: Subject) -> str:
         dtype = ac.get("dtype") or (torch.bfloat16 if ac.get("device_type") == "cpu" else torch.float16)
         return f"autocast {stats.dtype_name(dtype)}"
     return _step_dtype(subject)
-
-
-def precision_sentence(rows: list[dict], dtype: str) -> str:
-    """Tell a precision/range problem from a math domain error (the step failed in `dtype`)."""
-    ok = [r["dtype"] for r in rows if r.get("loss_finite") and r.get("grads_finite")]
-    bad = [r["dtype"] for r in rows if "error" not in r and not (r.get("loss_finite") and r.get("grads_finite"))]
-    if ok:
-        also = f" (nor in {', '.join(bad)})" if bad else ""
-        return (f"Precision probe: the same step is finite in {', '.join(ok)} but not in {dtype}{also} — "
-                "a precision/range problem, not a math domain error.")
-    if bad:
-        return (f"Precision probe: the step is non-finite in {', '.join(bad)} too — a genuine math domain error, "
-                "not a precision problem; a wider dtype will not fix it.")
-    return ""
 
 
 def check_leaves(subject: Subject) -> list[dict]:

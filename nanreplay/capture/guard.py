@@ -412,13 +412,7 @@ def _saved_low_precision(loss: torch.Tensor, model: nn.Module, limit: int = 2000
     if p is None or p.dtype != torch.float32 or loss.grad_fn is None:
         return None
     try:
-        seen, todo = set(), [loss.grad_fn]
-        while todo and len(seen) < limit:
-            node = todo.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            todo.extend(n for n, _ in node.next_functions)
+        for node in ti.autograd_nodes(loss.grad_fn, limit):
             for v in ti.saved_tensors_of(node):
                 if v.dtype in (torch.float16, torch.bfloat16):
                     return {"device_type": v.device.type, "dtype": str(v.dtype).removeprefix("torch."), "enabled": True}

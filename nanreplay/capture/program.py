@@ -363,15 +363,9 @@ def record_step(forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor],
     return Recorded(program, rec.constants, loss_t)
 
 
-def _custom_functions(loss: torch.Tensor, limit: int = 200_000) -> list[str]:
+def _custom_functions(loss: torch.Tensor) -> list[str]:
     found: list[str] = []
-    seen, todo = set(), [loss.grad_fn]
-    while todo and len(seen) < limit:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        todo.extend(n for n, _ in node.next_functions)
+    for node in ti.autograd_nodes(loss.grad_fn):
         if ti.is_custom_function_node(node):
             name = type(node).__name__.removesuffix("Backward")
             if name not in found:

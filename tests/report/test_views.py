@@ -68,8 +68,9 @@ def test_the_precision_sentence_is_written_from_the_table_it_sits_under():
     d = sample("fp16_overflow")
     wrong = ("Precision probe: the same step is finite in float32, float64 but not in float64 — a precision/range "
              "problem, not a math domain error.")
+    right = d["diagnosis"]["precision"]
     d["diagnosis"]["precision"] = wrong  # what the diagnosis said before it was fixed at the source
-    d["diagnosis"]["explanation"] = d["diagnosis"]["explanation"].split(" Precision probe:")[0] + " " + wrong
+    d["diagnosis"]["explanation"] = d["diagnosis"]["explanation"].replace(right, "").rstrip() + " " + wrong
     v = view(d)
     ok = [r[0].text for r in v.precision.rows if r[3].text == "finite"]
     assert ok and "float64" in ok

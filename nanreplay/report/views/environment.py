@@ -6,6 +6,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
+from nanreplay.analysis.contract import precision_sentence as sentence_from_rows
 from nanreplay.report.format import num
 from nanreplay.report.views.elements import Cell, Fact
 
@@ -45,19 +46,8 @@ def step_dtype(d: dict) -> str:
 
 
 def precision_sentence(d: dict) -> str:
-    """What the precision table says, in one sentence written from the table's own rows: it cannot contradict them."""
-    rows = [r for r in d.get("precision") or [] if "error" not in r]
-    ok = [str(r.get("dtype")) for r in rows if r.get("loss_finite") and r.get("grads_finite")]
-    bad = [str(r.get("dtype")) for r in rows if not (r.get("loss_finite") and r.get("grads_finite"))]
-    ran = step_dtype(d)
-    if ok:
-        also = f" (and not in {', '.join(bad)} either)" if bad else ""
-        return (f"The step is finite when replayed in {', '.join(ok)}, but not in {ran} as it ran{also}: a "
-                "precision/range problem, not a math domain error.")
-    if bad:
-        return (f"The step is non-finite in {', '.join(bad)} too: a math domain error, not a precision problem; a "
-                "wider dtype will not fix it.")
-    return ""
+    """The precision table's own sentence (the one the analysis writes too): it cannot contradict the rows."""
+    return sentence_from_rows(d.get("precision") or [], step_dtype(d))
 
 
 @dataclass
