@@ -53,7 +53,7 @@ torch.set_num_threads({threads})
 d = torch.load({snap!r}, weights_only=True, mmap=True)
 torch.manual_seed(0)
 model = tf.Transformer(layers={layers}, nan_layer={layers} - 2)
-model.load_state_dict(d["model_state"])
+model.load_state_dict({{k: v for k, v in d["state"].items()}})
 idx, y = d["batch"]["inputs"], d["batch"]["target"]
 loss = tf.loss_fn(model(idx), y)
 loss.backward()
