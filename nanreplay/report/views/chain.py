@@ -132,7 +132,7 @@ def chain_view(d: dict) -> ChainView | None:
         flow.append(FlowStep(f"{skipped} propagation", "", "more", ""))
     f = d.get("failure")
     if f:
-        what = "the loss" if f.get("what") == "loss" else f"grad of {f.get('name')}"
+        what = {"loss": "the loss", "parameter": f"weight {f.get('name')}"}.get(f.get("what"), f"grad of {f.get('name')}")
         flow.append(FlowStep(what, "the failure", "failure", kind_text(f.get("kind"))))
     if len(flow) > 12:
         flow = flow[:5] + [FlowStep(f"{len(flow) - 10} more steps", "", "more", "")] + flow[-5:]
