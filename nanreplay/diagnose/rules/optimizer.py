@@ -172,18 +172,26 @@ def _overflow(s: UpdateSite) -> Diagnosis | None:
         return None
     size = wide.change(s.us.lost)
     step = s.at_bad(wide.after[s.param] - wide.before[s.param])
-    before = s.at_bad(wide.before[s.param])
     gb = s.grad_at_bad()
     lr = s.lr()
     dt = s.pdtype_name
-    lr_txt = f"lr = {g(lr)} × " if lr is not None else ""
+    smax = float(step.abs().max())
     gmax = float(gb.abs().max()) if gb is not None and gb.numel() else math.nan
+    by = f" (lr = {g(lr)} × a gradient of up to {g(gmax)})" if lr is not None else ""
+    if smax > fmax:
+        how = f"the step alone is up to {g(smax)}{by}, beyond {dt}'s largest value {g(fmax)}"
+    else:
+        known = s.at_bad(wide.before[s.param])
+        lost = s.at_bad(s.us.lost.get(s.param))
+        if lost is not None and known is not None:
+            known = known[~lost]
+        w = f"weights of up to {g(float(known.abs().max()))}" if known is not None and known.numel() else "the weights"
+        how = (f"the step is up to {g(smax)}{by}, and it takes {w} to {g(float(reach.abs().max()))}, beyond "
+               f"{dt}'s largest value {g(fmax)}")
     expl = (f"The update itself is finite but too large for {dt}: at the {reach.numel()} NaN/Inf entries of "
-            f"{s.param} the weights were at most {g(float(before.abs().max()))}, the step is up to "
-            f"{g(float(step.abs().max()))} ({lr_txt}a gradient of up to {g(gmax)}), "
-            f"and the new weights would reach {g(float(reach.abs().max()))} — beyond {dt}'s largest value {g(fmax)}. "
-            f"{where(s)} {_made(s)}. This update is {g(size['ratio'])}× the weights' norm: the learning rate (or the "
-            "warmup's first steps) is far too large for these gradients; clipping bounds the gradient's norm.")
+            f"{s.param} {how}. {where(s)} {_made(s)}. This update is {g(size['ratio'])}× the weights' norm: the "
+            "learning rate (or the warmup's first steps) is far too large for these gradients; clipping bounds "
+            "the gradient's norm.")
     fixes = []
     if lr is not None and lr > 0 and size["ratio"] > 0:
         new = 10.0 ** math.floor(math.log10(lr * 0.05 / size["ratio"]))
