@@ -14,7 +14,6 @@ from nanreplay import replay, stats
 from nanreplay import torch_internals as ti
 from nanreplay.analysis.contract import culprit_json, event_json
 from nanreplay.enums import Trigger
-from nanreplay.formats import update_record
 from nanreplay.formats.base import Snapshot
 from nanreplay.formats.rebuild import parse_device
 from nanreplay.replay.subject import Subject
@@ -30,7 +29,17 @@ def is_update(snap: Snapshot) -> bool:
 
 
 def subject(snap: Snapshot, device: str | None) -> UpdateSubject:
-    return update_record.update_subject(snap.raw, snap.state or {}, parse_device(device))
+    """The recorded update of a parsed update snapshot (its `update` field, checked by formats/update_record.py)."""
+    u = snap.raw["update"]
+    weights = {**(snap.state or {}), **(u.get("extra_weights") or {})}
+    names = [n for grp in u["groups"] for n in grp["params"]]
+    return UpdateSubject(cls=u["class"], implementation=u["implementation"], groups=u["groups"],
+                         weights={n: weights[n] for n in names}, grads=dict(u["gradients"]),
+                         state={n: dict(st) for n, st in u["state"].items()}, device=parse_device(device),
+                         pre_step=u["pre_step"], lost=dict(u.get("lost") or {}), stand_in=u.get("stand_in"),
+                         nonfinite_after=dict(u.get("nonfinite_after") or {}), grad_scale=u.get("grad_scale"),
+                         scheduler=u.get("scheduler"), history=list(snap.raw.get("history") or []),
+                         notes=list(u.get("notes") or []))
 
 
 def leaves(us: UpdateSubject) -> list[dict]:

@@ -212,6 +212,8 @@ class NanGuard:
                 trigger = Trigger.GRADIENT
         row = self._row()
         row["grad_norm"] = norm
+        if self.optimizer is not None:
+            self._update_healthy(self.optimizer)  # the learning rate this update will use, for the history
         if trigger == Trigger.GRADIENT and self.scaler is not None:
             scale = float(self.scaler.get_scale())
             row["scale"] = scale
@@ -312,6 +314,7 @@ class NanGuard:
     # ------------------------------------------------------------------ the update check (optimizer hooks)
 
     def _update_healthy(self, optimizer: torch.optim.Optimizer) -> None:
+        """Log the learning rate (the first group's, when it is a plain number) in the history."""
         lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
         if isinstance(lr, (int, float)) and not isinstance(lr, bool):
             self._row()["lr"] = float(lr)

@@ -109,8 +109,8 @@ def late_update(rows: list[dict], snap: Any) -> dict | None:
     more = f"; and {len(facts) - 5} more parameters" if len(facts) > 5 else ""
     head = (f"The weights were already NaN/Inf when this step began: the previous {cls} update wrote them — "
             f"{listing}{more}. ")
-    cause = (_lr(groups, cls) or _state(facts, state, cls) or _eps(facts, state, hyper, cls)
-             or _overflow(facts, hyper, cls))
+    cause = (_lr(groups, cls, snap.raw.get("history") or [], snap.raw.get("step")) or _state(facts, state, cls)
+             or _eps(facts, state, hyper, cls) or _overflow(facts, hyper, cls))
     if cause is None:
         return {"cause": "nonfinite_parameters", "title": f"the previous {cls} update broke the weights",
                 "explanation": head + "Its optimizer state shows none of the usual causes (a NaN/Inf learning rate, "
@@ -125,12 +125,16 @@ def late_update(rows: list[dict], snap: Any) -> dict | None:
             "fix": fix.to_json(), "candidates": [], "late": True}
 
 
-def _lr(groups: list[dict], cls: str):
+def _lr(groups: list[dict], cls: str, history: list[dict], step: Any):
     bad = [(i, grp["hyper"].get("lr")) for i, grp in enumerate(groups)
            if isinstance(grp["hyper"].get("lr"), float) and not math.isfinite(grp["hyper"]["lr"])]
-    if not bad:
-        return None
     listed = ", ".join(f"group {i}: lr = {lr}" for i, lr in bad)
+    if not bad:  # the schedule may have moved on since: the learning rates the guard logged for earlier steps
+        logged = [(r.get("step"), r["lr"]) for r in history if isinstance(r.get("lr"), float)
+                  and not math.isfinite(r["lr"]) and (not isinstance(step, int) or r.get("step") != step)]
+        if not logged:
+            return None
+        listed = ", ".join(f"lr = {lr} at step {s}" for s, lr in logged[-3:]) + " (the guard's history)"
     return ("nonfinite_lr", "the learning rate is NaN/Inf (scheduler)",
             f"the learning rate is not finite ({listed}), and {cls} multiplies every step by it. A scheduler "
             "(or code that sets param_groups' lr) produced it: check its factor at this epoch.",
@@ -159,7 +163,7 @@ def _state(facts, state: dict, cls: str):
 
 
 def _eps(facts, state: dict, hyper: dict, cls: str):
-    for n, w, bad, _ in facts:
+    for n, _w, bad, _ in facts:
         h = hyper.get(n) or {}
         eps, key = h.get("eps"), denominator_key(cls, h)
         v = (state.get(n) or {}).get(key) if key else None

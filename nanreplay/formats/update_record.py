@@ -20,8 +20,6 @@ and shape to the snapshot's parameters.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from nanreplay.formats import schema as S
@@ -89,18 +87,3 @@ def cross_check(update: dict, state: dict[str, torch.Tensor]) -> str | None:
                     return f"update.{field}[{n!r}] has shape {list(t.shape)}, the parameter {list(w.shape)}"
     return None
 
-
-def update_subject(raw: dict, weights: dict[str, torch.Tensor], device: torch.device) -> Any:
-    """The `UpdateSubject` of a parsed native snapshot (`raw` as checked, `weights` its state with aliases)."""
-    from nanreplay.replay.update import UpdateSubject
-
-    u = raw["update"]
-    all_weights = {**weights, **(u.get("extra_weights") or {})}
-    names = [n for g in u["groups"] for n in g["params"]]
-    return UpdateSubject(cls=u["class"], implementation=u["implementation"], groups=u["groups"],
-                         weights={n: all_weights[n] for n in names}, grads=dict(u["gradients"]),
-                         state={n: dict(st) for n, st in u["state"].items()}, device=device,
-                         pre_step=u["pre_step"], lost=dict(u.get("lost") or {}), stand_in=u.get("stand_in"),
-                         nonfinite_after=dict(u.get("nonfinite_after") or {}), grad_scale=u.get("grad_scale"),
-                         scheduler=u.get("scheduler"), history=list(raw.get("history") or []),
-                         notes=list(u.get("notes") or []))
