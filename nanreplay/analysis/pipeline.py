@@ -20,7 +20,8 @@ from nanreplay.analysis import update as update_mod
 from nanreplay.analysis.contract import Analysis, activation_rows, anomaly_json, culprit_json, event_json
 from nanreplay.diagnose.update import diagnose_update
 from nanreplay.enums import Verdict
-from nanreplay.errors import NanReplayError, first_line
+from nanreplay.errors import LimitError, NanReplayError, first_line
+from nanreplay.limits import format_size
 from nanreplay.replay.subject import Subject, batch_tensors
 from nanreplay.replay.update import run_update
 
@@ -147,6 +148,11 @@ def _analyze_update(path, snap, *, model, loss, device, trust, verify, max_memor
         result.diagnosis = diagnose.for_leaves(result.verdict, rows, snap)
         result.stats = {"timings": {"load": t_load - t0, "total": time.perf_counter() - t0}}
         return result
+    bound = update_mod.memory_bound(us)
+    if max_memory is not None and bound > max_memory:
+        raise LimitError(f"{path}: replaying this update needs about {format_size(bound)} (its weights, gradients and "
+                         f"state, three times over), more than --max-memory {format_size(max_memory)}; raise the "
+                         "limit if this machine has the memory")
     upd = run_update(us)
     t_replay = time.perf_counter()
     step = upd.step

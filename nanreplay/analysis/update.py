@@ -66,6 +66,16 @@ def leaves(us: UpdateSubject) -> list[dict]:
     return rows
 
 
+def memory_bound(us: UpdateSubject) -> int:
+    """Peak bytes of a replayed update, bounded from what it holds: weights, gradients and state, plus the copies
+    before and after and the optimizer's temporaries — three times over."""
+    held = sum(w.numel() * w.element_size() for w in us.weights.values())
+    held += sum(gr.numel() * gr.element_size() for gr in us.grads.values())
+    held += sum(v.numel() * v.element_size() for st in us.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor))
+    return 3 * held
+
+
 def forward_check(step_subject: Subject | None, us: UpdateSubject, snap: Snapshot, why: str | None) -> dict:
     """The step program replayed from the weights before the update: its loss, and how its gradients compare
     with the ones the update used (equal when the weights were copied exactly and the step is deterministic)."""

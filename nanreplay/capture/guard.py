@@ -416,7 +416,7 @@ class NanGuard:
         extra = dict(extra or {})
         pre = extra.pop("pre_weights", None)
         if pre is not None:  # an update snapshot: the step as it began, with the weights before the update
-            with upd.weights_set_to(self.model, pre):
+            with upd.weights_set_to(self.model, pre), torch.enable_grad():  # (a step() under no_grad is common)
                 return self._to_dict(trigger, extra)
         return self._to_dict(trigger, extra)
 

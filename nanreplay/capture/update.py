@@ -48,14 +48,20 @@ def implementation(optimizer: torch.optim.Optimizer) -> str:
     return "foreach" if ti.default_foreach(params) else "single_tensor"
 
 
-@torch.no_grad()
-def all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Every entry of every floating tensor finite: one fused norm per device, exact check only on a miss."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
+def by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The floating, non-empty tensors, one list per device (a fused kernel runs on one device)."""
+    out: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
         if t.is_floating_point() and t.numel():
-            by_device.setdefault(t.device, []).append(t)
-    for ts in by_device.values():
+            out.setdefault(t.device, []).append(t)
+    return list(out.values())
+
+
+@torch.no_grad()
+def all_finite(groups: list[list[torch.Tensor]]) -> bool:
+    """Every entry finite: one fused norm per device and one host sync; an exact check only on a miss (a float32
+    norm of huge, finite weights can overflow)."""
+    for ts in groups:
         if not math.isfinite(float(torch.stack(ti.foreach_norm(ts)).sum())):
             return all(bool(torch.isfinite(t).all()) for t in ts)
     return True
@@ -128,6 +134,8 @@ class UpdateWatch:
         self.keep_pre_step = keep_pre_step
         self.pre = PreStep()
         self.lr_bad = False
+        self._key: tuple = ()
+        self._groups: list[list[torch.Tensor]] = []
         self._owner = weakref.ref(owner)
         self._on_failure, self._on_healthy = on_failure, on_healthy  # unbound functions taking (owner, ...)
         self.handles = [optimizer.register_step_pre_hook(self._before), optimizer.register_step_post_hook(self._after)]
@@ -154,11 +162,22 @@ class UpdateWatch:
         owner = self._owner()
         if owner is None:
             return
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if all_finite(params):
-            self._on_healthy(owner, optimizer)
+        try:
+            finite = all_finite(self._params(optimizer))
+        except Exception:  # noqa: BLE001 - an observer must never break the training step
             return
-        self._on_failure(owner, optimizer, kwargs)
+        if finite:
+            self._on_healthy(owner, optimizer)
+        else:
+            self._on_failure(owner, optimizer, kwargs)
+
+    def _params(self, optimizer) -> list[list[torch.Tensor]]:
+        """The parameters by device, cached while the optimizer's parameter lists stay the same."""
+        key = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
+        if key != self._key:
+            self._key = key
+            self._groups = by_device([p for g in optimizer.param_groups for p in g["params"]])
+        return self._groups
 
 
 def _remove(handles: list) -> None:

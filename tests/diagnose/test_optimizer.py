@@ -174,3 +174,22 @@ def test_optimizer_rules_come_first_and_never_claim_a_forward_culprit(analyzed, 
     for r in diagnose.RULES:
         if r.cause in OPTIMIZER_CAUSES:
             assert r.fn(site) is None, r.cause
+
+
+def test_a_foreach_kernel_that_differs_from_the_reference(tmp_path, monkeypatch):
+    """A (simulated) faulty foreach kernel: it writes NaN where the single-tensor path computes a finite update.
+    The analysis replays both paths and blames the kernel path; foreach=False verifies."""
+    real = torch._foreach_addcdiv_
+
+    def faulty(params, *args, **kwargs):
+        real(params, *args, **kwargs)
+        params[0].view(-1)[:2] = float("nan")
+    monkeypatch.setattr(torch, "_foreach_addcdiv_", faulty)
+    model = L.mlp()
+    run = L.train(model, torch.optim.Adam(model.parameters(), foreach=True), tmp_path, steps=2)
+    d = _analyzed(run)
+    assert d["culprit"]["phase"] == "optimizer" and d["update"]["implementation_replayed"] == "foreach"
+    diag = d["diagnosis"]
+    assert diag["cause"] == "optimizer_kernel_path"
+    assert diag["fix"]["kind"] == "optimizer_implementation" and "foreach=False" in diag["fix"]["code"]
+    _verified(diag["fix"])
