@@ -248,6 +248,10 @@ def _any_update(s: UpdateSite) -> Diagnosis | None:
     if gb is not None and gb.numel():
         parts.append(f"gradient in [{g(float(gb.min()))}, {g(float(gb.max()))}]")
     vals = f" At those entries: {', '.join(parts)}." if parts else ""
+    bad_grads = [n for n, t in s.us.grads.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad_grads:
+        vals += (f" The gradients it used were already NaN/Inf ({', '.join(bad_grads[:5])}): the step broke before "
+                 "the update — guard.grads_ok() before optimizer.step() catches it there.")
     expl = (f"{where(s)} made {count(int(s.bad.sum()), 'NaN/Inf entry')} of {s.param} (role {s.event.role}) with "
             f"lr = {g(lr) if lr is not None else '?'} in {s.pdtype_name}.{vals} In all, the update {_made(s)}. "
             "nanreplay has no specific rule for this pattern inside the optimizer, so it suggests no fix rather than "
