@@ -140,9 +140,13 @@ class UpdateSite(Site):
         """`torch.optim.Adam(model.parameters(), lr=..., eps=...)`: the learning rate, the hyperparameters that differ
         from the class's defaults, and the changed ones."""
         defaults = _defaults(self.us.cls)
+
+        def shown(k: str, v: Any) -> bool:
+            if k == "lr":
+                return True
+            return not _same(v, defaults[k]) if k in defaults else v not in (0, None, False)
         keep = {k: self.hyper[k] for k in ("lr", "momentum", "betas", "eps", "weight_decay", "nesterov", "amsgrad")
-                if k in self.hyper and k not in changed
-                and (k == "lr" or not _same(self.hyper[k], defaults.get(k, self.hyper[k] if not self.hyper[k] else None)))}
+                if k in self.hyper and k not in changed and shown(k, self.hyper[k])}
         keep.update(changed)
         args = ", ".join(f"{k}={tuple(v) if isinstance(v, list) else _lit(v)}" for k, v in keep.items())
         return f"optimizer = torch.optim.{self.us.cls}(model.parameters(), {args})"

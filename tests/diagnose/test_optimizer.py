@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import optimizer_loops as L
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -193,3 +194,19 @@ def test_a_foreach_kernel_that_differs_from_the_reference(tmp_path, monkeypatch)
     assert diag["cause"] == "optimizer_kernel_path"
     assert diag["fix"]["kind"] == "optimizer_implementation" and "foreach=False" in diag["fix"]["code"]
     _verified(diag["fix"])
+
+
+def test_only_torch_optim_classes_are_rebuilt_by_name(tmp_path):
+    """The optimizer comes back from its recorded class name, for torch.optim's own classes only: a snapshot that
+    names anything else (or a module path) is refused with one clear line, and nothing is imported."""
+    from nanreplay.errors import ReplayError
+
+    run = L.half_adam(tmp_path)
+    d = torch.load(run.guard.last_snapshot, weights_only=True)
+    for name in ("LBFGS", "os.system", "Optimizer"):
+        d["update"]["class"] = name
+        d["update"]["qualname"] = "evil_module.Evil"
+        path = tmp_path / f"{name}.pt"
+        torch.save(d, path)
+        with pytest.raises(ReplayError, match="only torch.optim's own"):
+            analyze(str(path))
