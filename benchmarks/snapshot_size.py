@@ -58,7 +58,7 @@ def main() -> None:
     print(f"snapshot {size / 1e6:.2f} MB vs weights+optimizer+batch saved once {base / 1e6:.2f} MB: "
           f"{ratio:.3f}x (target <= {TARGET}: {'met' if ratio <= TARGET else 'NOT met'})")
     print(f"  step program: {nodes} ops, {len(prog) / 1e3:.0f} kB of JSON; constants {consts / 1e6:.2f} MB")
-    print(f"  guard: snapshot written in {write_s:.2f} s (recording the step: {d['notes']})")
+    print(f"  guard: snapshot written in {write_s:.2f} s (recording the step took {d['record_seconds']} s)")
 
 
 if __name__ == "__main__":

@@ -69,7 +69,10 @@ class FixKind(StrEnum):
     CLEAN_INPUT = "clean_input"
     RESTORE_PARAMETERS = "restore_parameters"
     GUARD_EMPTY_REDUCTION = "guard_empty_reduction"
-    OPTIMIZER_EPS = "optimizer_eps"
+    OPTIMIZER_EPS = "optimizer_eps"  # an eps the dtype can represent, or float32 master weights
     NORMALIZE_INPUT = "normalize_input"
     STABLE_VARIANCE = "stable_variance"  # torch.var instead of E[x²] − E[x]²
+    RESTORE_OPTIMIZER_STATE = "restore_optimizer_state"  # the optimizer state itself is NaN/Inf
+    LR_SCHEDULE = "lr_schedule"  # the learning rate (a scheduler's) is NaN/Inf
+    OPTIMIZER_IMPLEMENTATION = "optimizer_implementation"  # foreach/fused path differs from the single-tensor one
     NONE = "none"

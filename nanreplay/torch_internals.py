@@ -15,7 +15,11 @@ What degrades when an accessor fails:
 * `op_is_view` / `op_mutated_args`: every op output is scanned (slower, same answer) /
   in-place ops are treated as pure (a NaN written in place may be linked less exactly).
 * `saved_tensors_of`: autocast is not inferred from the graph at capture; pass `autocast=`.
-* `foreach_norm`: the guard's gradient norm takes one kernel per parameter instead of one fused one.
+* `foreach_norm`: the guard's gradient norm (and its check of the weights after each update) takes one
+  kernel per parameter instead of one fused one.
+* `foreach_copy`: NanGuard(keep_pre_step=True) copies the weights with one kernel per tensor.
+* `default_foreach`: the implementation path an optimizer with `foreach=None` took is guessed from the
+  device (foreach on CUDA, single-tensor elsewhere), as torch does today.
 * `is_custom_function_node`: custom autograd.Functions are not detected at capture.
 """
 
@@ -202,6 +206,28 @@ def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32
     except Exception as e:  # noqa: BLE001
         _note("foreach_norm", e)
         return [torch.linalg.vector_norm(t, dtype=dtype) for t in tensors]
+
+
+def foreach_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) for every i, as one fused kernel where torch has `_foreach_copy_`."""
+    try:
+        torch._foreach_copy_(dst, src)
+        return
+    except Exception as e:  # noqa: BLE001
+        _note("foreach_copy", e)
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s)
+
+
+def default_foreach(params: list[torch.Tensor]) -> bool:
+    """Whether torch.optim takes its foreach path for these parameters when `foreach=None` (and not fused)."""
+    try:
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+
+        return bool(_default_to_fused_or_foreach(params, False, use_fused=False)[1])
+    except Exception as e:  # noqa: BLE001
+        _note("default_foreach", e)
+        return bool(params) and all(p.device.type == "cuda" for p in params)
 
 
 # ------------------------------------------------------------------ probe

@@ -10,6 +10,12 @@ from __future__ import annotations
 from nanreplay import diagnose
 
 DISPATCH_ORDER = [
+    "nonfinite_lr",  # the optimizer family (phase "optimizer" only) answers first for every update culprit
+    "nonfinite_optimizer_state",
+    "optimizer_eps",
+    "update_overflow",
+    "optimizer_kernel_path",
+    "optimizer_update",
     "bce_saturated",
     "logsigmoid",
     "log_softmax",

@@ -39,6 +39,7 @@ class Analysis:
     activations: list[dict] = field(default_factory=list)  # max |output| per module call, forward order
     gradient_shapes: list[dict] = field(default_factory=list)
     invocation: dict = field(default_factory=dict)  # model/loss/device/trust exactly as the caller gave them
+    update: dict | None = None  # update snapshots only: the replayed optimizer step (analysis/update.py)
 
     def to_json(self) -> dict:
         d = {
@@ -65,6 +66,8 @@ class Analysis:
             "warnings": self.warnings,
             "nanreplay_version": __version__,
         }
+        if self.update is not None:
+            d["update"] = self.update
         return stats.jsonable(d)
 
 

@@ -16,6 +16,7 @@ import torch
 from nanreplay import culprit as culprit_mod
 from nanreplay import diagnose, formats, replay, stats, torch_internals
 from nanreplay import verify as verify_mod
+from nanreplay.analysis import update as update_mod
 from nanreplay.analysis.contract import (
     Analysis,
     activation_rows,
@@ -25,9 +26,12 @@ from nanreplay.analysis.contract import (
     forward_inputs_json,
     precision_sentence,
 )
+from nanreplay.diagnose.update import diagnose_update
 from nanreplay.enums import Verdict
-from nanreplay.errors import NanReplayError
+from nanreplay.errors import LimitError, NanReplayError, first_line
+from nanreplay.limits import format_size
 from nanreplay.replay.subject import Subject, batch_tensors
+from nanreplay.replay.update import run_update
 
 # ------------------------------------------------------------------ pipeline
 
@@ -57,20 +61,27 @@ def analyze(path: str | Path, *, model: str | None = None, loss: str | None = No
 def _analyze(path, *, model, loss, device, trust, verify, max_memory, source, only_if_needed) -> Analysis:
     t0 = time.perf_counter()
     snap = formats.load(path, trust=trust, max_memory=max_memory)
+    invocation = {"model": model, "loss": loss, "device": device, "trust": trust,
+                  "source": list(source) if source is not None else None}
+    if update_mod.is_update(snap):
+        done = _analyze_update(path, snap, model=model, loss=loss, device=device, trust=trust, verify=verify,
+                               max_memory=max_memory, invocation=invocation, t0=t0)
+        if done is not None:
+            return done
     limits = {"device": device, "trust": trust, "max_memory": max_memory}
     if only_if_needed and (model or loss):
         try:
             subject = formats.rebuild(snap, model=None, loss=None, **limits)
             model = loss = None
+            invocation.update(model=None, loss=None)
         except NanReplayError:
             subject = formats.rebuild(snap, model=model, loss=loss, **limits)
     else:
         subject = formats.rebuild(snap, model=model, loss=loss, **limits)
     t_load = time.perf_counter()
     result = Analysis(snapshot=str(path), verdict=Verdict.NOT_REPRODUCED, model=_model_info(subject),
-                      environment=_environment(subject), snapshot_info=_snapshot_info(snap),
-                      invocation={"model": model, "loss": loss, "device": device, "trust": trust,
-                                  "source": list(source) if source is not None else None})
+                      environment=_environment(subject.device), snapshot_info=_snapshot_info(snap),
+                      invocation=invocation)
     leaves = check_leaves(subject)
     result.nonfinite_leaves = leaves
     blocking = [r for r in leaves if not r.get("literal")]
@@ -125,6 +136,70 @@ def _analyze(path, *, model, loss, device, trust, verify, max_memory, source, on
         "timings": {"load": t_load - t0, "replay": t_replay - t_load, "diagnose": t_diag - t_replay,
                     "precision": t_end - t_diag, "total": t_end - t0},
     }
+    return result
+
+
+def _analyze_update(path, snap, *, model, loss, device, trust, verify, max_memory, invocation, t0) -> Analysis | None:
+    """An update snapshot: replay optimizer.step() from the weights before it, name the op inside the update that
+    broke the weights, diagnose, verify fixes by replaying the update. None: analyze the step instead (the
+    gradients the update used were already non-finite: the step is where they broke)."""
+    us = update_mod.subject(snap, device)
+    try:
+        subject, why = formats.rebuild(snap, model=model, loss=loss, device=device, trust=trust,
+                                       max_memory=max_memory), None
+    except NanReplayError as e:
+        subject, why = None, first_line(e, 300)
+    leaves = update_mod.leaves(us)
+    if any(r["role"] == "gradient" for r in leaves) and subject is not None:
+        return None
+    t_load = time.perf_counter()
+    result = Analysis(snapshot=str(path), verdict=Verdict.NOT_REPRODUCED, invocation=invocation,
+                      model=_model_info(subject) if subject is not None else update_mod.model_info(snap, us, why),
+                      environment=_environment(us.device), snapshot_info=_snapshot_info(snap))
+    result.nonfinite_leaves = leaves
+    result.loss = snap.raw.get("loss_value")
+    result.anomaly_mode = dict(update_mod.NO_ANOMALY)
+    if us.pre_step == "post_step":  # nothing to replay from: what the weights and the state say
+        result.warnings.append(f"the snapshot holds the weights after the {us.cls} update, not before it (nanreplay "
+                               "recovers them only for SGD, Adam and AdamW): the update is not replayed; capture with "
+                               "NanGuard(..., keep_pre_step=True) to replay it")
+        rows = [{"name": n, "role": "parameter", "nan": c["nan"], "inf": c["posinf"] + c["neginf"]}
+                for n, c in us.nonfinite_after.items()]
+        result.verdict = Verdict.NONFINITE_PARAMETERS
+        result.nonfinite_leaves = rows + leaves
+        result.diagnosis = diagnose.for_leaves(result.verdict, rows, snap)
+        result.stats = {"timings": {"load": t_load - t0, "total": time.perf_counter() - t0}}
+        return result
+    bound = update_mod.memory_bound(us)
+    if max_memory is not None and bound > max_memory:
+        raise LimitError(f"{path}: replaying this update needs about {format_size(bound)} (its weights, gradients and "
+                         f"state, three times over), more than --max-memory {format_size(max_memory)}; raise the "
+                         "limit if this machine has the memory")
+    upd = run_update(us)
+    t_replay = time.perf_counter()
+    step = upd.step
+    result.step = step
+    result.gradients = step.grads
+    result.warnings += [f"instrumentation error (please report): {e}" for e in step.internal_errors[:5]]
+    chain = culprit_mod.chain(step.events, step.failure.event if step.failure else None)
+    c = culprit_mod.culprit(step.events, chain)
+    if step.failure is not None:
+        result.failure = {"what": step.failure.what, "name": step.failure.name, "kind": step.failure.kind,
+                          "event": step.failure.event}
+    result.chain = update_mod.chain_json(upd, chain)
+    if c is not None:
+        result.verdict = Verdict.CULPRIT_FOUND
+        result.culprit = update_mod.culprit(us, upd, c)
+    result.diagnosis = diagnose_update(us, upd, c, chain, verify_fixes=verify)
+    t_diag = time.perf_counter()
+    result.update = update_mod.update_json(us, upd, update_mod.forward_check(subject, us, snap, why))
+    if not result.update["reproduced"] and c is not None:
+        result.warnings.append("the replayed update breaks other entries than training saw (compare "
+                               "update.nonfinite_after): the weights before it were recovered, not copied")
+    t_end = time.perf_counter()
+    result.stats = {"ops_optimizer": len(step.ops), "events": len(step.events),
+                    "timings": {"load": t_load - t0, "replay": t_replay - t_load, "diagnose": t_diag - t_replay,
+                                "step_program": t_end - t_diag, "total": t_end - t0}}
     return result
 
 
@@ -188,12 +263,12 @@ def _model_info(subject: Subject) -> dict:
     }
 
 
-def _environment(subject: Subject) -> dict:
+def _environment(device: torch.device) -> dict:
     return {
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(terse=True),
-        "device": str(subject.device),
+        "device": str(device),
         "torch_internals": torch_internals.probe(),  # which private torch APIs work here (and what degrades)
     }
 

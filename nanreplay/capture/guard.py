@@ -10,7 +10,9 @@
         loss.backward()
         if not guard.grads_ok():              # NaN/Inf gradient with a finite loss: snapshot, before the update
             break
-        optimizer.step()
+        optimizer.step()                      # the guard's step hook checks the weights right after the update
+        if not guard.update_ok():             # NaN/Inf weights after the update: snapshot of the update
+            break
 
 Gradient accumulation: `begin(x, y, step=s, micro_batch=k)` for each micro-batch, `loss_ok` for each,
 `grads_ok()` after each backward or only after the last one; the snapshot holds the micro-batch that
@@ -18,11 +20,12 @@ broke. A loss that is not `loss_fn(model(x), y)`: `NanGuard(model, opt, step_fn=
 `fn(model, batch) -> loss` and `begin(batch, step=s)`. GradScaler: pass `scaler=`; its routine
 back-off is never a failure. DDP: `sync_ranks=True` makes every rank snapshot the same step.
 
-On healthy steps the guard reads the loss once (the `.item()` most loops do for logging anyway)
-and the total gradient norm (pass what `clip_grad_norm_` returned to skip computing it). Everything
-heavy — recording the step, CPU copies — happens only when a snapshot is written, and a failure to
-write never crashes training: it is a warning (also under `-W error`) and `last_snapshot` stays None.
-This module imports only torch.
+On healthy steps the guard reads the loss once (the `.item()` most loops do for logging anyway),
+the total gradient norm (pass what `clip_grad_norm_` returned to skip computing it) and, from an
+optimizer step post-hook, one fused norm of the weights after the update (`capture/update.py`).
+Everything heavy — recording the step, CPU copies — happens only when a snapshot is written, and a
+failure to write never crashes training: it is a warning (also under `-W error`) and `last_snapshot`
+stays None. This module imports only torch.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import torch.nn as nn
 from nanreplay import atomic
 from nanreplay import torch_internals as ti
 from nanreplay.capture import snapshot
+from nanreplay.capture import update as upd
 from nanreplay.enums import Trigger
 from nanreplay.errors import GuardError, NonFiniteStep
 
@@ -86,6 +90,15 @@ class NanGuard:
             a world-size flag vector in loss_ok and in grads_ok), so that every rank writes a
             snapshot of the same step before any of them stops; the snapshots record which
             ranks were non-finite. Off by default.
+        check_update: with an optimizer, check the weights right after every optimizer.step() (a step
+            post-hook: one fused norm) and snapshot the update that made them non-finite (trigger
+            "update"). On by default; `close()` (or dropping the guard) removes the hooks.
+        keep_pre_step: copy the weights and the optimizer state before every step, so an update
+            snapshot holds them exactly (memory: one copy of the parameters and of the optimizer
+            state; time: one fused copy per step). Off: they are recovered from the state after the
+            step where the update is invertible (SGD, Adam, AdamW), entries it overwrote with
+            NaN/Inf replaced by stated stand-ins. A non-finite learning rate is always copied exactly.
+        scheduler: the LR scheduler, if any: its class and last learning rates go into update snapshots.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -94,7 +107,8 @@ class NanGuard:
                  max_snapshots: int = 3, max_spike_snapshots: int = 2, history: int = 200,
                  spike_factor: float | None = None, spike_window: int = 50, scaler: Any = None,
                  autocast: dict | bool | None = None, on_nonfinite: str = "return", sync_ranks: bool = False,
-                 scaler_patience: int | None = None):
+                 scaler_patience: int | None = None, check_update: bool = True, keep_pre_step: bool = False,
+                 scheduler: Any = None):
         if on_nonfinite not in ("return", "raise"):
             raise ValueError("on_nonfinite must be 'return' or 'raise'")
         if step_fn is not None and loss_fn is not None:
@@ -127,6 +141,23 @@ class NanGuard:
         self._warned: set[str] = set()
         self._bad_ranks: list[int] | None = None
         del scaler_patience  # accepted for old code; overflows at a scale > 1 are never failures now
+        self.scheduler = scheduler
+        self._update_failed = False  # this step's update made the weights non-finite
+        self._broken_by: str | None = None  # the update snapshot written when the weights broke
+        self._watch = (upd.UpdateWatch(self, optimizer, NanGuard._update_failure, NanGuard._update_healthy,
+                                       keep_pre_step) if optimizer is not None and check_update else None)
+
+    def close(self) -> None:
+        """Remove the optimizer hooks (also done when the guard is garbage-collected)."""
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+
+    def __enter__(self) -> NanGuard:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ the loop's calls
 
@@ -183,6 +214,8 @@ class NanGuard:
                 trigger = Trigger.GRADIENT
         row = self._row()
         row["grad_norm"] = norm
+        if self.optimizer is not None:
+            self._update_healthy(self.optimizer)  # the learning rate this update will use, for the history
         if trigger == Trigger.GRADIENT and self.scaler is not None:
             scale = float(self.scaler.get_scale())
             row["scale"] = scale
@@ -196,6 +229,10 @@ class NanGuard:
         self._checked = len(self._states) - 1
         self._spike(norm)
         return True
+
+    def update_ok(self) -> bool:
+        """After optimizer.step(): False (and a snapshot, trigger "update") if the update made a weight NaN or Inf."""
+        return not self._update_failed
 
     def step(self, loss: torch.Tensor, *, clip: float | None = None) -> bool:
         """One call for the whole update: check, backward, check, optimizer.step().
@@ -224,7 +261,7 @@ class NanGuard:
             self.optimizer.step()
         if not ok:
             self.optimizer.zero_grad(set_to_none=True)
-        return ok
+        return ok and not self._update_failed
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -234,6 +271,7 @@ class NanGuard:
         self._states = []
         self._checked = -1
         self.micro_batch = None
+        self._update_failed = False
         self.history.append({"step": self.step_index, "loss": None, "grad_norm": None})
 
     def _row(self) -> dict:
@@ -275,10 +313,43 @@ class NanGuard:
             log.debug("nanreplay: could not find the micro-batch that broke the gradients: %s", e)
             return None
 
+    # ------------------------------------------------------------------ the update check (optimizer hooks)
+
+    def _update_healthy(self, optimizer: torch.optim.Optimizer) -> None:
+        """Log the learning rate (the first group's, when it is a plain number) in the history."""
+        lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+        if isinstance(lr, (int, float)) and not isinstance(lr, bool):
+            self._row()["lr"] = float(lr)
+
+    def _update_failure(self, optimizer: torch.optim.Optimizer, step_kwargs: dict) -> None:
+        self._update_failed = True
+        watch = self._watch
+        try:
+            record, weights = upd.update_record(optimizer, self.model, watch.pre if watch else None,
+                                                scheduler=self.scheduler, step_kwargs=step_kwargs)
+        except Exception as e:  # noqa: BLE001 - never crash the training loop
+            self.last_error = f"{type(e).__name__}: {e}"
+            self._warn_once("update-record", f"the update at step {self.step_index} made the weights non-finite, "
+                                             f"but what it needs could not be gathered: {self.last_error}")
+            return
+        finally:
+            if watch is not None:
+                watch.pre.forget()
+        self._fail(Trigger.UPDATE, update=record, pre_weights=weights)
+
     # ------------------------------------------------------------------ writing
 
     def _fail(self, trigger: Trigger, **extra: Any) -> bool:
-        path = self._snapshot(trigger, extra)
+        if self._broken_by is not None and trigger != Trigger.UPDATE:
+            # the weights are non-finite since an update this guard already wrote a snapshot of: a second
+            # snapshot, one step late, would only say so again
+            self._warn_once("late", f"the {_SAID[trigger]} at step {self.step_index} follows from the update that "
+                                    f"made the weights non-finite (snapshot {self._broken_by}); no new snapshot")
+            path = self._broken_by
+        else:
+            path = self._snapshot(trigger, extra)
+            if trigger == Trigger.UPDATE and path is not None:
+                self._broken_by = path
         if self.on_nonfinite == "raise":
             raise NonFiniteStep(trigger, path, _SAID[trigger])
         return False
@@ -319,7 +390,7 @@ class NanGuard:
             pass
 
     def _write(self, trigger: Trigger, extra: dict) -> str:
-        if not self._states:
+        if not self._states and trigger != Trigger.UPDATE:
             raise GuardError("no batch: call guard.begin(inputs, target) at the start of each step")
         d = self.to_dict(trigger, extra)
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -345,16 +416,26 @@ class NanGuard:
     def to_dict(self, trigger: str, extra: dict | None = None) -> dict:
         """The native snapshot dict for the current step (CPU copies; loads with weights_only=True)."""
         extra = dict(extra or {})
-        st = extra.pop("state", None) or self._states[-1]
+        pre = extra.pop("pre_weights", None)
+        if pre is not None:  # an update snapshot: the step as it began, with the weights before the update
+            with upd.weights_set_to(self.model, pre), torch.enable_grad():  # (a step() under no_grad is common)
+                return self._to_dict(trigger, extra)
+        return self._to_dict(trigger, extra)
+
+    def _to_dict(self, trigger: str, extra: dict) -> dict:
+        st = extra.pop("state", None) or (self._states[-1] if self._states else None)
         program, constants, why, seconds = None, {}, "recording was switched off (export=False)", 0.0
-        if self.export:
+        if st is None:
+            st, why = snapshot.StepState({}, {}), "no batch: begin() was not called for this step"
+        elif self.export:
             forward, loss = self._forward_loss(st)
             program, constants, why, seconds = snapshot.record(self.model, st, forward, loss, self._autocast or None)
             if program is None:
                 self.last_error = why
                 self._warn_once("record", f"the step could not be recorded as a program ({why}); analyzing its "
                                           "snapshot will need the model's code (--model, or --trust for its factory)")
-        notes = [f"recording the step took {seconds:.2f} s"] if program is not None else []
+        notes: list[str] = []
+        extra["record_seconds"] = round(seconds, 3) if program is not None else None
         extra.setdefault("loss_value", self._row().get("loss"))
         extra["micro_batch"] = st.micro_batch
         if self._bad_ranks is not None:

@@ -287,6 +287,7 @@ def build(*, model: nn.Module, wrapped: nn.Module, state: StepState, trigger: st
         "micro_batch": extra.get("micro_batch"),
         "nonfinite_ranks": extra.get("nonfinite_ranks"),
         "spike_median": extra.get("spike_median"),
+        "record_seconds": extra.get("record_seconds"),  # how long recording the step program took
         "rank": rank,
         "world_size": world,
         "loss_value": extra.get("loss_value"),
@@ -305,8 +306,8 @@ def build(*, model: nn.Module, wrapped: nn.Module, state: StepState, trigger: st
                   "factory": factory or derived_factory(model),
                   "factory_source": "given" if factory else "derived from the model's class"},
         "loss_spec": spec,
-        "optimizer": ({"class": type(optimizer).__name__, "state_dict": cpu_copy(optimizer.state_dict())}
-                      if optimizer is not None else None),
+        "optimizer": _optimizer_record(optimizer, model, post_step_state=extra.get("update") is None),
+        "update": extra.get("update"),
         "rng": {"cpu": state.rng.get("cpu"), "cuda": state.rng.get("cuda")},
         "autocast": _autocast_record(autocast),
         "environment": {"torch": str(torch.__version__), "python": platform.python_version(),
@@ -317,6 +318,20 @@ def build(*, model: nn.Module, wrapped: nn.Module, state: StepState, trigger: st
         "history": [dict(h) for h in history],
         "notes": notes,
     }
+
+
+def _optimizer_record(optimizer: Any, model: nn.Module, post_step_state: bool) -> dict | None:
+    """The optimizer's class, its state dict (left out of update snapshots, whose `update` field holds the
+    state before the step) and the parameter name of each index the state dict uses."""
+    if optimizer is None:
+        return None
+    names: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), n)
+    order = [names.get(id(p), "") for g in optimizer.param_groups for p in g["params"]]
+    return {"class": type(optimizer).__name__,
+            "state_dict": cpu_copy(optimizer.state_dict()) if post_step_state else None,
+            "param_names": order}
 
 
 def _json(program: dict) -> str:

@@ -13,6 +13,7 @@ from nanreplay.diagnose import (
     plausible,
     rules,  # noqa: F401  (importing the families registers every rule)
 )
+from nanreplay.diagnose.late import late_update
 from nanreplay.diagnose.model import RULES, Diagnosis, Fix
 from nanreplay.diagnose.prose import anomaly_sentence
 from nanreplay.diagnose.site import Site
@@ -116,6 +117,9 @@ def for_leaves(verdict: str, rows: list[dict], snap) -> dict:
                            f"# find the source in the data pipeline; as a stopgap: {x} = torch.nan_to_num({x})",
                            verification="the batch itself is non-finite: nothing in the model to replay").to_json(),
                 "candidates": []}
+    late = late_update(rows, snap) if snap is not None else None
+    if late is not None:  # the optimizer state it holds says which update broke what, and most likely why
+        return late
     return {"cause": "nonfinite_parameters", "title": "the weights were already non-finite",
             "explanation": f"Parameters or buffers hold NaN/Inf before this step runs: {names}. An earlier step "
                            "already diverged (its update wrote NaN/Inf into the weights) and this snapshot was taken "

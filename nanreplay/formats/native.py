@@ -7,7 +7,8 @@ next to the tensors it names, each stored once:
     loss_value, grad_norm, grad_scale, batch, state (parameters and buffers as the step began),
     parameters, aliases (tied names), model_training, constants, step_program, program_error,
     model {class, factory, factory_source}, loss_spec, optimizer, rng, autocast, environment,
-    history, notes
+    history, notes, update (trigger "update" only: what a replay of the optimizer step needs,
+    formats/update_record.py; the `state` of such a snapshot holds the weights before the update)
 
 It loads with `torch.load(weights_only=True)`, every field is checked against the schema below
 before anything is built, and the program is validated and dry-run on the meta device. A model
@@ -25,6 +26,7 @@ import torch
 from nanreplay.enums import Trigger
 from nanreplay.errors import LimitError, ModelError, SnapshotError, TrustError, UsageError
 from nanreplay.formats import schema as S
+from nanreplay.formats import update_record
 from nanreplay.formats.base import Format, Snapshot
 from nanreplay.formats.loss_spec import loss_from_spec, loss_label
 from nanreplay.formats.program import DTYPES, decode
@@ -65,7 +67,7 @@ FIELDS_V2: dict[str, S.Checker] = {
     "rank": S.optional(S.integer(0, 10**7)), "world_size": S.optional(S.integer(1, 10**7)),
     "nonfinite_ranks": S.optional(S.list_of(S.integer(0, 10**7), 100_000)),
     "loss_value": S.optional(S.number), "grad_norm": S.optional(S.number), "grad_scale": S.optional(S.number),
-    "spike_median": S.optional(S.number),
+    "spike_median": S.optional(S.number), "record_seconds": S.optional(S.number),
     "batch": S.record({"inputs": S.batch_tree, "target": S.batch_tree, "batch": S.batch_tree}),
     "state": S.dict_of(S.tensor()), "parameters": S.list_of(S.string(1000)),
     "input_names": S.optional(S.list_of(S.string(200), 64)),
@@ -75,7 +77,9 @@ FIELDS_V2: dict[str, S.Checker] = {
     "model": S.optional(_MODEL), "loss_spec": S.optional(_LOSS_SPEC),
     "optimizer": S.optional(S.record({"class": S.optional(S.string(200)),
                                       "state_dict": S.optional(lambda v, w: v if isinstance(v, dict)
-                                                               else S.dict_of(lambda x, y: x)(v, w))})),
+                                                               else S.dict_of(lambda x, y: x)(v, w)),
+                                      "param_names": S.optional(update_record.optimizer_param_names)})),
+    "update": S.optional(update_record.check),
     "rng": S.optional(_RNG), "autocast": S.optional(_AUTOCAST), "environment": S.optional(_ENV),
     "history": S.optional(S.list_of(_HISTORY_ROW, 100_000)), "notes": S.optional(S.list_of(S.string(2000), 50)),
 }
@@ -120,6 +124,10 @@ def parse(path: str, d: dict) -> Snapshot:
         if bad:
             raise SnapshotError(f"{path}: damaged native snapshot: alias {bad[0]!r} does not name a stored tensor")
         state = {**state, **{a: state[t] for a, t in aliases.items()}}  # tied names, for eager models (--model)
+        if clean.get("update") is not None:
+            bad_update = update_record.cross_check(clean["update"], state)
+            if bad_update:
+                raise SnapshotError(f"{path}: damaged native snapshot: {bad_update}")
     inputs, target = (batch["batch"], None) if "batch" in batch else (batch.get("inputs"), batch.get("target"))
     return Snapshot(path=path, format="native", inputs=inputs, target=target, state=state,
                     keys={"inputs": "inputs", "target": "target"}, raw=clean, step=clean.get("step"),
@@ -245,6 +253,7 @@ def describe(snap: Snapshot) -> dict:
                 autocast=raw.get("autocast"), grad_scale=raw.get("grad_scale"), micro_batch=raw.get("micro_batch"),
                 nanreplay_version=raw.get("nanreplay_version"), format_version=raw.get("version"),
                 nonfinite_ranks=raw.get("nonfinite_ranks"), spike_median=raw.get("spike_median"),
+                record_seconds=raw.get("record_seconds"),
                 optimizer=_optimizer_summary(raw.get("optimizer")),
                 notes=raw.get("notes") or [])
 

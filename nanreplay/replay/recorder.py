@@ -45,6 +45,14 @@ def _tensors(out: Any):
                 yield o
 
 
+def _written_tensors(func, args: tuple, kwargs: dict):
+    """The tensors an in-place op wrote that it did not return (`_foreach_add_` returns nothing)."""
+    pos, names = ti.op_mutated_args(func)
+    for key, a in list(enumerate(args)) + list(kwargs.items()):
+        if (key in pos) if isinstance(key, int) else (key in names):
+            yield from _tensors(a)
+
+
 def _storage_key(t: torch.Tensor) -> int | None:
     try:
         return t.untyped_storage().data_ptr()
@@ -86,6 +94,9 @@ class Recorder:
         self.op_by_seq: dict[int, int] = {}
         self.events: list[Event] = []
         self.nonfinite = ti.WeakTensorKeyDictionary()  # tensor -> (event, has_nan, has_inf)
+        # Tensors non-finite before the replay began that an op may overwrite in place (optimizer state):
+        # their old value was not finite, whatever the map says (filled by the optimizer replay)
+        self.bad_leaves = ti.WeakTensorKeyDictionary()
         self.by_storage: dict[int, int] = {}  # storage address -> last event that wrote NaN/Inf there
         self.busy = False
         self.calls = 0
@@ -132,7 +143,10 @@ class Recorder:
             return  # a view of finite data is finite
         bad = []
         mutates = bool(ti.op_mutated_args(func)[0])
-        for t in _tensors(out):
+        outs = list(_tensors(out))
+        if mutates and not outs:  # in-place ops that return nothing (the foreach family): look at what they wrote
+            outs = list(_written_tensors(func, args, kwargs))
+        for t in outs:
             if t.is_floating_point() and t.numel() and not math.isfinite(t.sum().item()):
                 c = stats.counts(t, (True, True))  # exact counts straight away: most such sums are NaN/Inf
                 if c["nan"] or c["posinf"] or c["neginf"]:
@@ -177,7 +191,7 @@ class Recorder:
                     parents.append(hit[0])
                     in_nan, in_inf = in_nan or hit[1], in_inf or hit[2]
                     continue
-                if written:
+                if written and t not in self.bad_leaves:
                     continue  # its value before this op was finite, or the map would know it
                 n, i = stats.kinds(t)
                 if not (n or i):
@@ -200,7 +214,8 @@ class Recorder:
                 role = Role.ORIGIN
         else:
             role = Role.CONVERSION if has_nan and not (in_nan or lit_nan) else Role.PROPAGATION
-        ev = Event(index=len(self.events), phase=Phase.BACKWARD if self.phase == "backward" else Phase.FORWARD,
+        phase = {"backward": Phase.BACKWARD, "optimizer": Phase.OPTIMIZER}.get(self.phase, Phase.FORWARD)
+        ev = Event(index=len(self.events), phase=phase,
                    op=str(func), kind=Kind.NAN if has_nan else Kind.INF, role=role,
                    parents=tuple(dict.fromkeys(parents)), out=out, fwd=fwd, node=node_name, node_seq=node_seq,
                    frame=user_frame(4) if self.phase == "backward" else None)
@@ -211,6 +226,7 @@ class Recorder:
             ev.scalars = scalars
         self.events.append(ev)
         for t, c in bad:
+            self.bad_leaves.pop(t, None)  # from now on the map knows it
             self.nonfinite[t] = (ev.index, c["nan"] > 0, c["posinf"] + c["neginf"] > 0)
             key = _storage_key(t)
             if key is not None:

@@ -75,6 +75,8 @@ def normalise(d: dict) -> dict:
     info = d.get("snapshot_info") or {}
     if "created" in info:
         info["created"] = "<created>"
+    if info.get("record_seconds") is not None:
+        info["record_seconds"] = "<seconds>"
     for env in (d.get("environment"), info.get("environment")):
         for k in VERSIONS:
             if env and env.get(k) is not None:

@@ -4,6 +4,6 @@ Dispatch order comes from the priorities alone (see diagnose/model.py), not from
 
 from __future__ import annotations
 
-from nanreplay.diagnose.rules import division, generic, logs, precision, roots_powers, softmax, where
+from nanreplay.diagnose.rules import division, generic, logs, optimizer, precision, roots_powers, softmax, where
 
-__all__ = ["division", "generic", "logs", "precision", "roots_powers", "softmax", "where"]
+__all__ = ["division", "generic", "logs", "optimizer", "precision", "roots_powers", "softmax", "where"]

@@ -126,6 +126,8 @@ def failure_text(d: dict) -> str:
     kind = failure_kind(d)
     if f.get("what") == "loss":
         return f"the loss became {kind}"
+    if f.get("what") == "parameter":  # an update snapshot: the weights after optimizer.step()
+        return f"the weight {f.get('name')} became {kind} in the update"
     loss = d.get("loss")
     finite = to_float(loss) is not None and math.isfinite(to_float(loss))
     return f"the gradient of {f.get('name')} became {kind}" + (f" (the loss, {num(loss)}, was finite)" if finite else "")

@@ -149,7 +149,7 @@ def chain_view(d: dict) -> ChainView | None:
     more()
     f = d.get("failure")
     if f:
-        what = "the loss" if f.get("what") == "loss" else f"grad of {f.get('name')}"
+        what = {"loss": "the loss", "parameter": f"weight {f.get('name')}"}.get(f.get("what"), f"grad of {f.get('name')}")
         fev = next((e for e in chain if e.get("index") == failure_index), None)
         flow.append(FlowStep(what, "the failure", "failure", kind_text(f.get("kind"), fev)))
     if len(flow) > 12:
