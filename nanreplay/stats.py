@@ -162,7 +162,18 @@ def grad_stats(name: str, p: torch.Tensor) -> dict:
         row.update(mean=None, std=None, max_abs=None, nan=0, inf=0, grad_shape=None, finite=0, finite_mean=None,
                    finite_std=None, finite_max_abs=None)
         return row
-    gf = g.detach().double()
+    gd = g.detach()
+    if gd.numel() > 1 and gd.is_floating_point() and finite_fast(gd):
+        # the common case, in three passes: a finite sum, the range, then mean and std together (in float64
+        # only where the values are large enough for float32's sums of squares to overflow)
+        lo, hi = (float(v) for v in torch.aminmax(gd.reshape(-1)))
+        big = max(abs(lo), abs(hi))
+        std, mean = torch.std_mean(gd if big < 1e15 and gd.dtype != torch.float16 else gd.double())
+        std, mean = float(std), float(mean)
+        row.update(mean=mean, std=std, max_abs=big, nan=0, inf=0, grad_shape=list(g.shape), finite=gd.numel(),
+                   finite_mean=mean, finite_std=std, finite_max_abs=big)
+        return row
+    gf = gd.double()
     nan = _count(torch.isnan(gf))
     inf = _count(torch.isinf(gf))
     row.update(

@@ -12,6 +12,7 @@ never changes the model, the batch or the dtypes of the step being analyzed.
 
 from __future__ import annotations
 
+import contextlib
 import copy as py_copy
 import dataclasses
 import math
@@ -22,6 +23,7 @@ import torch
 
 from nanreplay import culprit as culprit_mod
 from nanreplay import replay, stats
+from nanreplay import torch_internals as ti
 from nanreplay.errors import first_line
 from nanreplay.pytree import iter_tensors, map_tensors
 from nanreplay.replay.subject import Subject
@@ -115,13 +117,23 @@ def try_patch(subject: Subject, intercepts: dict[int, Callable] | None = None, *
 
 
 def _replay(copy: Subject, intercepts: dict[int, Callable] | None, label: str, scale: float | None) -> Outcome:
+    k = scale or 1.0
     try:
+        quick = replay.run_patched(copy, intercepts)  # no op-level instrumentation: a fix that works costs one step
+    except Exception as e:  # noqa: BLE001 - a fix that breaks the model is a failed fix, not a crash
+        return Outcome(False, f"replaying {label} raised {type(e).__name__}: {first_line(e)}")
+    if quick is not None:
+        loss, norms = quick
+        out = Outcome(True, f"replayed {label}: loss {loss:.6g}, every parameter gradient finite", loss=loss / k)
+        out.grad_norms = {n: v / k for n, v in norms.items()}
+        out.grad_norm = math.sqrt(sum(v * v for v in out.grad_norms.values()))
+        return out
+    try:  # it did not verify: replay it instrumented, to name the op that breaks it now
         step = replay.run_subject(copy, intercepts=intercepts, backward_after_bad_loss=False)
     except Exception as e:  # noqa: BLE001 - a fix that breaks the model is a failed fix, not a crash
         return Outcome(False, f"replaying {label} raised {type(e).__name__}: {first_line(e)}")
     out = _outcome(step)
     out.detail = out.detail.replace("with the fix", label)
-    k = scale or 1.0
     if step.loss is not None and math.isfinite(step.loss):
         out.loss = step.loss / k
     norms = {n: float(p.grad.detach().double().norm()) / k for n, p in copy.model.named_parameters()
@@ -143,21 +155,27 @@ def try_variant(subject: Subject, *, dtype: torch.dtype | None = None, autocast:
     return _replay(variant, None, label or "with the fix", subject.loss_scale)
 
 
-def plain_step(subject: Subject, *, forward_first: bool = False) -> dict:
+def plain_step(subject: Subject, *, forward_first: bool = False, stop_at: tuple[int, str] | None = None) -> dict:
     """One uninstrumented step: are the loss and the gradients finite?
 
     Stops as soon as the answer is known: a non-finite loss needs no backward
     (`grads_finite` is then None). With forward_first the forward runs under
     no_grad first, so a step that is already non-finite there costs one
-    activation at a time instead of the whole graph.
+    activation at a time instead of the whole graph. With `stop_at` = (forward op
+    index, op), that forward also stops right after that op when it makes NaN/Inf.
     """
     if subject.prepare is not None:
         subject.prepare()
     subject.model.zero_grad(set_to_none=True)
     with replay.anomaly_off():
         if forward_first:
-            with torch.no_grad(), replay.autocast_from(subject.run_autocast):
-                loss = subject.loss(subject.forward())
+            watch = _StopAt(*stop_at) if stop_at is not None else contextlib.nullcontext()
+            try:
+                with torch.no_grad(), replay.autocast_from(subject.run_autocast), watch:
+                    loss = subject.loss(subject.forward())
+            except _Stopped:
+                return {"loss": None, "loss_finite": False, "grads_finite": None,
+                        "probe": "stopped after the culprit op, which makes NaN/Inf in this dtype too"}
             if not stats.finite_fast(loss):
                 return _row(loss, None)
             if subject.prepare is not None:
@@ -173,16 +191,42 @@ def plain_step(subject: Subject, *, forward_first: bool = False) -> dict:
     return {**_row(loss, not bad), "nonfinite_grads": len(bad)}
 
 
+class _Stopped(BaseException):  # noqa: N818 - not an error: the answer is known (BaseException: user code lets it pass)
+    pass
+
+
+class _StopAt(ti.TorchDispatchMode):
+    """Counts forward ops as the Recorder numbers them; raises _Stopped right after op `index` when it is `op`
+    and its output is not finite. (Where the count does not line up — autocast's casts gone — it never stops.)"""
+
+    def __init__(self, index: int, op: str):
+        super().__init__()
+        self.index, self.op, self.n = index, op, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.n == self.index and str(func) == self.op:
+            outs = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)] \
+                if isinstance(out, (list, tuple)) else []
+            if not all(stats.finite_fast(t) for t in outs if t.is_floating_point()):
+                raise _Stopped
+        self.n += 1
+        return out
+
+
 def _row(loss: torch.Tensor, grads_finite: bool | None) -> dict:
     loss_ok = stats.finite_fast(loss.detach())
     return {"loss": stats._num(float(loss.detach().double())), "loss_finite": loss_ok, "grads_finite": grads_finite}
 
 
-def precision_probe(subject: Subject, step_dtype: str | None, *, failure: str | None = None) -> list[dict]:
+def precision_probe(subject: Subject, step_dtype: str | None, *, failure: str | None = None,
+                    culprit: tuple[int, str] | None = None) -> list[dict]:
     """Replay the step in float64 — and in bf16/fp32 where the step ran in fp16 or autocast.
 
-    Uninstrumented, one copy at a time. When the snapshot's failure was the loss
-    (a forward problem), each dtype first runs forward alone.
+    Uninstrumented, one copy at a time. When the snapshot's failure was the loss (a forward problem), each
+    dtype first runs forward alone; with `culprit` = (forward op index, op) of a forward culprit, that forward
+    stops right after the culprit op when the op makes NaN/Inf in the wider dtype too (on inputs computed in
+    that dtype): the step cannot be finite there, and the rest of it is not run.
     """
     plans: list[tuple[str, torch.dtype | None, dict | None | str]] = []
     ac = subject.autocast
@@ -199,7 +243,7 @@ def precision_probe(subject: Subject, step_dtype: str | None, *, failure: str | 
     for label, dtype, autocast in plans:
         try:
             variant = independent(subject, dtype, autocast)
-            row = plain_step(variant, forward_first=failure == "loss")
+            row = plain_step(variant, forward_first=failure == "loss", stop_at=culprit)
             del variant
         except Exception as e:  # noqa: BLE001 - e.g. an op without a float64 kernel on this device
             row = {"error": f"{type(e).__name__}: {first_line(e)}"}

@@ -123,8 +123,11 @@ def _analyze(path, *, model, loss, device, trust, verify, max_memory, source, on
         result.culprit["forward_inputs"] = forward_inputs_json(subject, step, step.events[c])
     t_diag = time.perf_counter()
     if c is not None or step.failure is not None:
-        result.precision = verify_mod.precision_probe(subject, _step_dtype(subject),
-                                                  failure=step.failure.what if step.failure else None)
+        cev = step.events[c] if c is not None else None
+        forward_culprit = (cev.fwd, str(step.ops[cev.fwd].op)) if cev is not None and cev.phase == "forward" \
+            and cev.fwd is not None else None
+        result.precision = verify_mod.precision_probe(subject, _step_dtype(subject), culprit=forward_culprit,
+                                                      failure=step.failure.what if step.failure else None)
         note = precision_sentence(result.precision, _step_label(subject))
         if note:
             result.diagnosis["explanation"] += " " + note

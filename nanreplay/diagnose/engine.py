@@ -38,7 +38,7 @@ def diagnose(result, subject, step: Step, c: int | None, chain: list[int], *, ve
             break
     assert diag is not None  # the generic rule always answers
     if verify_fixes:
-        ref = plausible.reference(info, step, subject) if any(f.patch or f.variant for f in diag.fixes) else None
+        ref = plausible.Lazy(lambda: plausible.reference(info, step, subject))  # only when a replay is finite
         chosen, tried = _verify(diag, subject, ref)
     else:
         chosen, tried = diag.fixes[0], []
@@ -61,7 +61,7 @@ def diagnose(result, subject, step: Step, c: int | None, chain: list[int], *, ve
 _ADVICE_FIRST = (FixKind.NORMALIZE_INPUT,)  # causes a replay of this step cannot test (they are in the data)
 
 
-def _verify(diag: Diagnosis, subject, ref: plausible.Reference | None) -> tuple[Fix, list[Fix]]:
+def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None) -> tuple[Fix, list[Fix]]:
     """Try each candidate fix in order; the first whose replay is finite *and* plausible wins, else the first."""
     tried = []
     for fix in diag.fixes:
@@ -78,7 +78,7 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Reference | None) -> tuple[
             tried.append(fix)
             continue
         if o.ok:
-            ok, why = plausible.judge(o.loss, o.grad_norm, o.grad_norms, ref)
+            ok, why = plausible.judge(o.loss, o.grad_norm, o.grad_norms, ref.get() if ref is not None else None)
             fix.verified = ok is not False  # not judged (nothing to compare with) is said, not hidden
             fix.verification = f"{o.detail} — {why}"
         else:

@@ -39,6 +39,19 @@ class Reference:
     params: frozenset[str] | None = None  # this step's finite parts: the gradient norm over these parameters only
 
 
+class Lazy:
+    """A value computed the first time it is asked for (a reference costs a forward pass when there is no history:
+    only worth it once some fix has replayed finite)."""
+
+    def __init__(self, make):
+        self._make, self._done, self._value = make, False, None
+
+    def get(self):
+        if not self._done:
+            self._value, self._done = self._make(), True
+        return self._value
+
+
 def history_rows(info: dict) -> list[dict]:
     """The history rows of the steps before the snapshot's own step."""
     rows = [r for r in info.get("history") or [] if isinstance(r, dict)]

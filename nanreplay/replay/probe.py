@@ -25,20 +25,33 @@ class _Found(BaseException):  # noqa: N818 - not an error: the op was reached (a
 
 
 class _Count(ti.TorchDispatchMode):
-    def __init__(self, index: int, op: str):
+    def __init__(self, index: int, op: str, keep: bool = False):
         super().__init__()
-        self.index, self.op = index, op
+        self.index, self.op, self.keep = index, op, keep
         self.n = 0
         self.inputs: list[dict] | None = None
+        self.call: tuple | None = None  # (func, args, kwargs) with tensors cloned, when asked to keep them
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.n == self.index:
             if str(func) == self.op:  # the same op at the same place: the replay's record and this run agree
                 self.inputs = [stats.tensor_stats(t) for t in _tensor_args(args, kwargs)]
+                if self.keep:
+                    self.call = (func, _detached(args), _detached(kwargs))
             raise _Found
         self.n += 1
         return func(*args, **kwargs)
+
+
+def _detached(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_detached(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _detached(v) for k, v in x.items()}
+    return x
 
 
 def _tensor_args(args: tuple, kwargs: dict):
@@ -55,15 +68,33 @@ def forward_op_inputs(subject: Any, index: int, op: str) -> list[dict] | None:
     None when the forward does not reach that op, or reaches a different one there (a model
     whose ops depend on something the replay does not restore): never a wrong answer.
     """
-    mode = _Count(index, op)
+    mode = _run_to(subject, index, op, keep=False)
+    return mode.inputs if mode is not None else None
+
+
+def forward_op_call(subject: Any, index: int, op: str) -> tuple | None:
+    """(func, args, kwargs) of forward op number `index`, its tensors cloned, or None (as forward_op_inputs)."""
+    mode = _run_to(subject, index, op, keep=True)
+    return mode.call if mode is not None else None
+
+
+def _run_to(subject: Any, index: int, op: str, keep: bool) -> _Count | None:
+    """Run the forward of `subject` itself up to op `index`; its buffers (BatchNorm's running stats, which a
+    forward in train mode updates) are put back as they were, so the analyzed step is left untouched."""
+    mode = _Count(index, op, keep)
+    buffers = [(b, b.detach().clone()) for b in subject.model.buffers()]
     try:
         with anomaly_off():  # grad mode as in the replay: some ops decompose differently without it
             if subject.prepare is not None:
                 subject.prepare()
-            with mode, autocast_from(subject.autocast):
+            with mode, autocast_from(subject.run_autocast):
                 subject.loss(subject.forward())
     except _Found:
-        return mode.inputs
+        return mode
     except Exception:  # noqa: BLE001 - a second look that fails is no answer, never a crash
         return None
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
     return None

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -92,6 +93,39 @@ def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any]
                 grads=grads, call_names=[call_name(f) for f in rec.call_funcs], user_calls=rec.user_calls,
                 internal_errors=rec.internal_errors, backward_error=backward_error,
                 activations=rec.activations, grad_shapes=rec.grad_shapes)
+
+
+def run_patched(subject, intercepts: dict[int, Callable] | None) -> tuple[float, dict[str, float]] | None:
+    """Forward, loss and backward with only the call-site patches in place (no op-level instrumentation):
+    (loss, per-parameter gradient norms) when the loss and every gradient are finite, else None.
+
+    Calls are numbered exactly as in `run`, so a patch keyed by call number lands on the same call.
+    """
+    rec = Recorder(subject.names, subject.site)
+    rec.intercepts = intercepts or {}
+    model = subject.model
+    model.zero_grad(set_to_none=True)
+    calls = _CallMode(rec) if intercepts else contextlib.nullcontext()
+    with anomaly_off():
+        if subject.prepare is not None:
+            subject.prepare()
+        with calls, autocast_from(subject.run_autocast):
+            loss = subject.loss(subject.forward())
+        if not stats.finite_fast(loss.detach()):
+            return None
+        if loss.requires_grad and loss.grad_fn is not None:
+            with (_CallMode(rec) if intercepts else contextlib.nullcontext()):
+                ti.run_backward(loss)
+    norms = {}
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            v = float(torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64))
+            if not math.isfinite(v):
+                model.zero_grad(set_to_none=True)
+                return None
+            norms[n] = v
+    model.zero_grad(set_to_none=True)
+    return float(loss.detach().double()), norms
 
 
 def gradient_rows(model: torch.nn.Module) -> list[dict]:

@@ -101,8 +101,16 @@ def test_analysis_leaves_the_analyzed_step_untouched(tmp_path, monkeypatch, modu
             seen["copies"] += 1
         return step
 
+    patched = replay.run_patched
+
+    def spy_patched(subject, *a, **k):  # a fix that verifies replays uninstrumented
+        assert subject is not seen["subject"]
+        seen["copies"] += 1
+        return patched(subject, *a, **k)
+
     monkeypatch.setattr(formats, "rebuild", spy_rebuild)
     monkeypatch.setattr(replay, "run_subject", spy_run)
+    monkeypatch.setattr(replay, "run_patched", spy_patched)
     c = module.CASES[name]
     d = analysis.analyze(c.save(tmp_path / f"{name}_step_3.pt"), model=c.model_spec, loss=c.loss).to_json()
     assert d["verdict"] == "culprit_found" and seen["copies"] >= 1 and d["precision"]
