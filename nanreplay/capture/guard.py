@@ -43,6 +43,7 @@ import torch.nn as nn
 
 from nanreplay import atomic
 from nanreplay import torch_internals as ti
+from nanreplay.capture import sharded as sharded_capture
 from nanreplay.capture import snapshot
 from nanreplay.enums import Trigger
 from nanreplay.errors import GuardError, NonFiniteStep
@@ -94,7 +95,7 @@ class NanGuard:
                  max_snapshots: int = 3, max_spike_snapshots: int = 2, history: int = 200,
                  spike_factor: float | None = None, spike_window: int = 50, scaler: Any = None,
                  autocast: dict | bool | None = None, on_nonfinite: str = "return", sync_ranks: bool = False,
-                 scaler_patience: int | None = None):
+                 scaler_patience: int | None = None, sharded: bool | None = None):
         if on_nonfinite not in ("return", "raise"):
             raise ValueError("on_nonfinite must be 'return' or 'raise'")
         if step_fn is not None and loss_fn is not None:
@@ -110,6 +111,7 @@ class NanGuard:
         self.scaler = scaler
         self.on_nonfinite = on_nonfinite
         self.sync_ranks = sync_ranks
+        self.sharded = sharded
         self.history: deque = deque(maxlen=history)
         self.snapshots: list[str] = []  # failure snapshots
         self.spike_snapshots: list[str] = []
@@ -264,7 +266,8 @@ class NanGuard:
     def _culprit_micro_batch(self) -> snapshot.StepState | None:
         """The micro-batch whose gradient is non-finite, when the accumulated check cannot tell."""
         unchecked = self._states[self._checked + 1:]
-        if len(unchecked) <= 1 or not self.export:
+        if len(unchecked) <= 1 or not self.export or sharded_capture.wanted(self.model, self.sharded):
+            # (sharded: re-running backward is a collective this rank alone would start)
             return None
         try:
             return snapshot.first_nonfinite_micro_batch(self.model, unchecked, self._forward_loss,
@@ -319,6 +322,8 @@ class NanGuard:
     def _write(self, trigger: Trigger, extra: dict) -> str:
         if not self._states:
             raise GuardError("no batch: call guard.begin(inputs, target) at the start of each step")
+        if sharded_capture.wanted(self.model, self.sharded):
+            return sharded_capture.write(self, trigger, extra)
         d = self.to_dict(trigger, extra)
         self.folder.mkdir(parents=True, exist_ok=True)
         rank = d["rank"]
