@@ -37,6 +37,7 @@ class Analysis:
     activations: list[dict] = field(default_factory=list)  # max |output| per module call, forward order
     gradient_shapes: list[dict] = field(default_factory=list)
     invocation: dict = field(default_factory=dict)  # model/loss/device/trust exactly as the caller gave them
+    distributed: dict | None = None  # sharded snapshots: the ranks together (analysis/ranks.py merge())
 
     def to_json(self) -> dict:
         d = {
@@ -60,6 +61,7 @@ class Analysis:
             "near_overflow": [a for a in self.activations if a.get("near_overflow")],
             "gradient_shapes": self.gradient_shapes,
             "invocation": self.invocation,
+            "distributed": self.distributed,
             "warnings": self.warnings,
             "nanreplay_version": __version__,
         }

@@ -16,8 +16,10 @@ import torch
 from nanreplay import culprit as culprit_mod
 from nanreplay import diagnose, formats, replay, stats, torch_internals
 from nanreplay import verify as verify_mod
+from nanreplay.analysis import distributed
 from nanreplay.analysis.contract import Analysis, activation_rows, anomaly_json, culprit_json, event_json
 from nanreplay.enums import Verdict
+from nanreplay.replay.records import Step
 from nanreplay.replay.subject import Subject, batch_tensors
 
 # ------------------------------------------------------------------ pipeline
@@ -42,15 +44,32 @@ def analyze(path: str | Path, *, model: str | None = None, loss: str | None = No
         replay.SOURCE_ROOTS.reset(token)
 
 
-def _analyze(path, *, model, loss, device, trust, verify, max_memory, source) -> Analysis:
+def _analyze(path, *, model, loss, device, trust, verify, max_memory, source, nproc=1) -> Analysis:
     t0 = time.perf_counter()
     snap = formats.load(path, trust=trust, max_memory=max_memory)
+    invocation = {"model": model, "loss": loss, "device": device, "trust": trust,
+                  "source": list(source) if source is not None else None}
+    if snap.format == "sharded":  # all ranks of one step: replay each, merge (analysis/distributed.py)
+        if model is not None or loss is not None:
+            formats.rebuild(snap, model=model, loss=loss, device=device, trust=trust)  # says why not, one line
+        ranks = distributed.replay_ranks(snap, device=device, max_memory=max_memory)
+        r = ranks.chosen(snap)
+        snap.rank, snap.history = r, ranks.history(snap, r)
+        result = analyze_subject(snap, ranks.subjects[r], path=path, invocation=invocation, verify=verify, t0=t0,
+                                 t_load=ranks.t_loaded, step=ranks.steps.get(r))
+        distributed.finish(result, snap, ranks, r, replay="single_process", nproc=1)
+        return result
     subject = formats.rebuild(snap, model=model, loss=loss, device=device, trust=trust, max_memory=max_memory)
-    t_load = time.perf_counter()
+    return analyze_subject(snap, subject, path=path, invocation=invocation, verify=verify, t0=t0,
+                           t_load=time.perf_counter())
+
+
+def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: bool, t0: float, t_load: float,
+                    step: Step | None = None, probe: bool = True) -> Analysis:
+    """The analysis of one rebuilt step: leaves, replay (unless `step` is that replay already), culprit,
+    diagnosis, fix verification (`verify`) and the precision probe (`probe`)."""
     result = Analysis(snapshot=str(path), verdict=Verdict.NOT_REPRODUCED, model=_model_info(subject),
-                      environment=_environment(subject), snapshot_info=_snapshot_info(snap),
-                      invocation={"model": model, "loss": loss, "device": device, "trust": trust,
-                                  "source": list(source) if source is not None else None})
+                      environment=_environment(subject), snapshot_info=_snapshot_info(snap), invocation=invocation)
     leaves = check_leaves(subject)
     result.nonfinite_leaves = leaves
     blocking = [r for r in leaves if not r.get("literal")]
@@ -61,7 +80,7 @@ def _analyze(path, *, model, loss, device, trust, verify, max_memory, source) ->
         result.stats = {"timings": {"load": t_load - t0, "total": time.perf_counter() - t0}}
         return result
 
-    step = replay.run_subject(subject)
+    step = step or replay.run_subject(subject)
     t_replay = time.perf_counter()
     result.step = step
     # the replay backpropagates the scaled loss, as a GradScaler run did; people want the loss itself
@@ -89,7 +108,7 @@ def _analyze(path, *, model, loss, device, trust, verify, max_memory, source) ->
                               for m, o, g in step.grad_shapes]
     result.diagnosis = diagnose.diagnose(result, subject, step, c, chain, verify_fixes=verify)
     t_diag = time.perf_counter()
-    if c is not None or step.failure is not None:
+    if probe and (c is not None or step.failure is not None):
         result.precision = verify_mod.precision_probe(subject, _step_dtype(subject),
                                                   failure=step.failure.what if step.failure else None)
         note = precision_sentence(result.precision, _step_label(subject))

@@ -23,7 +23,6 @@ ranks were non-finite, and DCP's storage index as plain data, so that loading ne
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 from datetime import datetime, timezone
@@ -422,10 +421,3 @@ def storage_index(meta: Any) -> dict:
             chunks.append(chunk)
         out[key] = {"dtype": str(md.properties.dtype).removeprefix("torch."), "shape": list(md.size), "chunks": chunks}
     return out
-
-
-def shard_rows(shape: list[int], world: int) -> list[tuple[int, int]]:
-    """FSDP2's dim-0 sharding: rank r holds rows [lo, hi) (torch.chunk: ceil(n / world) rows each)."""
-    n = shape[0] if shape else 1
-    size = math.ceil(n / world) if n else 0
-    return [(min(n, r * size), min(n, (r + 1) * size)) for r in range(world)]
