@@ -236,11 +236,23 @@ def fsdp_recompute_state(modules: list[torch.nn.Module]) -> Iterator[None]:
 _FSDP_GROUP_METHODS = ("unshard", "wait_for_unshard", "reshard", "pre_backward", "post_backward", "finalize_backward")
 
 
+def current_dispatch_modes() -> list:
+    """The TorchDispatchModes active now, outermost first ([] when unknown)."""
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        return list(_get_current_dispatch_mode_stack())
+    except Exception as e:  # noqa: BLE001
+        _note("current_dispatch_modes", e)
+        return []
+
+
 @contextlib.contextmanager
-def fsdp_traffic_unseen(on_reduce: Callable[[Any, Callable[[], Any]], Any] | None = None) -> Iterator[None]:
+def fsdp_traffic_unseen(on_reduce: Callable[[Any, Callable[[], Any], list], Any] | None = None) -> Iterator[None]:
     """FSDP2's parameter groups gather, free and reduce with dispatch modes off, so an instrumented replay sees
-    only the step's own ops. `on_reduce(group, run)` wraps each group's post-backward (the gradient
-    reduce-scatter): it calls `run()` and may look at the gradients before and after (`fsdp_group_grads`)."""
+    only the step's own ops. `on_reduce(group, run, modes)` wraps each group's post-backward (the gradient
+    reduce-scatter), also with the modes off: it calls `run()` and may look at the gradients before and after
+    (`fsdp_group_grads`); `modes` are the dispatch modes that were active (the replay's, to ask about tensors)."""
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
@@ -253,9 +265,10 @@ def fsdp_traffic_unseen(on_reduce: Callable[[Any, Callable[[], Any]], Any] | Non
     def unseen(name: str, fn: Callable) -> Callable:
         @functools.wraps(fn)
         def wrapped(self, *args, **kwargs):
+            modes = current_dispatch_modes() if name == "post_backward" and on_reduce is not None else None
             with dispatch_modes_off():
-                if name == "post_backward" and on_reduce is not None:
-                    return on_reduce(self, lambda: fn(self, *args, **kwargs))
+                if modes is not None:
+                    return on_reduce(self, lambda: fn(self, *args, **kwargs), modes)
                 return fn(self, *args, **kwargs)
         return wrapped
 

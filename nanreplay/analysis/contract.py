@@ -67,6 +67,12 @@ class Analysis:
         }
         return stats.jsonable(d)
 
+    @classmethod
+    def from_json(cls, d: dict) -> Analysis:
+        """An analysis read back from its JSON (the N-rank analysis returns it so); `step` stays None."""
+        names = {f for f in cls.__dataclass_fields__ if f != "step"}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
 
 NEAR_OVERFLOW = 0.1  # flag activations above this fraction of the dtype's largest value
 

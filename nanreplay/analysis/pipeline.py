@@ -16,9 +16,10 @@ import torch
 from nanreplay import culprit as culprit_mod
 from nanreplay import diagnose, formats, replay, stats, torch_internals
 from nanreplay import verify as verify_mod
-from nanreplay.analysis import distributed
+from nanreplay.analysis import distributed, launch
 from nanreplay.analysis.contract import Analysis, activation_rows, anomaly_json, culprit_json, event_json
 from nanreplay.enums import Verdict
+from nanreplay.errors import UsageError
 from nanreplay.replay.records import Step
 from nanreplay.replay.subject import Subject, batch_tensors
 
@@ -27,14 +28,18 @@ from nanreplay.replay.subject import Subject, batch_tensors
 
 def analyze(path: str | Path, *, model: str | None = None, loss: str | None = None, device: str | None = None,
             trust: bool = False, verify: bool = True, max_memory: int | None = None,
-            source: list[str] | tuple[str, ...] | None = None) -> Analysis:
-    """Analyze one snapshot file. Raises NanReplayError subclasses for bad input.
+            source: list[str] | tuple[str, ...] | None = None, nproc: int = 1) -> Analysis:
+    """Analyze one snapshot file (or sharded snapshot folder). Raises NanReplayError subclasses for bad input.
+
+    `nproc` > 1: a sharded snapshot's ranks replay on that many local processes (analysis/launch.py).
 
     `source`: folders whose .py files may be read to show and rewrite lines the snapshot recorded
     (default: the current folder; a file is used only where its line matches the recorded code).
     `max_memory` (bytes, None: no limit): a snapshot, or a replay whose peak memory is bounded from
     its step program, that would need more is refused (LimitError).
     """
+    if nproc > 1:
+        return _analyze_nproc(path, nproc, model=model, loss=loss, device=device, max_memory=max_memory, source=source)
     roots = tuple(os.path.abspath(d) for d in source) if source is not None else (os.getcwd(),)
     token = replay.SOURCE_ROOTS.set(roots)
     try:
@@ -44,7 +49,20 @@ def analyze(path: str | Path, *, model: str | None = None, loss: str | None = No
         replay.SOURCE_ROOTS.reset(token)
 
 
-def _analyze(path, *, model, loss, device, trust, verify, max_memory, source, nproc=1) -> Analysis:
+def _analyze_nproc(path, nproc: int, *, model, loss, device, max_memory, source) -> Analysis:
+    if not Path(path).is_dir():
+        raise UsageError(f"{path}: --nproc replays the ranks of a sharded snapshot folder; this is a single file")
+    if model is not None or loss is not None:
+        raise UsageError(f"{path}: a sharded snapshot replays the step programs its ranks recorded; "
+                         "--model and --loss do not apply to it")
+    d = launch.run_nproc(str(path), nproc, device=device, max_memory=max_memory,
+                         source=list(source) if source is not None else None)
+    result = Analysis.from_json(d)
+    result.snapshot = str(path)
+    return result
+
+
+def _analyze(path, *, model, loss, device, trust, verify, max_memory, source) -> Analysis:
     t0 = time.perf_counter()
     snap = formats.load(path, trust=trust, max_memory=max_memory)
     invocation = {"model": model, "loss": loss, "device": device, "trust": trust,

@@ -122,7 +122,8 @@ def first_rank(results: dict[int, RankResult]) -> tuple[RankResult | None, str]:
     c = first.culprit or {}
     at = f"{c.get('op')} in {_module(c.get('module'))} ({c.get('phase')})"
     if same:
-        return first, f"every one of ranks {_ranks([first.rank, *same])} produced it at the same op, {at}; the lowest rank is named"
+        return first, (f"every one of ranks {_ranks([first.rank, *same])} produced it at the same op, {at}; "
+                       "the lowest rank is named")
     if len(culprits) > 1:
         return first, f"its first non-finite op, {at}, comes earlier in the step than any other rank's"
     return first, f"it is the only rank whose own step produces a non-finite value ({at})"
@@ -178,14 +179,15 @@ def explain(block: dict, first: RankResult | None, results: dict[int, RankResult
     locals_ = sorted(_origins(results) - {first.rank})
     parts = [start + "."]
     if locals_:
-        parts.append(f"Rank{'s' if len(locals_) > 1 else ''} {_ranks(locals_)} went non-finite in {'their' if len(locals_) > 1 else 'its'} "
+        many = len(locals_) > 1
+        parts.append(f"Rank{'s' if many else ''} {_ranks(locals_)} went non-finite in {'their' if many else 'its'} "
                      "own step as well.")
     crossed = block["crossed_to"]
     if crossed:
         ops = sorted({g["op"] for g in block["collectives"] if g["crossed_to"]})
         units = sorted({g["unit"] for g in block["collectives"] if g["crossed_to"]})
         what = "reduce-scatter" if "c10d.reduce_scatter" in ops else "all-reduce"
-        where = f" of {', '.join(_module(u) for u in units[:4])}" if any(units) else ""
+        where = f" of {', '.join(_unit(u) for u in units[:4])}" if units else ""
         parts.append(f"Rank{'s' if len(crossed) > 1 else ''} {_ranks(crossed)} computed a finite step of "
                      f"{'their' if len(crossed) > 1 else 'its'} own; {'their' if len(crossed) > 1 else 'its'} gradients "
                      f"became non-finite only in the gradient {what}{where}, which sums every rank's gradient: "
@@ -201,6 +203,10 @@ def _leaf_names(res: RankResult) -> str:
 
 def _module(m: Any) -> str:
     return "the loss" if m == "<loss>" else "the model itself" if m in ("", None) else str(m)
+
+
+def _unit(u: str) -> str:
+    return "the root unit" if u == "" else u
 
 
 def _ranks(rs: list[int]) -> str:
