@@ -118,10 +118,13 @@ def _ranks_line(d: dict | None) -> str:
     first = d.get("first_rank")
     line = f"\n  ranks    {d.get('world_size')} ({d.get('replay', '').replace('_', ' ')}); "
     line += f"first non-finite: rank {first}" if first is not None else "no rank's own step is non-finite"
+    reached: dict[tuple, list[str]] = {}
     for g in d.get("collectives") or []:
         if g.get("crossed_to"):
-            unit = f" ({one_line(g['unit'], 80)})" if g.get("unit") else ""
-            line += f"\n           reached rank {', '.join(map(str, g['crossed_to']))} through {g['op']}{unit}"
+            reached.setdefault((str(g.get("op")), tuple(g["crossed_to"])), []).append(str(g.get("unit")) or "root")
+    for (op, ranks), units in reached.items():
+        line += (f"\n           reached rank {', '.join(map(str, ranks))} through {one_line(op, 40)} "
+                 f"({one_line(', '.join(sorted(units)), 120)})")
     return line
 
 

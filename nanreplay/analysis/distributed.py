@@ -76,16 +76,18 @@ def replay_ranks(snap, *, device: str | None, max_memory: int | None) -> Ranks:
             ranks.results[r] = RankResult(r, "not_replayed", error=str(e))
             continue
         ranks.subjects[r] = subject
-        leaves = batch_leaves(subject)
         if ranks.weights:
             ranks.results[r] = RankResult(r, Verdict.NONFINITE_PARAMETERS)
-        elif leaves:
-            ranks.results[r] = RankResult(r, Verdict.NONFINITE_INPUT, leaves=leaves)
+            continue
+        step = replay.run_subject(subject)  # (a rank whose batch is non-finite too: its gradients reach the others)
+        res = summarize(r, step, local_gradients(subject.model))
+        subject.model.zero_grad(set_to_none=True)  # every rank's gradients at once would be world x the weights
+        leaves = batch_leaves(subject)
+        if leaves:
+            res.verdict, res.leaves, res.culprit, res.key = Verdict.NONFINITE_INPUT, leaves, None, None
         else:
-            step = replay.run_subject(subject)
             ranks.steps[r] = step
-            ranks.results[r] = summarize(r, step, local_gradients(subject.model))
-            subject.model.zero_grad(set_to_none=True)  # every rank's gradients at once would be world x the weights
+        ranks.results[r] = res
     return ranks
 
 

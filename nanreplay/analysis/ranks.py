@@ -187,11 +187,12 @@ def explain(block: dict, first: RankResult | None, results: dict[int, RankResult
         ops = sorted({g["op"] for g in block["collectives"] if g["crossed_to"]})
         units = sorted({g["unit"] for g in block["collectives"] if g["crossed_to"]})
         what = "reduce-scatter" if "c10d.reduce_scatter" in ops else "all-reduce"
+        kind = "NaN" if any(g["kind"] == "nan" for g in block["collectives"] if g["crossed_to"]) else "Inf"
         where = f" of {', '.join(_unit(u) for u in units[:4])}" if units else ""
         parts.append(f"Rank{'s' if len(crossed) > 1 else ''} {_ranks(crossed)} computed a finite step of "
                      f"{'their' if len(crossed) > 1 else 'its'} own; {'their' if len(crossed) > 1 else 'its'} gradients "
                      f"became non-finite only in the gradient {what}{where}, which sums every rank's gradient: "
-                     "the NaN crossed ranks through that collective.")
+                     f"the {kind} crossed ranks through that collective.")
     elif world > 1 and not locals_:
         parts.append("No other rank's gradients became non-finite through the gradient reduction.")
     return " ".join(parts)
