@@ -55,6 +55,11 @@ def _analyze_nproc(path, nproc: int, *, model, loss, device, max_memory, source)
     if model is not None or loss is not None:
         raise UsageError(f"{path}: a sharded snapshot replays the step programs its ranks recorded; "
                          "--model and --loss do not apply to it")
+    snap = formats.load(path, max_memory=max_memory)  # checked here first: a bad folder is one line, no launch
+    world = snap.world_size if snap.format == "sharded" else None
+    if world != nproc:
+        raise UsageError(f"{path}: the snapshot holds the step of {world} ranks; replay them with --nproc {world}, "
+                         "or on one process (without --nproc)")
     d = launch.run_nproc(str(path), nproc, device=device, max_memory=max_memory,
                          source=list(source) if source is not None else None)
     result = Analysis.from_json(d)

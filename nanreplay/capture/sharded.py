@@ -78,15 +78,15 @@ def fsdp_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def unit_parameters(model: nn.Module, units: list[tuple[str, nn.Module]]) -> dict[str, list[str]]:
     """Which parameters each FSDP2 unit manages: those below it and not below a nested unit."""
     ids = {id(m) for _, m in units}
-    names = {id(p): n for n, p in model.named_parameters()}
+    order = {id(p): (i, n) for i, (n, p) in enumerate(model.named_parameters())}
     out = {}
     for name, unit in units:
         todo, mine = [unit], []
         while todo:
             m = todo.pop()
-            mine += [names[id(p)] for p in m.parameters(recurse=False) if id(p) in names]
+            mine += [order[id(p)] for p in m.parameters(recurse=False) if id(p) in order]
             todo.extend(c for c in m.children() if id(c) not in ids)
-        out[name] = mine
+        out[name] = [n for _, n in sorted(mine)]
     return out
 
 

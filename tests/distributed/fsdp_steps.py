@@ -86,7 +86,7 @@ def train(scenario, out, rank):
     for unit in (model.dist, *model.blocks):
         fully_shard(unit)
     fully_shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     guard = NanGuard(model, opt, loss_fn=F.mse_loss, folder=f"{out}/{scenario}", sync_ranks=True)
     g = torch.Generator().manual_seed(100 + rank)
     for step in range(4):
@@ -104,7 +104,10 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
+    lines = []
     for s in sys.argv[2:]:
         step, path, error = train(s, sys.argv[1], rank)
-        print(f"RESULT {s} {rank} {step} {path} {error}", flush=True)
+        lines.append(f"RESULT {s} {rank} {step} {path} {error}\n")
+    with open(f"{sys.argv[1]}/rank{rank}.txt", "w") as f:  # (the ranks share one stdout: lines would interleave)
+        f.writelines(lines)
     dist.destroy_process_group()
