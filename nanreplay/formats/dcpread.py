@@ -194,10 +194,17 @@ def load(folder: str | Path, entries: dict[str, Entry], targets: dict[str, torch
             warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized, assuming ... a single process"
             dcp.load(targets, storage_reader=SafeReader(folder, {k: entries[k] for k in keys}),
                      planner=DefaultLoadPlanner(flatten_state_dict=False), no_dist=True)
-    except (SnapshotError, LimitError):
+    except (SnapshotError, LimitError, KeyboardInterrupt, SystemExit):
         raise
-    except Exception as e:  # noqa: BLE001 - DCP and torch.load raise many types; each becomes one line
-        raise SnapshotError(f"{folder}: cannot read the checkpoint: {type(e).__name__}: {first_line(_root(e))}") from None
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException; each becomes one line
+        inner = _root(e)
+        msg = str(inner)
+        if "Weights only load failed" in msg:
+            m = re.search(r"GLOBAL ([\w.]+)", msg)
+            refs = f" (it references {m.group(1)})" if m else ""
+            raise SnapshotError(f"{folder}: cannot read the checkpoint: a chunk holds pickled Python objects{refs}; "
+                                "nanreplay never loads those from a sharded snapshot, not even with --trust") from None
+        raise SnapshotError(f"{folder}: cannot read the checkpoint: {type(inner).__name__}: {first_line(inner)}") from None
 
 
 def _root(e: BaseException) -> BaseException:
