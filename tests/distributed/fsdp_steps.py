@@ -11,6 +11,7 @@ Each scenario trains the same model (FSDP2 units: `dist`, `blocks.0`, `blocks.1`
   c  a NaN that reaches the other rank only through the gradient reduce: rank 0's batch has a row that
      makes `dist`'s distance exactly 0; the loss stays finite, sqrt's backward makes NaN on rank 0 only
   d  a NaN in rank 1's batch itself
+  r  as c, with DDP instead of FSDP2 (`NanGuard(..., sharded=True)`): the NaN crosses in the all-reduce
 """
 
 import sys
@@ -73,7 +74,7 @@ def batch(rank, step, scenario, g):
     if step == 2:
         if scenario == "a" and rank == 1:
             x[3, 0] = 0.0
-        if scenario == "c" and rank == 0:
+        if scenario in "cr" and rank == 0:
             x[2, 1:] = 0.0
         if scenario == "d" and rank == 1:
             x[1, 2] = float("nan")
@@ -83,11 +84,15 @@ def batch(rank, step, scenario, g):
 def train(scenario, out, rank):
     torch.manual_seed(0)
     model = Net()
-    for unit in (model.dist, *model.blocks):
-        fully_shard(unit)
-    fully_shard(model)
+    if scenario == "r":
+        model = nn.parallel.DistributedDataParallel(model)
+    else:
+        for unit in (model.dist, *model.blocks):
+            fully_shard(unit)
+        fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    guard = NanGuard(model, opt, loss_fn=F.mse_loss, folder=f"{out}/{scenario}", sync_ranks=True)
+    guard = NanGuard(model, opt, loss_fn=F.mse_loss, folder=f"{out}/{scenario}", sync_ranks=True,
+                     sharded=True if scenario == "r" else None)
     g = torch.Generator().manual_seed(100 + rank)
     for step in range(4):
         x, y = batch(rank, step, scenario, g)

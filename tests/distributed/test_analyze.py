@@ -17,40 +17,43 @@ EXPECTED = {
     "b": ("culprit_found", "aten.sqrt.default", "aten.sqrt.default", "forward", "blocks.1", 0, []),
     "c": ("culprit_found", "aten.div.Tensor", "aten.sqrt.default", "backward", "dist", 0, [1]),
     "d": ("nonfinite_input", None, None, None, None, 1, [0]),
+    "r": ("culprit_found", "aten.div.Tensor", "aten.sqrt.default", "backward", "dist", 0, [1]),  # DDP
 }
+STRATEGY = {"r": ("replicated", "c10d.all_reduce", "all-reduce")}
 
 
 def check(a: dict, scenario: str, replay: str) -> None:
     verdict, op, fwd, phase, module, first, crossed = EXPECTED[scenario]
     d = a["distributed"]
     assert a["verdict"] == verdict
-    assert d["replay"] == replay and d["world_size"] == 2 and d["strategy"] == "fsdp2"
+    strategy, op_name, words = STRATEGY.get(scenario, ("fsdp2", "c10d.reduce_scatter", "reduce-scatter"))
+    assert d["replay"] == replay and d["world_size"] == 2 and d["strategy"] == strategy
     assert d["first_rank"] == first and d["crossed_to"] == crossed and d["crossed"] == bool(crossed)
     assert a["snapshot_info"]["rank"] == first and a["snapshot_info"]["format"] == "sharded"
     if op is not None:
         c = a["culprit"]
         assert (c["op"], c["forward_op"], c["phase"], c["module"], c["rank"]) == (op, fwd, phase, module, first)
         assert d["culprit_rank"] == first
-        assert f"# CULPRIT ({scenario})" in c["source"]["code"]  # the line the scenario marks
+        assert f"# CULPRIT ({'c' if scenario == 'r' else scenario})" in c["source"]["code"]  # the line it marks
         assert all(e["rank"] == first for e in a["chain"] if not e.get("collective"))
     rows = {r["rank"]: r for r in d["ranks"]}
     assert rows[first]["origin"] == "local"
     for r in crossed:  # a finite step of its own; non-finite only through the collective
         assert rows[r]["origin"] == "collective" and rows[r]["verdict"] == "not_reproduced"
-        assert rows[r]["received"] and {g["op"] for g in rows[r]["received"]} == {"c10d.reduce_scatter"}
+        assert rows[r]["received"] and {g["op"] for g in rows[r]["received"]} == {op_name}
     colls = [g for g in d["collectives"] if g["crossed_to"]]
     assert bool(colls) == bool(crossed)
     assert all(g["from_ranks"] == [first] for g in colls)
     on_chain = [e for e in a["chain"] if e.get("collective")]
     if crossed and op is not None:  # the collective is an event on the chain, after the culprit rank's failure
-        assert on_chain and on_chain[0]["op"] == "c10d.reduce_scatter" and on_chain[0]["to_ranks"] == [0, 1]
+        assert on_chain and on_chain[0]["op"] == op_name and on_chain[0]["to_ranks"] == [0, 1]
         assert on_chain[0]["parents"] == [max(e["index"] for e in a["chain"] if not e.get("collective"))]
     if crossed:
         assert f"Rank {crossed[0]} computed a finite step of its own" in d["explanation"]
-        assert "reduce-scatter" in d["explanation"] and d["explanation"] in a["diagnosis"]["explanation"]
+        assert words in d["explanation"] and d["explanation"] in a["diagnosis"]["explanation"]
 
 
-@pytest.mark.parametrize("scenario", ["a", "b", "c", "d"])
+@pytest.mark.parametrize("scenario", ["a", "b", "c", "d", "r"])
 def test_one_process(folder, scenario):
     a = analyze(folder(scenario)).to_json()
     check(a, scenario, "single_process")
@@ -69,7 +72,7 @@ def test_one_process_explains_each_case(folder):
     assert [(x["name"], x["rank"]) for x in d["nonfinite_leaves"]] == [("inputs", 1)]
 
 
-@pytest.mark.parametrize("scenario", ["a", "b"])
+@pytest.mark.parametrize("scenario", ["a", "b", "r"])
 def test_two_ranks(folder, scenario):
     a = analyze(folder(scenario), nproc=2).to_json()
     check(a, scenario, "nproc")
