@@ -55,4 +55,5 @@ def test_each_rank_recorded_its_own_step_over_the_whole_weights(runs):
         assert not any(op.startswith(("c10d", "_c10d", "fsdp")) for op in ops)  # no collective in a program
         assert "aten.sqrt.default" in ops
     part = json.loads((folder / "rank0.json").read_text())
-    assert part["rank"] == 0 and part["program"] == "rank0.program.json" and part["batch"]["inputs"] == {"tensor": "rank0/batch/0"}
+    assert part["rank"] == 0 and part["program"] == "rank0.program.json"
+    assert part["batch"]["inputs"] == {"tensor": "rank0/batch/0"}
