@@ -61,10 +61,11 @@ class Analysis:
             "near_overflow": [a for a in self.activations if a.get("near_overflow")],
             "gradient_shapes": self.gradient_shapes,
             "invocation": self.invocation,
-            "distributed": self.distributed,
             "warnings": self.warnings,
             "nanreplay_version": __version__,
         }
+        if self.distributed is not None:  # sharded snapshots only (absent otherwise: the goldens stay as they are)
+            d["distributed"] = self.distributed
         return stats.jsonable(d)
 
     @classmethod

@@ -12,7 +12,8 @@ every rank and all-reduce the gradients after backward, as DDP did.
 
 Every rank writes its summary (`rank<r>.result.json`); the rank that went non-finite first then writes the
 merged analysis (`analysis.json`: the usual analysis of its own step, without fix verification or the
-precision probe, which would re-run the step on every rank) to TMP, where the launching process reads it.
+precision probe, which would re-run the step on every rank; with `--html` also `report.html`) to TMP,
+where the launching process reads it. Run by hand across hosts (`--nnodes`), TMP is shared storage.
 A rank's error goes to `rank<r>.error.json` (its class and its one line) and ends the run.
 """
 
@@ -243,6 +244,10 @@ def work(args: argparse.Namespace) -> None:
                                "run (both re-run the step); analyze on one process for them")
         result.stats.setdefault("timings", {})["replay"] = t_replay - t0
         (out / "analysis.json").write_text(json.dumps(result.to_json(), allow_nan=False))
+        if args.html:
+            from nanreplay.report.html import write_report
+
+            write_report(result, str(out / "report.html"))
     dist.barrier()
 
 
@@ -267,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-memory", type=int)
     ap.add_argument("--source", action="append")
     ap.add_argument("--cwd", help="the folder the analysis was started in (paths are shown relative to it)")
+    ap.add_argument("--html", action="store_true", help="also write the report, report.html, next to analysis.json")
     args = ap.parse_args(argv)
     if args.cwd:
         os.chdir(args.cwd)  # (sys.path[0] stays the launcher's private folder)

@@ -136,6 +136,10 @@ def record(model: nn.Module, state: snapshot.StepState, forward, loss, autocast:
     Under FSDP2 every rank must call this at the same time (gathering a unit's parameters is a collective).
     """
     units = fsdp_units(model)
+    other = _not_fsdp(model)
+    if other:
+        return None, {}, (f"parameter {other} is a DTensor placed other than FSDP2 places it (tensor "
+                          "parallelism): its forward runs collectives a step program cannot hold yet"), 0.0
     if not units:
         return snapshot.record(model, state, forward, loss, autocast)
     gather = _UnitGather(model, units)
@@ -146,6 +150,16 @@ def record(model: nn.Module, state: snapshot.StepState, forward, loss, autocast:
         return None, {}, str(e), 0.0
     finally:
         gather.release()
+
+
+def _not_fsdp(model: nn.Module) -> str | None:
+    """The first DTensor parameter that FSDP2 (or HSDP) did not place: a name, or None."""
+    for name, p in model.named_parameters():
+        if is_dtensor(p) and not all(pl.is_replicate() or (pl.is_shard() and pl.dim == 0) for pl in p.placements):
+            return f"{name!r} ({', '.join(map(str, p.placements))})"
+    if not fsdp_units(model) and is_sharded(model):
+        return next(repr(n) for n, p in model.named_parameters() if is_dtensor(p))
+    return None
 
 
 # ------------------------------------------------------------------ writing the folder
