@@ -118,6 +118,8 @@ def _ranks_line(d: dict | None) -> str:
     first = d.get("first_rank")
     line = f"\n  ranks    {d.get('world_size')} ({d.get('replay', '').replace('_', ' ')}); "
     line += f"first non-finite: rank {first}" if first is not None else "no rank's own step is non-finite"
+    if first is not None and d.get("first_reason"):
+        line += f" ({one_line(str(d['first_reason']), 160)})"
     reached: dict[tuple, list[str]] = {}
     for g in d.get("collectives") or []:
         if g.get("crossed_to"):

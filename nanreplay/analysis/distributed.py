@@ -162,6 +162,11 @@ def finish(result: Analysis, snap, ranks: Ranks | dict[int, RankResult], r: int,
     if weights:
         block["collectives"].append(weight_gather(c, weights))
         block["explanation"] = weights_sentence(c, weights)
+        block["first_rank"] = owners_of(c, weights[0])[0]
+        block["first_reason"] = "its shard of the weights was already non-finite before the step"
+    for leaf in result.nonfinite_leaves:  # (an N-rank analysis saw its own shard: say the whole shape)
+        if leaf.get("role") == "parameter" and f"model/{leaf.get('name')}" in c["tensors"]:
+            leaf["shape"] = list(c["tensors"][f"model/{leaf['name']}"]["shape"])
     result.distributed = block
     if result.culprit is not None:
         result.culprit["rank"] = r
@@ -193,7 +198,9 @@ def finish(result: Analysis, snap, ranks: Ranks | dict[int, RankResult], r: int,
 def weight_gather(c: dict, weights: list[dict]) -> dict:
     """Non-finite weights reach every rank through FSDP2's all-gather (DDP: every rank holds them anyway)."""
     owners = sorted({o for w in weights for o in owners_of(c, w)})
-    return {"op": "c10d.all_gather" if c.get("strategy") == "fsdp2" else "replicated", "unit": "",
+    unit_of = {p: u for u, ps in (c.get("unit_parameters") or {}).items() for p in ps}
+    return {"op": "c10d.all_gather" if c.get("strategy") == "fsdp2" else "replicated",
+            "unit": unit_of.get(weights[0]["name"], ""),
             "params": [w["name"] for w in weights], "from_ranks": owners, "to_ranks": list(range(c["world_size"])),
             "crossed_to": [x for x in range(c["world_size"]) if x not in owners],
             "nan": sum(w["nan"] for w in weights), "inf": sum(w["inf"] for w in weights),

@@ -230,7 +230,8 @@ def work(args: argparse.Namespace) -> None:
     docs = [json.loads((out / f"rank{k}.result.json").read_text()) for k in range(world)]
     results = {k: RankResult.from_json(d["result"]) for k, d in enumerate(docs)}
     first, _ = first_rank(results)
-    chosen = first.rank if first else next(iter(c.get("nonfinite_ranks") or []), 0)
+    owners = [k for k, d in enumerate(docs) if d["weights"]]  # non-finite weights: a rank whose shard holds them
+    chosen = first.rank if first else owners[0] if owners else next(iter(c.get("nonfinite_ranks") or []), 0)
     if r == chosen:
         view = dataclasses.replace(subject, model=local_view(module)) if c["strategy"] == "fsdp2" else subject
         snap.rank, snap.history = r, list(snap.raw["ranks"][r].get("history") or [])

@@ -17,6 +17,7 @@ Gradient accumulation: `begin(x, y, step=s, micro_batch=k)` for each micro-batch
 broke. A loss that is not `loss_fn(model(x), y)`: `NanGuard(model, opt, step_fn=fn)` with
 `fn(model, batch) -> loss` and `begin(batch, step=s)`. GradScaler: pass `scaler=`; its routine
 back-off is never a failure. DDP: `sync_ranks=True` makes every rank snapshot the same step.
+FSDP2 (`fully_shard`): with `sync_ranks=True` all ranks write one sharded snapshot folder (docs/sharded.md).
 
 On healthy steps the guard reads the loss once (the `.item()` most loops do for logging anyway)
 and the total gradient norm (pass what `clip_grad_norm_` returned to skip computing it). Everything

@@ -188,6 +188,7 @@ def write(guard: Any, trigger: str, extra: dict) -> str:
         unit.reshard()                 # holds them (a backward that follows gathers it again)
     failed = None
     try:
+        folder.mkdir(parents=True, exist_ok=True)  # on a host that does not share rank 0's disk
         loss_value = extra.get("loss_value", guard._row().get("loss"))
         tensors, part = _rank_part(model, st, rank, program, constants, why, seconds, loss_value, list(guard.history))
         atomic.write_text(folder / f"rank{rank}.json", json.dumps(part, allow_nan=False))
@@ -202,7 +203,13 @@ def write(guard: Any, trigger: str, extra: dict) -> str:
     tensors.update(opt_tensors)
     import torch.distributed.checkpoint as dcp
 
-    meta = dcp.save(tensors, checkpoint_id=str(folder))
+    try:
+        meta = dcp.save(tensors, checkpoint_id=str(folder))
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP raises a CheckpointException (a BaseException) on every rank
+        raise GuardError(f"torch.distributed.checkpoint could not save the shards: {type(e).__name__}: "
+                         f"{first_line(e)}") from None
     if rank == 0:
         contents = _contents(guard, model, trigger, st, extra, world, params, aliases, opt_info, meta)
         atomic.write_text(folder / CONTENTS, json.dumps(contents, allow_nan=False))
@@ -243,9 +250,7 @@ def _agree_folder(guard: Any, trigger: str, st: snapshot.StepState, rank: int) -
     name = bytes(buf.cpu().tolist()).rstrip(b"\0").decode()
     if not name:
         raise GuardError(f"rank 0 could not create a snapshot folder in {guard.folder}")
-    folder = guard.folder / name
-    folder.mkdir(parents=True, exist_ok=True)  # on a host that does not share rank 0's disk
-    return folder
+    return guard.folder / name
 
 
 def _all_or_none(failed: str | None, rank: int) -> None:

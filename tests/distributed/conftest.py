@@ -15,7 +15,7 @@ import pytest
 import torch
 
 HERE = Path(__file__).parent
-SCENARIOS = ("a", "b", "c", "d", "r")
+SCENARIOS = ("a", "b", "c", "d", "r", "w")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,6 +12,7 @@ Each scenario trains the same model (FSDP2 units: `dist`, `blocks.0`, `blocks.1`
      makes `dist`'s distance exactly 0; the loss stays finite, sqrt's backward makes NaN on rank 0 only
   d  a NaN in rank 1's batch itself
   r  as c, with DDP instead of FSDP2 (`NanGuard(..., sharded=True)`): the NaN crosses in the all-reduce
+  w  weights already non-finite: a NaN lands in rank 1's shard of blocks.0.fc2.weight before step 2
 """
 
 import sys
@@ -99,6 +100,9 @@ def train(scenario, out, rank):
         if scenario == "b" and step == 2:
             with torch.no_grad():
                 model.blocks[1].fc1.bias.fill_(-100.0)
+        if scenario == "w" and step == 2 and rank == 1:
+            with torch.no_grad():
+                model.blocks[0].fc2.weight.to_local()[-1, 0] = float("nan")  # the last row: rank 1's shard
         guard.begin(x, y, step=step)
         if not guard.step(F.mse_loss(model(x), y)):
             break

@@ -72,6 +72,16 @@ def test_one_process_explains_each_case(folder):
     assert [(x["name"], x["rank"]) for x in d["nonfinite_leaves"]] == [("inputs", 1)]
 
 
+def test_weights_already_non_finite(folder):
+    a = analyze(folder("w"), verify=False).to_json()
+    d = a["distributed"]
+    assert a["verdict"] == "nonfinite_parameters" and a["nonfinite_leaves"][0]["name"] == "blocks.0.fc2.weight"
+    gather = [g for g in d["collectives"] if g["op"] == "c10d.all_gather"]
+    assert gather and gather[0]["from_ranks"] == [1] and gather[0]["to_ranks"] == [0, 1]
+    assert gather[0]["unit"] == "blocks.0" and d["first_rank"] == 1 and a["nonfinite_leaves"][0]["shape"] == [8, 16]
+    assert "in the shard of rank 1" in d["explanation"] and "all-gather" in d["explanation"]
+
+
 @pytest.mark.parametrize("scenario", ["a", "b", "r"])
 def test_two_ranks(folder, scenario):
     a = analyze(folder(scenario), nproc=2).to_json()
