@@ -46,7 +46,8 @@ class Ranks:
         from nanreplay.analysis.ranks import first_rank
 
         first, _ = first_rank(self.results)
-        order = ([first.rank] if first else []) + list(snap.raw["contents"].get("nonfinite_ranks") or []) + \
+        owners = owners_of(snap.raw["contents"], self.weights[0]) if self.weights else []
+        order = ([first.rank] if first else []) + owners + list(snap.raw["contents"].get("nonfinite_ranks") or []) + \
             sorted(self.results)
         r = next((r for r in order if r in self.subjects), None)
         if r is None:
@@ -176,12 +177,14 @@ def finish(result: Analysis, snap, ranks: Ranks | dict[int, RankResult], r: int,
         leaf.setdefault("rank", r if leaf.get("role") in ("input", "target") else None)
     last = result.chain[-1]["index"] if result.chain else None
     base = max([e["index"] for e in result.chain] + [len(result.step.events) if result.step else 0]) + 1
-    for k, g in enumerate(x for x in block["collectives"] if r in x["from_ranks"] and x["op"] != "c10d.all_gather"):
+    for k, g in enumerate(x for x in block["collectives"] if r in x["from_ranks"] or x["op"] == "c10d.all_gather"):
+        gather = g["op"] == "c10d.all_gather"  # weights spread before the forward; the rest reduce gradients
         result.chain.append({
-            "index": base + k, "phase": "backward", "kind": g["kind"], "op": g["op"], "module": g["unit"],
+            "index": base + k, "phase": "forward" if gather else "backward", "kind": g["kind"], "op": g["op"],
+            "module": g["unit"],
             "role": "propagation", "forward_op": None, "backward_node": None, "source": None,
             "nan": g["nan"], "posinf": g["inf"], "neginf": 0, "numel": g["nan"] + g["inf"],
-            "parents": [last] if last is not None else [], "rank": r, "collective": True,
+            "parents": [last] if last is not None and not gather else [], "rank": r, "collective": True,
             "from_ranks": g["from_ranks"], "to_ranks": g["to_ranks"], "params": g["params"][:50]})
     if block["explanation"]:
         result.diagnosis = dict(result.diagnosis or {})

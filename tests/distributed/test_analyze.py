@@ -79,6 +79,8 @@ def test_weights_already_non_finite(folder):
     gather = [g for g in d["collectives"] if g["op"] == "c10d.all_gather"]
     assert gather and gather[0]["from_ranks"] == [1] and gather[0]["to_ranks"] == [0, 1]
     assert gather[0]["unit"] == "blocks.0" and d["first_rank"] == 1 and a["nonfinite_leaves"][0]["shape"] == [8, 16]
+    assert [(e["op"], e["phase"]) for e in a["chain"]] == [("c10d.all_gather", "forward")]  # an event on the chain too
+    assert a["snapshot_info"]["rank"] == 1  # the rank whose shard holds it answers
     assert "in the shard of rank 1" in d["explanation"] and "all-gather" in d["explanation"]
 
 
