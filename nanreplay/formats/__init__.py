@@ -27,7 +27,8 @@ __all__ = ["FORMATS", "Format", "Snapshot", "describe", "load", "read_file", "re
 def load(path: str | Path, *, trust: bool = False, max_memory: int | None = None) -> Snapshot:
     """Read and normalise a snapshot file (or sharded snapshot folder) of any supported format
     (`max_memory`: see `read_file`)."""
-    obj = sharded.read_folder(path) if Path(path).is_dir() else read_file(path, trust=trust, max_memory=max_memory)
+    obj = sharded.read_folder(path, max_memory) if Path(path).is_dir() else read_file(path, trust=trust,
+                                                                                       max_memory=max_memory)
     if not isinstance(obj, dict):
         raise SnapshotError(f"{path}: not a snapshot: the file holds a {type(obj).__name__}, expected a dict")
     for fmt in FORMATS:

@@ -53,7 +53,7 @@ def is_snapshot_folder(path: str | Path) -> bool:
         return False
 
 
-def read_json(path: Path, what: str, limit: int = MAX_JSON) -> Any:
+def read_json(path: Path, what: str, limit: int = MAX_JSON, why: str = "") -> Any:
     """A JSON file of the folder, strictly parsed: a regular file (no link), bounded size, no NaN tokens,
     no duplicate keys."""
     try:
@@ -65,7 +65,7 @@ def read_json(path: Path, what: str, limit: int = MAX_JSON) -> Any:
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
         raise SnapshotError(f"{path}: not a regular file ({what}); links and special files are never read")
     if st.st_size > limit:
-        raise LimitError(f"{path}: {format_size(st.st_size)} is more than {format_size(limit)} for {what}")
+        raise LimitError(f"{path}: {format_size(st.st_size)} is more than {format_size(limit)} for {what}{why}")
     try:
         return parse_json(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
@@ -76,13 +76,16 @@ def read_json(path: Path, what: str, limit: int = MAX_JSON) -> Any:
         raise SnapshotError(f"{path}: not valid JSON ({what}): {e}") from None
 
 
-def read_folder(path: str | Path) -> dict:
-    """What `formats.load` hands the formats for a folder: its nanreplay.json (a dict, or refused)."""
+def read_folder(path: str | Path, max_memory: int | None = None) -> dict:
+    """What `formats.load` hands the formats for a folder: its nanreplay.json (a dict, or refused). Parsed
+    JSON takes several times its size in memory: a file over a quarter of `max_memory` is refused."""
     p = Path(path)
     if not (p / CONTENTS).exists() and not (p / CONTENTS).is_symlink():
         raise SnapshotError(f"{path}: is a folder without {CONTENTS}: not a sharded snapshot, or one whose writing "
                             "did not finish (use `nanreplay triage DIR` for a folder of snapshots)")
-    obj = read_json(p / CONTENTS, "the snapshot's table of contents")
+    limit = min(MAX_JSON, max_memory // 4) if max_memory else MAX_JSON
+    obj = read_json(p / CONTENTS, "the snapshot's table of contents", limit,
+                    " (a quarter of --max-memory: parsed JSON takes several times its size)" if limit < MAX_JSON else "")
     if not isinstance(obj, dict):
         raise SnapshotError(f"{p / CONTENTS}: holds a {type(obj).__name__}, expected an object")
     return obj

@@ -174,8 +174,11 @@ def test_a_program_with_a_forbidden_op_is_refused_for_its_rank(folder):
 
 def test_limits_and_usage(folder, tmp_path):
     p = folder("c")
-    with pytest.raises(LimitError, match="max-memory"):
-        analyze(p, max_memory=4096)
+    with pytest.raises(LimitError, match="a quarter of --max-memory"):
+        analyze(p, max_memory=4096)  # nanreplay.json itself, before it is parsed
+    enough_for_the_json = 4 * (p / "nanreplay.json").stat().st_size + 64
+    with pytest.raises(LimitError, match="more than --max-memory"):
+        analyze(p, max_memory=enough_for_the_json)  # the tensors (more than that), before one is allocated
     with pytest.raises(UsageError, match="--model and --loss do not apply"):
         analyze(p, model="nanmodels:factory")
     with pytest.raises(UsageError, match="--nproc 2"):
