@@ -72,9 +72,13 @@ def main() -> None:
 @click.option("--timeout", type=click.FloatRange(min=0), default=0, metavar="SECONDS",
               help="Give up after SECONDS (exit code 1, no output written) [default: 0, no limit].")
 @click.option("--max-memory", type=Size(), metavar="SIZE", help=_MAX_MEMORY_HELP)
+@click.option("--nproc", type=click.IntRange(min=1), default=1, metavar="N",
+              help="A sharded snapshot folder: replay its ranks on N local processes with torch.distributed.run "
+                   "(gloo on the CPU, NCCL with --device cuda), each holding its shard of the weights; N is the "
+                   "snapshot's world size [default: 1, every rank replayed on this process].")
 def analyze(snapshot: str, model: str | None, loss: str | None, report: str | None, json_path: str | None,
             md_path: str | None, device: str | None, trust: bool, no_verify: bool, source: tuple[str, ...],
-            timeout: float, max_memory: int | None) -> None:
+            timeout: float, max_memory: int | None, nproc: int) -> None:
     """Replay SNAPSHOT, name the op that broke the step, explain it and suggest a verified fix."""
     from nanreplay import analysis as analysis_mod
     from nanreplay import report as report_mod
@@ -91,7 +95,7 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
         with limits.time_limit(timeout, message):
             result = analysis_mod.analyze(snapshot, model=model, loss=loss, device=device, trust=trust,
                                           verify=not no_verify, max_memory=max_memory or limits.default_max_memory(),
-                                          source=list(source) if source else None)
+                                          source=list(source) if source else None, nproc=nproc)
             html = report_mod.render_html(result)
             text = json.dumps(result.to_json(), indent=2, allow_nan=False) if json_path else None
             md = report_mod.markdown_summary(result) if md_path else None
@@ -113,8 +117,27 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
         click.echo(md.rstrip("\n"))
     to_stdout = report_path is None or (json_path is not None and json_dest is None) or \
         (md_path is not None and md_dest is None)
-    summary = report_mod.terminal_summary(result, report_path or "(stdout)")
+    summary = report_mod.terminal_summary(result, report_path or "(stdout)") + _ranks_line(result.distributed)
     click.echo(summary, err=to_stdout)
+
+
+def _ranks_line(d: dict | None) -> str:
+    """A sharded snapshot: which rank went non-finite first and which ranks got it through a collective."""
+    if not d:
+        return ""
+    first = d.get("first_rank")
+    line = f"\n  ranks    {d.get('world_size')} ({d.get('replay', '').replace('_', ' ')}); "
+    line += f"first non-finite: rank {first}" if first is not None else "no rank's own step is non-finite"
+    if first is not None and d.get("first_reason"):
+        line += f" ({one_line(str(d['first_reason']), 160)})"
+    reached: dict[tuple, list[str]] = {}
+    for g in d.get("collectives") or []:
+        if g.get("crossed_to"):
+            reached.setdefault((str(g.get("op")), tuple(g["crossed_to"])), []).append(str(g.get("unit")) or "root")
+    for (op, ranks), units in reached.items():
+        line += (f"\n           reached rank {', '.join(map(str, ranks))} through {one_line(op, 40)} "
+                 f"({one_line(', '.join(sorted(units)), 120)})")
+    return line
 
 
 @main.command()

@@ -21,12 +21,16 @@ What degrades when an accessor fails:
 * `default_foreach`: the implementation path an optimizer with `foreach=None` took is guessed from the
   device (foreach on CUDA, single-tensor elsewhere), as torch does today.
 * `is_custom_function_node`: custom autograd.Functions are not detected at capture.
+* `fsdp_recompute_state`: a step of an FSDP2 model cannot be recorded (the sharded snapshot says why).
+* `fsdp_traffic_unseen`: `nanreplay analyze DIR --nproc N` refuses FSDP2 snapshots (single-process analysis works).
+* `dispatch_modes_off`: used only by the two above.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -228,6 +232,123 @@ def default_foreach(params: list[torch.Tensor]) -> bool:
     except Exception as e:  # noqa: BLE001
         _note("default_foreach", e)
         return bool(params) and all(p.device.type == "cuda" for p in params)
+
+
+# ------------------------------------------------------------------ FSDP2 (sharded snapshots)
+
+
+@contextlib.contextmanager
+def dispatch_modes_off() -> Iterator[None]:
+    """No TorchDispatchMode sees the ops run inside (they are not the step's: FSDP's own parameter traffic)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
+
+
+class FsdpInternalsError(RuntimeError):
+    """This torch's FSDP2 internals are not what nanreplay knows; the message says which."""
+
+
+@contextlib.contextmanager
+def fsdp_recompute_state(modules: list[torch.nn.Module]) -> Iterator[None]:
+    """FSDP2's forward hooks behave as during activation-checkpoint recomputation (its PRE_BACKWARD state):
+    the pre-forward gathers only parameters not gathered yet and the post-forward neither reshards nor
+    registers backward hooks. Recording a step of an FSDP2 model runs its forward once more this way, with
+    nanreplay gathering and freeing each unit's parameters itself; the states are restored on the way out."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+        states = {id(s): s for s in (m._get_fsdp_state() for m in modules)}
+        saved = [(s, s._training_state) for s in states.values()]
+    except Exception as e:  # noqa: BLE001
+        _note("fsdp_recompute_state", e)
+        raise FsdpInternalsError(f"this torch's FSDP2 state is not what nanreplay knows ({type(e).__name__}: {e})") \
+            from None
+    try:
+        for s, _ in saved:
+            s._training_state = TrainingState.PRE_BACKWARD
+        yield
+    finally:
+        for s, state in saved:
+            s._training_state = state
+
+
+_FSDP_GROUP_METHODS = ("unshard", "wait_for_unshard", "reshard", "pre_backward", "post_backward", "finalize_backward")
+
+
+def current_dispatch_modes() -> list:
+    """The TorchDispatchModes active now, outermost first ([] when unknown)."""
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        return list(_get_current_dispatch_mode_stack())
+    except Exception as e:  # noqa: BLE001
+        _note("current_dispatch_modes", e)
+        return []
+
+
+@contextlib.contextmanager
+def fsdp_traffic_unseen(on_reduce: Callable[[Any, Callable[[], Any], list], Any] | None = None) -> Iterator[None]:
+    """FSDP2's parameter groups gather, free and reduce with dispatch modes off, so an instrumented replay sees
+    only the step's own ops. `on_reduce(group, run, modes)` wraps each group's post-backward (the gradient
+    reduce-scatter), also with the modes off: it calls `run()` and may look at the gradients before and after
+    (`fsdp_group_grads`); `modes` are the dispatch modes that were active (the replay's, to ask about tensors)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        originals = {n: FSDPParamGroup.__dict__[n] for n in _FSDP_GROUP_METHODS}
+    except Exception as e:  # noqa: BLE001
+        _note("fsdp_traffic_unseen", e)
+        raise FsdpInternalsError(f"this torch's FSDP2 parameter groups are not what nanreplay knows "
+                                 f"({type(e).__name__}: {e})") from None
+
+    def unseen(name: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapped(self, *args, **kwargs):
+            modes = current_dispatch_modes() if name == "post_backward" and on_reduce is not None else None
+            with dispatch_modes_off():
+                if modes is not None:
+                    return on_reduce(self, lambda: fn(self, *args, **kwargs), modes)
+                return fn(self, *args, **kwargs)
+        return wrapped
+
+    try:
+        for n, fn in originals.items():
+            setattr(FSDPParamGroup, n, unseen(n, fn))
+        yield
+    finally:
+        for n, fn in originals.items():
+            setattr(FSDPParamGroup, n, fn)
+
+
+def fsdp_group_grads(group: Any, *, reduced: bool) -> list[tuple[str, torch.Tensor | None]]:
+    """(parameter name, gradient) of an FSDP2 parameter group: each rank's own full gradient before the
+    reduce-scatter (reduced=False), this rank's shard of the reduced one after it (reduced=True)."""
+    out = []
+    try:
+        for fp in group.fsdp_params:
+            if reduced:
+                g = fp.sharded_param.grad
+                g = g.to_local() if g is not None and hasattr(g, "to_local") else g
+            else:
+                g = getattr(fp, "unsharded_accumulated_grad", None)
+                if g is None and hasattr(fp, "_unsharded_param"):
+                    g = fp.unsharded_param.grad
+            out.append((fp._param_fqn, g))
+    except Exception as e:  # noqa: BLE001
+        _note("fsdp_group_grads", e)
+    return out
+
+
+def fsdp_group_name(group: Any) -> str | None:
+    """The module an FSDP2 parameter group belongs to ("" for the root), or None."""
+    try:
+        name = group._module_fqn
+        return name.split(",")[0].strip() if isinstance(name, str) else None
+    except Exception as e:  # noqa: BLE001
+        _note("fsdp_group_name", e)
+        return None
 
 
 # ------------------------------------------------------------------ probe

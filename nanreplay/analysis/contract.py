@@ -40,6 +40,7 @@ class Analysis:
     gradient_shapes: list[dict] = field(default_factory=list)
     invocation: dict = field(default_factory=dict)  # model/loss/device/trust exactly as the caller gave them
     update: dict | None = None  # update snapshots only: the replayed optimizer step (analysis/update.py)
+    distributed: dict | None = None  # sharded snapshots: the ranks together (analysis/ranks.py merge())
 
     def to_json(self) -> dict:
         d = {
@@ -68,7 +69,15 @@ class Analysis:
         }
         if self.update is not None:
             d["update"] = self.update
+        if self.distributed is not None:  # sharded snapshots only (absent otherwise: the goldens stay as they are)
+            d["distributed"] = self.distributed
         return stats.jsonable(d)
+
+    @classmethod
+    def from_json(cls, d: dict) -> Analysis:
+        """An analysis read back from its JSON (the N-rank analysis returns it so); `step` stays None."""
+        names = {f for f in cls.__dataclass_fields__ if f != "step"}
+        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 NEAR_OVERFLOW = 0.1  # flag activations above this fraction of the dtype's largest value

@@ -16,6 +16,7 @@ import torch
 from nanreplay import culprit as culprit_mod
 from nanreplay import diagnose, formats, replay, stats, torch_internals
 from nanreplay import verify as verify_mod
+from nanreplay.analysis import distributed, launch
 from nanreplay.analysis import update as update_mod
 from nanreplay.analysis.contract import (
     Analysis,
@@ -28,8 +29,9 @@ from nanreplay.analysis.contract import (
 )
 from nanreplay.diagnose.update import diagnose_update
 from nanreplay.enums import Verdict
-from nanreplay.errors import LimitError, NanReplayError, first_line
+from nanreplay.errors import LimitError, NanReplayError, UsageError, first_line
 from nanreplay.limits import format_size
+from nanreplay.replay.records import Step
 from nanreplay.replay.subject import Subject, batch_tensors
 from nanreplay.replay.update import run_update
 
@@ -38,8 +40,11 @@ from nanreplay.replay.update import run_update
 
 def analyze(path: str | Path, *, model: str | None = None, loss: str | None = None, device: str | None = None,
             trust: bool = False, verify: bool = True, max_memory: int | None = None,
-            source: list[str] | tuple[str, ...] | None = None, only_if_needed: bool = False) -> Analysis:
-    """Analyze one snapshot file. Raises NanReplayError subclasses for bad input.
+            source: list[str] | tuple[str, ...] | None = None, only_if_needed: bool = False,
+            nproc: int = 1) -> Analysis:
+    """Analyze one snapshot file (or sharded snapshot folder). Raises NanReplayError subclasses for bad input.
+
+    `nproc` > 1: a sharded snapshot's ranks replay on that many local processes (analysis/launch.py).
 
     `source`: folders whose .py files may be read to show and rewrite lines the snapshot recorded
     (default: the current folder; a file is used only where its line matches the recorded code).
@@ -49,6 +54,8 @@ def analyze(path: str | Path, *, model: str | None = None, loss: str | None = No
     snapshot that cannot be rebuilt without them (a plain state-dict snapshot): one that
     carries its own step is replayed as it is.
     """
+    if nproc > 1:
+        return _analyze_nproc(path, nproc, model=model, loss=loss, device=device, max_memory=max_memory, source=source)
     roots = tuple(os.path.abspath(d) for d in source) if source is not None else (os.getcwd(),)
     token = replay.SOURCE_ROOTS.set(roots)
     try:
@@ -56,6 +63,24 @@ def analyze(path: str | Path, *, model: str | None = None, loss: str | None = No
                         max_memory=max_memory, source=source, only_if_needed=only_if_needed)
     finally:
         replay.SOURCE_ROOTS.reset(token)
+
+
+def _analyze_nproc(path, nproc: int, *, model, loss, device, max_memory, source) -> Analysis:
+    if not Path(path).is_dir():
+        raise UsageError(f"{path}: --nproc replays the ranks of a sharded snapshot folder; this is a single file")
+    if model is not None or loss is not None:
+        raise UsageError(f"{path}: a sharded snapshot replays the step programs its ranks recorded; "
+                         "--model and --loss do not apply to it")
+    snap = formats.load(path, max_memory=max_memory)  # checked here first: a bad folder is one line, no launch
+    world = snap.world_size if snap.format == "sharded" else None
+    if world != nproc:
+        raise UsageError(f"{path}: the snapshot holds the step of {world} ranks; replay them with --nproc {world}, "
+                         "or on one process (without --nproc)")
+    d = launch.run_nproc(str(path), nproc, device=device, max_memory=max_memory,
+                         source=list(source) if source is not None else None)
+    result = Analysis.from_json(d)
+    result.snapshot = str(path)
+    return result
 
 
 def _analyze(path, *, model, loss, device, trust, verify, max_memory, source, only_if_needed) -> Analysis:
@@ -68,6 +93,16 @@ def _analyze(path, *, model, loss, device, trust, verify, max_memory, source, on
                                max_memory=max_memory, invocation=invocation, t0=t0)
         if done is not None:
             return done
+    if snap.format == "sharded":  # all ranks of one step: replay each, merge (analysis/distributed.py)
+        if model is not None or loss is not None:
+            formats.rebuild(snap, model=model, loss=loss, device=device, trust=trust)  # says why not, one line
+        ranks = distributed.replay_ranks(snap, device=device, max_memory=max_memory)
+        r = ranks.chosen(snap)
+        snap.rank, snap.history = r, ranks.history(snap, r)
+        result = analyze_subject(snap, ranks.subjects[r], path=path, invocation=invocation, verify=verify, t0=t0,
+                                 t_load=ranks.t_loaded, step=ranks.steps.get(r))
+        distributed.finish(result, snap, ranks, r, replay="single_process", nproc=1)
+        return result
     limits = {"device": device, "trust": trust, "max_memory": max_memory}
     if only_if_needed and (model or loss):
         try:
@@ -78,7 +113,14 @@ def _analyze(path, *, model, loss, device, trust, verify, max_memory, source, on
             subject = formats.rebuild(snap, model=model, loss=loss, **limits)
     else:
         subject = formats.rebuild(snap, model=model, loss=loss, **limits)
-    t_load = time.perf_counter()
+    return analyze_subject(snap, subject, path=path, invocation=invocation, verify=verify, t0=t0,
+                           t_load=time.perf_counter())
+
+
+def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: bool, t0: float, t_load: float,
+                    step: Step | None = None, probe: bool = True) -> Analysis:
+    """The analysis of one rebuilt step: leaves, replay (unless `step` is that replay already), culprit,
+    diagnosis, fix verification (`verify`) and the precision probe (`probe`)."""
     result = Analysis(snapshot=str(path), verdict=Verdict.NOT_REPRODUCED, model=_model_info(subject),
                       environment=_environment(subject.device), snapshot_info=_snapshot_info(snap),
                       invocation=invocation)
@@ -92,7 +134,7 @@ def _analyze(path, *, model, loss, device, trust, verify, max_memory, source, on
         result.stats = {"timings": {"load": t_load - t0, "total": time.perf_counter() - t0}}
         return result
 
-    step = replay.run_subject(subject)
+    step = step or replay.run_subject(subject)
     t_replay = time.perf_counter()
     result.step = step
     # the replay backpropagates the scaled loss, as a GradScaler run did; people want the loss itself
@@ -122,7 +164,7 @@ def _analyze(path, *, model, loss, device, trust, verify, max_memory, source, on
     if c is not None:
         result.culprit["forward_inputs"] = forward_inputs_json(subject, step, step.events[c])
     t_diag = time.perf_counter()
-    if c is not None or step.failure is not None:
+    if probe and (c is not None or step.failure is not None):
         cev = step.events[c] if c is not None else None
         forward_culprit = (cev.fwd, str(step.ops[cev.fwd].op)) if cev is not None and cev.phase == "forward" \
             and cev.fwd is not None else None

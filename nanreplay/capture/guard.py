@@ -19,6 +19,7 @@ Gradient accumulation: `begin(x, y, step=s, micro_batch=k)` for each micro-batch
 broke. A loss that is not `loss_fn(model(x), y)`: `NanGuard(model, opt, step_fn=fn)` with
 `fn(model, batch) -> loss` and `begin(batch, step=s)`. GradScaler: pass `scaler=`; its routine
 back-off is never a failure. DDP: `sync_ranks=True` makes every rank snapshot the same step.
+FSDP2 (`fully_shard`): with `sync_ranks=True` all ranks write one sharded snapshot folder (docs/sharded.md).
 
 On healthy steps the guard reads the loss once (the `.item()` most loops do for logging anyway),
 the total gradient norm (pass what `clip_grad_norm_` returned to skip computing it) and, from an
@@ -46,6 +47,7 @@ import torch.nn as nn
 
 from nanreplay import atomic
 from nanreplay import torch_internals as ti
+from nanreplay.capture import sharded as sharded_capture
 from nanreplay.capture import snapshot
 from nanreplay.capture import update as upd
 from nanreplay.enums import Trigger
@@ -108,7 +110,7 @@ class NanGuard:
                  spike_factor: float | None = None, spike_window: int = 50, scaler: Any = None,
                  autocast: dict | bool | None = None, on_nonfinite: str = "return", sync_ranks: bool = False,
                  scaler_patience: int | None = None, check_update: bool = True, keep_pre_step: bool = False,
-                 scheduler: Any = None):
+                 scheduler: Any = None, sharded: bool | None = None):
         if on_nonfinite not in ("return", "raise"):
             raise ValueError("on_nonfinite must be 'return' or 'raise'")
         if step_fn is not None and loss_fn is not None:
@@ -124,6 +126,7 @@ class NanGuard:
         self.scaler = scaler
         self.on_nonfinite = on_nonfinite
         self.sync_ranks = sync_ranks
+        self.sharded = sharded
         self.history: deque = deque(maxlen=history)
         self.snapshots: list[str] = []  # failure snapshots
         self.spike_snapshots: list[str] = []
@@ -304,7 +307,8 @@ class NanGuard:
     def _culprit_micro_batch(self) -> snapshot.StepState | None:
         """The micro-batch whose gradient is non-finite, when the accumulated check cannot tell."""
         unchecked = self._states[self._checked + 1:]
-        if len(unchecked) <= 1 or not self.export:
+        if len(unchecked) <= 1 or not self.export or sharded_capture.wanted(self.model, self.sharded):
+            # (sharded: re-running backward is a collective this rank alone would start)
             return None
         try:
             return snapshot.first_nonfinite_micro_batch(self.model, unchecked, self._forward_loss,
@@ -392,6 +396,8 @@ class NanGuard:
     def _write(self, trigger: Trigger, extra: dict) -> str:
         if not self._states and trigger != Trigger.UPDATE:
             raise GuardError("no batch: call guard.begin(inputs, target) at the start of each step")
+        if sharded_capture.wanted(self.model, self.sharded):
+            return sharded_capture.write(self, trigger, extra)
         d = self.to_dict(trigger, extra)
         self.folder.mkdir(parents=True, exist_ok=True)
         rank = d["rank"]

@@ -312,8 +312,21 @@ class _CallMode(TorchFunctionMode):
 skip_frames_of(_OpMode.__torch_dispatch__, _CallMode.__torch_function__)
 
 
+@dataclass
+class ModuleHooks:
+    """Work done around each module call while recording, unseen by the recorder.
+
+    `before(module)` runs first (FSDP2: gather a unit's parameters) and returns further leaves,
+    {id(tensor): (kind, name, None)}, for the tensors it made visible; `after(module)` runs once
+    the call returned (FSDP2: free them again). Ops either of them runs are not part of the program.
+    """
+
+    before: Callable[[torch.nn.Module], dict[int, tuple[str, str, list | None]] | None]
+    after: Callable[[torch.nn.Module], None]
+
+
 def record_step(forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor], *, model: torch.nn.Module,
-                batch: dict[str, Any]) -> Recorded:
+                batch: dict[str, Any], hooks: ModuleHooks | None = None) -> Recorded:
     """Run `loss(forward())` once under the recorder; the program or NotRecordable(why)."""
     leaves: dict[int, tuple[str, str, list | None]] = {}
     for name, p in model.named_parameters(remove_duplicate=True):
@@ -329,15 +342,20 @@ def record_step(forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor],
     def pre(mod, args):
         n = names.get(id(mod))
         if n is not None:
+            if hooks is not None:
+                _unseen(rec, lambda: [rec.leaf_info.setdefault(k, v) for k, v in (hooks.before(mod) or {}).items()])
             rec.scopes.append([rec.module_id(n), stack[-1] if stack else -1])
             stack.append(len(rec.scopes) - 1)
 
     def post(mod, args, output):
-        if names.get(id(mod)) is not None and stack:
-            stack.pop()
+        if names.get(id(mod)) is not None:
+            if stack:
+                stack.pop()
+            if hooks is not None:
+                _unseen(rec, lambda: hooks.after(mod))
 
-    hooks = [torch.nn.modules.module.register_module_forward_pre_hook(pre),
-             torch.nn.modules.module.register_module_forward_hook(post)]
+    handles = [torch.nn.modules.module.register_module_forward_pre_hook(pre),
+               torch.nn.modules.module.register_module_forward_hook(post)]
     try:
         with _CallMode(rec), _OpMode(rec):
             out = forward()
@@ -345,7 +363,7 @@ def record_step(forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor],
             stack.clear()
             loss_t = loss(out)
     finally:
-        for h in hooks:
+        for h in handles:
             h.remove()
     if rec.error is not None:
         raise NotRecordable(rec.error)
@@ -361,6 +379,16 @@ def record_step(forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor],
     program = {"schema": SCHEMA, "leaves": rec.leaves, "nodes": rec.nodes, "loss": loss_ref,
                "modules": rec.modules, "scopes": rec.scopes, "frames": rec.frames, "calls": rec.calls}
     return Recorded(program, rec.constants, loss_t)
+
+
+def _unseen(rec: _Recorder, fn: Callable[[], Any]) -> None:
+    """Run fn with the recorder looking away (its ops are not the step's)."""
+    was = rec.busy
+    rec.busy = True
+    try:
+        fn()
+    finally:
+        rec.busy = was
 
 
 def _custom_functions(loss: torch.Tensor) -> list[str]:

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from nanreplay import __version__
-from nanreplay.capture.program import NotRecordable, record_step
+from nanreplay.capture.program import ModuleHooks, NotRecordable, record_step
 from nanreplay.errors import first_line
 from nanreplay.formats.loss_spec import loss_spec
 from nanreplay.formats.native import FORMAT, VERSION
@@ -149,8 +149,10 @@ def _tensors(obj: Any):
 
 
 def record(model: nn.Module, state: StepState, forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor],
-           autocast: dict | None) -> tuple[dict | None, dict, str | None, float]:
+           autocast: dict | None, hooks: ModuleHooks | None = None) -> tuple[dict | None, dict, str | None, float]:
     """Replay the step from its begin() state under the recorder; the live state is restored afterwards.
+
+    `hooks`: work around module calls the program must not see (FSDP2 gathering a unit's parameters).
 
     Returns (program or None, constants, why there is no program, seconds).
     """
@@ -171,7 +173,7 @@ def record(model: nn.Module, state: StepState, forward: Callable[[], Any], loss:
         ctx = torch.autocast(**_autocast_kwargs(autocast)) if autocast and not _autocast_on(autocast) \
             else _nullcontext()
         with ctx:
-            rec = record_step(forward, loss, model=model, batch=state.batch)
+            rec = record_step(forward, loss, model=model, batch=state.batch, hooks=hooks)
         return rec.program, rec.constants, None, time.perf_counter() - t0
     except NotRecordable as e:
         return None, {}, str(e), time.perf_counter() - t0

@@ -166,14 +166,12 @@ def rebuild_subject(snap: Snapshot, *, model: str | None, loss: str | None, devi
     """The step as recorded (no code runs), or the user's --model, or — with --trust — the snapshot's factory."""
     d = snap.raw
     dev = parse_device(device)
-    scale = d.get("grad_scale")
-    common = dict(autocast=_autocast(d, dev), prepare=_prepare(d),
-                  loss_scale=float(scale) if scale and scale != 1.0 else None)
+    common = replay_options(d, dev)
     if model is None and d["version"] >= 2 and d.get("step_program") is not None:
         if loss is not None:
             raise UsageError(f"{snap.path}: the snapshot's step program includes its own loss; to replay it "
                              "with a different --loss, also name the model with --model MODULE:FACTORY")
-        return _program_subject(snap, dev, max_memory, common)
+        return program_subject(snap, dev, max_memory, common)
     if model is not None:
         m, how = build_model(model), f"--model {model}"
     else:
@@ -184,6 +182,12 @@ def rebuild_subject(snap: Snapshot, *, model: str | None, loss: str | None, devi
     else:
         loss_fn, loss_name = loss_from_spec(d.get("loss_spec") or {"kind": "output"}, trust=trust)
     return eager_subject(snap, m, how, loss_fn, loss_name, dev, **common)
+
+
+def replay_options(d: dict, dev: torch.device) -> dict:
+    """How a step replays (Subject fields): autocast, the RNG it starts from, a GradScaler's scale."""
+    scale = d.get("grad_scale")
+    return dict(autocast=_autocast(d, dev), prepare=_prepare(d), loss_scale=float(scale) if scale and scale != 1.0 else None)
 
 
 def _factory_model(snap: Snapshot, trust: bool):
@@ -204,7 +208,9 @@ def _factory_model(snap: Snapshot, trust: bool):
     return build_model(spec), f"factory {spec} from the snapshot (--trust){why}"
 
 
-def _program_subject(snap: Snapshot, dev: torch.device, max_memory: int | None, common: dict) -> Subject:
+def program_subject(snap: Snapshot, dev: torch.device, max_memory: int | None, common: dict) -> Subject:
+    """The step as its program (snap.raw: step_program, constants, batch, parameters, aliases, model, loss_spec,
+    model_training; snap.state, inputs, target): leaves checked, dry-run, memory bounded. No code runs."""
     d = snap.raw
     program = decode(d["step_program"])
     constants = d.get("constants") or {}

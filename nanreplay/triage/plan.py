@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -21,6 +22,7 @@ from nanreplay.triage.rows import Item, failed, make_row
 from nanreplay.triage.workpool import PoolStats
 
 SNAPSHOT_SUFFIXES = (".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+SHARDED_CONTENTS = "nanreplay.json"  # a folder holding it is one sharded snapshot: all ranks of one step (formats/sharded.py)
 RESERVED_NAMES = frozenset({"index", "groups", "summary"})  # OUTDIR's own files
 # Files up to this size are hashed while planning; a bigger one is hashed by its worker, under --timeout
 # (a 20 GB sparse file would otherwise hold the parent for a minute before any analysis starts).
@@ -135,13 +137,17 @@ def mark_duplicates(items: list[Item]) -> None:
 
 
 def discover(d: Path, out: Path, *, recursive: bool) -> tuple[list[str], list[str]]:
-    """Snapshot files (by suffix) and the other files, relative to d; hidden files and OUTDIR skipped."""
+    """Snapshot files (by suffix), sharded snapshot folders (one item each: every rank of one step is one
+    incident) and the other files, relative to d; hidden files and OUTDIR skipped."""
     out_r = out.resolve()
     snaps: list[str] = []
     other: list[str] = []
     for root, dirs, files in os.walk(d):
         rootp = Path(root)
-        dirs[:] = sorted(x for x in dirs if not x.startswith(".") and (rootp / x).resolve() != out_r) if recursive else []
+        visible = sorted(x for x in dirs if not x.startswith(".") and (rootp / x).resolve() != out_r)
+        folders = [x for x in visible if is_sharded_folder(rootp / x)]
+        snaps.extend((rootp / x).relative_to(d).as_posix() for x in folders)
+        dirs[:] = [x for x in visible if x not in folders] if recursive else []
         for f in sorted(files):
             p = rootp / f
             if f.startswith(".") or not p.is_file():
@@ -183,14 +189,44 @@ def assign_names(items: list[Item]) -> None:
         it.name = unique
 
 
+def is_sharded_folder(p: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(p / SHARDED_CONTENTS).st_mode) and not p.is_symlink()
+    except OSError:
+        return False
+
+
+def path_stat(path: str) -> tuple[int, int]:
+    """(size, mtime_ns) of a snapshot file; of a sharded folder, its files' total size and latest mtime."""
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_size, st.st_mtime_ns
+    size, mtime = 0, st.st_mtime_ns
+    for e in os.scandir(path):
+        if e.is_file(follow_symlinks=False):
+            est = e.stat(follow_symlinks=False)
+            size, mtime = size + est.st_size, max(mtime, est.st_mtime_ns)
+    return size, mtime
+
+
+def content_hash(path: str) -> str:
+    """sha256 of a snapshot file; of a sharded folder, of its files' names and contents."""
+    if not os.path.isdir(path):
+        return sha256_file(path)
+    h = hashlib.sha256()
+    for e in sorted(os.scandir(path), key=lambda e: e.name):
+        if e.is_file(follow_symlinks=False):
+            h.update(f"{e.name}\0{sha256_file(e.path)}\0".encode("utf-8", "surrogateescape"))
+    return h.hexdigest()
+
+
 def _fingerprint(it: Item, entry: dict | None, fp: dict) -> None:
     """Content hash (reused when size and mtime match the last run) and cache key; a read error is a row.
 
     A file bigger than HASH_IN_PARENT that changed is left to its worker to hash (`hash_in_worker`).
     """
     try:
-        st = os.stat(it.path)
-        it.size, it.mtime_ns = st.st_size, st.st_mtime_ns
+        it.size, it.mtime_ns = path_stat(it.path)
         if entry and entry.get("size") == it.size and entry.get("mtime_ns") == it.mtime_ns \
                 and isinstance(entry.get("sha256"), str):
             it.sha256 = entry["sha256"]
@@ -198,7 +234,7 @@ def _fingerprint(it: Item, entry: dict | None, fp: dict) -> None:
             it.hash_in_worker = True
             return
         else:
-            it.sha256 = sha256_file(it.path)
+            it.sha256 = content_hash(it.path)
     except OSError as e:
         it.row = make_row(it, failed("unreadable", f"cannot read: {e.strerror or e}"))
         return

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from nanreplay import atomic
 from nanreplay.errors import LimitError, NanReplayError, ReplayError, SnapshotError, TrustError
-from nanreplay.triage.plan import sha256_file
+from nanreplay.triage.plan import content_hash, path_stat
 from nanreplay.triage.rows import failed
 
 # Modules a worker needs, imported once: by the fork server (each worker is then a cheap
@@ -52,9 +52,9 @@ def _hash_first(task: dict) -> dict:
     or a failed row when it cannot be read."""
     limit = task.get("max_memory")
     try:
-        if limit and os.stat(task["path"]).st_size > limit:
+        if limit and path_stat(task["path"])[0] > limit:
             return {}
-        return {"sha256": sha256_file(task["path"])}
+        return {"sha256": content_hash(task["path"])}
     except OSError as e:
         return failed("unreadable", f"cannot read: {e.strerror or e}")
 

@@ -1,0 +1,246 @@
+"""A rank's step program run under FSDP2 on N ranks: the weights sharded at rest, as in training.
+
+`ShardedStepModule` is a `StepModule` whose containers for the snapshot's FSDP units are real FSDP2
+units (`fully_shard`): each unit's ops run inside a call of its container, so FSDP2 itself gathers the
+unit's parameters before them, frees them after, gathers them again for backward and reduce-scatters
+the gradients — the collectives the training run made, in the same order on every rank (FSDP2 training
+relied on that order too). A rank holds 1/N of the weights plus one unit gathered at a time, its batch and
+its activations: what its training step held, less the optimizer state.
+
+Each unit call is one "segment" of the program: the nodes that ran inside that unit's module call (nested
+units nest). A segment's inputs are the tensors it reads that were made before it; its outputs those it
+makes that are read after it (FSDP2 hooks both, as for any module). Parameters are looked up when a node
+runs: during a unit's call they are the gathered tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from nanreplay.errors import SnapshotError
+from nanreplay.formats.program import DTYPES, Node, Program, Ref
+from nanreplay.formats.stepmodel import StepModule, _container, dry_run
+
+
+class _Unit(nn.Module):
+    """A container that FSDP2 shards; its forward runs one segment of the program."""
+
+    def forward(self, run, *tensors):
+        return run(tensors)
+
+
+@dataclass
+class Segment:
+    unit: str | None  # None: ops outside any (non-root) unit
+    start: int
+    stop: int
+    children: list[Segment] = field(default_factory=list)
+    inputs: list[int] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)
+
+
+def _refs(v: Any) -> list[int]:
+    if isinstance(v, Ref):
+        return [int(v)]
+    if isinstance(v, list):
+        return [x for e in v for x in _refs(e)]
+    return []
+
+
+def node_inputs(node: Node) -> list[int]:
+    return _refs(node.args) + _refs(list(node.kwargs.values()))
+
+
+def node_outputs(node: Node) -> list[int]:
+    return [r for r in (node.out if isinstance(node.out, list) else [node.out]) if r is not None]
+
+
+def unit_chains(program: Program, units: set[str]) -> list[tuple[tuple[int, str], ...]]:
+    """Per node: the (non-root) unit calls it ran inside, outermost first, as (scope id, unit name)."""
+    out = []
+    for node in program.nodes:
+        chain = []
+        s = node.scope
+        while s is not None and s >= 0:
+            m, parent = program.scopes[s]
+            if program.modules[m] in units:
+                chain.append((s, program.modules[m]))
+            s = parent
+        out.append(tuple(reversed(chain)))
+    return out
+
+
+def plan(program: Program, units: set[str]) -> list[Segment]:
+    """The program as nested unit segments."""
+    chains = unit_chains(program, units)
+    params = {lf.ref for lf in program.leaves if lf.kind == "param"}
+    last_use: dict[int, int] = {}
+    for i, node in enumerate(program.nodes):
+        for r in node_inputs(node):
+            last_use[r] = i
+    last_use[program.loss] = len(program.nodes)
+
+    def split(a: int, b: int, depth: int) -> list[Segment]:
+        segs: list[Segment] = []
+        i = a
+        while i < b:
+            key = chains[i][depth] if len(chains[i]) > depth else None
+            j = i + 1
+            while j < b and (chains[j][depth] if len(chains[j]) > depth else None) == key and key is not None:
+                j += 1
+            if key is None:
+                if segs and segs[-1].unit is None:
+                    segs[-1].stop = j
+                else:
+                    segs.append(Segment(None, i, j))
+            else:
+                seg = Segment(key[1], i, j, split(i, j, depth + 1))
+                made: set[int] = set()
+                for node in program.nodes[i:j]:
+                    for r in node_inputs(node):
+                        if r not in made and r not in params and r not in seg.inputs:
+                            seg.inputs.append(r)
+                    made.update(node_outputs(node))
+                seg.outputs = sorted(r for r in made if last_use.get(r, -1) >= j)
+                segs.append(seg)
+            i = j
+        return segs
+
+    return split(0, len(program.nodes), 0)
+
+
+class ShardedStepModule(StepModule):
+    """A step program whose FSDP units are FSDP2 units (see the module docstring)."""
+
+    def __init__(self, program: Program, state: dict[str, torch.Tensor], parameters: list[str], aliases: dict[str, str],
+                 constants: dict[str, torch.Tensor], units: list[str], *, step_fn: bool = False):
+        super().__init__(program, state, parameters, aliases, constants, step_fn=step_fn)
+        inner = sorted((u for u in units if u), key=lambda u: -u.count("."))  # deepest first, as fully_shard wants
+        for u in inner:
+            _container(self, f"{u}._")[0].__class__ = _Unit
+        self.__dict__["units"] = inner
+        self.__dict__["segments"] = plan(program, set(inner))
+        self.__dict__["param_refs"] = {lf.ref: aliases.get(lf.name, lf.name) for lf in program.leaves if lf.kind == "param"}
+
+    def shard(self, mesh: Any = None) -> None:
+        """fully_shard every unit, deepest first, then the root (collective: every rank calls it)."""
+        from torch.distributed.fsdp import fully_shard
+
+        for u in self.units:
+            fully_shard(self.get_submodule(u), mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+    def adopt(self, buffers: dict[str, torch.Tensor], constants: dict[str, torch.Tensor], device: torch.device) -> None:
+        """After `to_empty`: the real buffers and constants, and where the replay runs."""
+        with torch.no_grad():
+            for name, b in self.named_buffers():
+                b.copy_(buffers[name])
+        self.__dict__["constants"] = {k: v.to(device) for k, v in constants.items()}
+        self.__dict__["_by_name"] = dict(self.named_buffers())
+        self.__dict__["_pristine"] = {n: b.detach().clone() for n, b in self.named_buffers()}
+        self.__dict__["_versions"] = {}
+        self.__dict__["device"] = device
+
+    def _apply(self, fn, recurse=True):  # to_empty / to(device): the caller adopts constants and buffers after
+        return nn.Module._apply(self, fn, recurse)
+
+    def leaf_tensor(self, lf, batch: dict) -> torch.Tensor:
+        if lf.kind == "param":
+            return self.get_parameter(self.param_refs[lf.ref])  # gathered inside its unit's call, a shard outside
+        return super().leaf_tensor(lf, batch)
+
+    def forward(self, inputs: Any = None, target: Any = None) -> torch.Tensor:
+        prog = self.program
+        self._restore_buffers()
+        batch = {"batch": inputs} if self.step_fn else {"inputs": inputs, "target": target}
+        env: dict[int, Any] = {}
+        for lf in prog.leaves:
+            if lf.kind != "param":
+                t = self.leaf_tensor(lf, batch)
+                env[lf.ref] = t.clone() if lf.kind == "constant" else t
+        grad_on = torch.is_grad_enabled()
+        try:
+            self._segments(self.segments, env)
+        finally:
+            torch.set_grad_enabled(grad_on)
+            self._node = None
+        return env[prog.loss]
+
+    def _segments(self, segs: list[Segment], env: dict) -> None:
+        for seg in segs:
+            if seg.unit is None:
+                self._nodes(seg.start, seg.stop, env)
+                continue
+
+            def run(tensors, seg=seg):
+                local = dict(env)
+                local.update(zip(seg.inputs, tensors, strict=True))
+                self._segments(seg.children, local)
+                return tuple(local[r] for r in seg.outputs)
+
+            ins = [env[r] for r in seg.inputs]
+            outs = self.get_submodule(seg.unit)(run, *ins)
+            env.update(zip(seg.outputs, outs, strict=True))
+
+    def _nodes(self, a: int, b: int, env: dict) -> None:
+        prog = self.program
+        refs = self.param_refs
+        for i in range(a, b):
+            node = prog.nodes[i]
+            self._node = i
+            for r in node_inputs(node):
+                if r in refs:
+                    env[r] = self.get_parameter(refs[r])
+            if node.grad != torch.is_grad_enabled():
+                torch.set_grad_enabled(node.grad)
+            out = self._run(node, env)
+            self._bind(node, out, env, i)
+        torch.set_grad_enabled(True)
+
+
+def check_program(program: Program, shapes: dict[str, tuple[list[int], torch.dtype]], batch: dict,
+                  constants: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], aliases: dict[str, str],
+                  where: str) -> int:
+    """Every leaf against what the snapshot holds (parameters by their whole shape), then the meta dry run;
+    returns the replay's memory bound (bytes)."""
+    meta = {}
+    for lf in program.leaves:
+        try:
+            if lf.kind == "param":
+                shape, dtype = shapes[aliases.get(lf.name, lf.name)]
+            else:
+                t = buffers[lf.name] if lf.kind == "buffer" else constants[lf.name] if lf.kind == "constant" \
+                    else _batch_leaf(batch, lf.path)
+                shape, dtype = list(t.shape), t.dtype
+        except (KeyError, IndexError, TypeError) as e:
+            raise SnapshotError(f"{where}: invalid step program: {lf.kind} {lf.name!r} is not in the snapshot "
+                                f"({type(e).__name__})") from None
+        if list(shape) != lf.shape or DTYPES[lf.dtype] != dtype:
+            raise SnapshotError(f"{where}: invalid step program: {lf.kind} {lf.name!r} is {list(shape)} {dtype}, "
+                                f"the program says {lf.shape} {lf.dtype}")
+        meta[lf.ref] = (lf.shape, dtype)
+    return dry_run(program, meta)
+
+
+def _batch_leaf(batch: dict, path: list | None) -> torch.Tensor:
+    obj: Any = batch
+    for key in path or ():
+        obj = obj[key]
+    if not isinstance(obj, torch.Tensor):
+        raise TypeError("not a tensor")
+    return obj
+
+
+def local_view(module: nn.Module) -> nn.Module:
+    """A plain module holding this rank's shard of every parameter (plain tensors, same storage), under the
+    parameters' own names: what the diagnosis rules may look at without starting a collective."""
+    view = nn.Module()
+    for name, p in module.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        mod, leaf = _container(view, name)
+        mod.register_parameter(leaf, nn.Parameter(local.detach(), requires_grad=False))
+    return view
