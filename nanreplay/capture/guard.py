@@ -115,6 +115,7 @@ class NanGuard:
         self.spike_snapshots: list[str] = []
         self.last_snapshot: str | None = None
         self.last_error: str | None = None
+        self.last_trigger: Trigger | None = None  # why the last failure snapshot was (or would have been) written
         self.step_index = -1
         self.micro_batch: int | None = None
         self._states: list[snapshot.StepState] = []  # one per micro-batch of the current optimizer step
@@ -148,11 +149,18 @@ class NanGuard:
         batch = {"batch": inputs} if self.step_fn is not None else {"inputs": inputs, "target": target}
         self._states.append(snapshot.StepState(batch, rng, self._buffers.begin(), micro_batch))
 
-    def loss_ok(self, loss: torch.Tensor) -> bool:
-        """After the forward, before backward(): False (and a snapshot) if the loss is NaN or Inf."""
+    def loss_ok(self, loss: torch.Tensor, *, scaled_by: float | torch.Tensor | None = None) -> bool:
+        """After the forward, before backward(): False (and a snapshot) if the loss is NaN or Inf.
+
+        `scaled_by`: the factor a framework already multiplied the loss by (a GradScaler's scale, 1/N for
+        N accumulation steps); the loss recorded is divided by it, so it is the loss the step computed.
+        """
         if not self._in_step:  # begin() was not called: still count steps
             self._new_step(None)
         value = float(loss.detach().float())  # the one host sync; most loops log this value anyway
+        factor = float(scaled_by) if scaled_by is not None else 1.0
+        if factor != 1.0 and factor != 0.0 and math.isfinite(factor):
+            value = value / factor
         if not self._inspected:  # once: did the forward run under autocast (loss_ok called outside the block)?
             self._inspected = True
             if self._autocast is None:
@@ -224,6 +232,11 @@ class NanGuard:
             self.optimizer.zero_grad(set_to_none=True)
         return ok
 
+    def end_step(self) -> None:
+        """The optimizer step is over (the accumulation boundary): the next begin() starts a new step even
+        if it passes the same `step` number. Trainer integrations call it; plain loops need not."""
+        self._in_step = False
+
     # ------------------------------------------------------------------ bookkeeping
 
     def _new_step(self, step: int | None) -> None:
@@ -276,6 +289,7 @@ class NanGuard:
     # ------------------------------------------------------------------ writing
 
     def _fail(self, trigger: Trigger, **extra: Any) -> bool:
+        self.last_trigger = trigger
         path = self._snapshot(trigger, extra)
         if self.on_nonfinite == "raise":
             raise NonFiniteStep(trigger, path, _SAID[trigger])
