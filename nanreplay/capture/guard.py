@@ -315,7 +315,9 @@ class NanGuard:
         taken.append(path)
         if not spike:
             self.last_snapshot = path
-        micro = f" (micro-batch {self.micro_batch})" if self.micro_batch is not None else ""
+        st = extra.get("state")  # the micro-batch that broke, when it is not the current one
+        mb = st.micro_batch if st is not None else self.micro_batch
+        micro = f" (micro-batch {mb})" if mb is not None else ""
         log.warning("nanreplay: %s at step %s%s; snapshot written to %s", _SAID[trigger], self.step_index, micro, path)
         return path
 
