@@ -1,4 +1,4 @@
-"""nanreplay.accelerate.guard_for in the loop the README documents (CPU, seconds each).
+"""nanreplay.accelerate.guard_for in the loop the README documents, run as written there (CPU, seconds each).
 
 sqrt at zero in a bad micro-batch in the middle of an accumulation window, and under bf16 mixed precision:
 the snapshot is the micro-batch that broke, numbered by the accelerator's accumulation boundary, recorded
@@ -7,29 +7,33 @@ with the accelerator's autocast, and analyzed where neither accelerate nor the t
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 import torch
-from isolation import analyze_isolated, framework, load_training_code, marker_line
+from isolation import ROOT, analyze_isolated, framework, load_training_code, marker_line
 
 pytestmark = pytest.mark.integrations
 
 TRAINING_CODE = '''
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from accelerate import Accelerator
 
 from nanreplay.accelerate import guard_for
 
 
 class PairNet(nn.Module):
-    """Distances between embedding pairs: a duplicated pair is sqrt at zero (finite loss, Inf gradient)."""
+    """The distance between the two halves of each row, embedded: a duplicated pair is sqrt at zero."""
 
     def __init__(self):
         super().__init__()
         self.enc = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
 
-    def forward(self, a, b):
-        return ((self.enc(a) - self.enc(b)) ** 2).sum(-1).sqrt().mean()  # LINE: sqrt
+    def forward(self, x):
+        a, b = x[:, 0].contiguous(), x[:, 1].contiguous()
+        return ((self.enc(a) - self.enc(b)) ** 2).sum(-1).sqrt()  # LINE: sqrt
 
 
 def pairs(n=32, duplicate=None):
@@ -38,39 +42,36 @@ def pairs(n=32, duplicate=None):
     b = a + 0.3 * torch.randn(n, 6, generator=g)
     if duplicate is not None:
         b[duplicate] = a[duplicate]
-    return torch.utils.data.TensorDataset(a, b)
+    return torch.utils.data.TensorDataset(torch.stack([a, b], dim=1), torch.full((n,), 0.5))
 
 
 def train(folder, dataset, accumulate=1, mixed_precision="no"):
-    """The README's loop."""
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate, mixed_precision=mixed_precision)
     torch.manual_seed(0)
     model = PairNet()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     loader = torch.utils.data.DataLoader(dataset, batch_size=4)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    guard = guard_for(accelerator, model, optimizer, folder=folder)
-    for a, b in loader:
-        with accelerator.accumulate(model):
-            guard.begin((a, b))
-            loss = model(a, b)
-            if not guard.loss_ok(loss):
-                break
-            accelerator.backward(loss)
-            if accelerator.sync_gradients:
-                norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
-                if not guard.grads_ok(norm):
-                    break
-            optimizer.step()
-            optimizer.zero_grad()
+    loss_fn = F.mse_loss
+{readme_loop}
     return guard
 '''
+
+
+def readme_loop() -> str:
+    """The README's Accelerate loop, exactly (writing to the test's folder)."""
+    readme = (ROOT / "README.md").read_text()
+    loop = readme.split("<!-- accelerate-loop -->")[1].split("```python\n")[1].split("```")[0]
+    assert 'folder="nan_snapshots"' in loop and "guard.begin(x, y)" in loop
+    loop = loop.replace("from nanreplay.accelerate import guard_for\n", "").replace('folder="nan_snapshots"',
+                                                                                    "folder=folder")
+    return textwrap.indent(loop.strip("\n"), "    ")
 
 
 @pytest.fixture(scope="module")
 def mod(tmp_path_factory):
     framework("accelerate")
-    return load_training_code(tmp_path_factory.mktemp("proj"), "accmod", TRAINING_CODE)
+    code = TRAINING_CODE.replace("{readme_loop}", readme_loop())
+    return load_training_code(tmp_path_factory.mktemp("proj"), "accmod", code)
 
 
 def _reset():
@@ -113,7 +114,7 @@ def test_the_accumulation_boundary_numbers_steps_and_micro_batches(runs):
     path, d, guard = runs["accumulated"]
     snap = torch.load(path, weights_only=True)
     assert (snap["trigger"], snap["step"], snap["micro_batch"]) == ("gradient", 1, 2), path
-    a, b = snap["batch"]["inputs"]
+    a, b = snap["batch"]["inputs"].unbind(1)
     assert bool((a == b).all(-1).any())
 
 
