@@ -4,7 +4,9 @@ downloads, seconds each).
 A fully label-masked batch makes the model's own loss 0/0 (`num_items_in_batch` is 0): the callback, the
 one line a user adds, stops training before backward, in fp32 and under bf16. A custom `compute_loss_func`
 (a per-micro-batch mean) with a masked micro-batch in the middle of an accumulation window needs `attach()`:
-without it the callback says so, with it the snapshot is that micro-batch. Each snapshot is analyzed where
+without it the callback says so, with it the snapshot is that micro-batch. A sqrt at zero in a plain module
+the Trainer trains gives a finite loss and an Inf gradient: training stops before the optimizer steps, with
+the micro-batch that broke. Each snapshot is analyzed where
 neither transformers, accelerate, Lightning nor the training code can be imported. A healthy run records the
 model's own losses and writes nothing; `skip` goes on without applying the bad step.
 """
@@ -55,12 +57,40 @@ def mean_ce(outputs, labels, num_items_in_batch=None):
     return F.cross_entropy(logits.reshape(-1, VOCAB), labels[:, 1:].reshape(-1))  # LINE: mean ce
 
 
-def trainer(folder, dataset, steps=4, accumulate=1, callbacks=(), **kwargs):
+class PairModel(torch.nn.Module):
+    """Not every model a Trainer trains is a transformer: embedding distances, a duplicated pair is sqrt at
+    zero (a finite loss, an Inf gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+
+    def forward(self, a, b, labels=None):
+        d = ((self.enc(a) - self.enc(b)) ** 2).sum(-1).sqrt()  # LINE: sqrt
+        return {"loss": F.mse_loss(d, labels), "distance": d}
+
+
+class Pairs(torch.utils.data.Dataset):
+    def __init__(self, n=32, duplicate=None):
+        g = torch.Generator().manual_seed(0)
+        self.a = torch.randn(n, 6, generator=g)
+        self.b = self.a + 0.3 * torch.randn(n, 6, generator=g)
+        if duplicate is not None:
+            self.b[duplicate] = self.a[duplicate]
+
+    def __len__(self):
+        return len(self.a)
+
+    def __getitem__(self, i):
+        return {"a": self.a[i], "b": self.b[i], "labels": torch.tensor(0.5)}
+
+
+def trainer(folder, dataset, steps=4, accumulate=1, callbacks=(), model=None, **kwargs):
     args = TrainingArguments(output_dir=str(folder), max_steps=steps, per_device_train_batch_size=2,
                              gradient_accumulation_steps=accumulate, learning_rate=1e-3, report_to=[],
                              save_strategy="no", logging_strategy="no", use_cpu=True, dataloader_num_workers=0,
                              disable_tqdm=True, train_sampling_strategy="sequential", bf16=kwargs.pop("bf16", False))
-    return Trainer(model=tiny_gpt2(), args=args, train_dataset=dataset, callbacks=list(callbacks), **kwargs)
+    return Trainer(model=model or tiny_gpt2(), args=args, train_dataset=dataset, callbacks=list(callbacks), **kwargs)
 '''
 
 
@@ -102,6 +132,12 @@ def runs(mod, tmp_path_factory):
         t = mod.trainer(out / "run", mod.Tokens(masked={4, 5}), callbacks=[cb], bf16=bf16)
         cases[name] = stopped_run(t)
         _reset()
+    # rows 6 and 7 are batch 3: a finite loss, an Inf gradient; 2 micro-batches per step: step 1, micro-batch 1
+    t = mod.trainer(out / "run", mod.Pairs(duplicate=7), accumulate=2, model=mod.PairModel(),
+                    callbacks=[NanGuardCallback(out / "gradient")])
+    cases["gradient"] = stopped_run(t)
+    assert all(torch.isfinite(p).all() for p in t.model.parameters()), "the NaN update was applied"
+    _reset()
     # 4 micro-batches of 2 rows per step: rows 12, 13 are step 1's micro-batch 2
     t = mod.trainer(out / "run", mod.Tokens(masked={12, 13}), accumulate=4, compute_loss_func=mod.mean_ce)
     attach(t, out / "attached")
@@ -149,6 +185,15 @@ def test_attach_records_compute_loss_func_and_the_micro_batch_that_broke(runs):
     src = d["culprit"]["source"]
     assert (src["file"].rsplit("/", 1)[-1], src["line"]) == ("hfmod.py", marker_line(TRAINING_CODE, "mean ce"))
     assert d["diagnosis"]["cause"] == "empty_reduction"
+
+
+def test_a_nan_gradient_stops_training_before_the_optimizer_applies_it(runs):
+    path, d = runs["gradient"]
+    snap = torch.load(path, weights_only=True)
+    assert (snap["trigger"], snap["step"], snap["micro_batch"]) == ("gradient", 1, 1), path
+    assert d["verdict"] == "culprit_found" and d["diagnosis"]["cause"] == "sqrt_at_zero"
+    src = d["culprit"]["source"]
+    assert (src["file"].rsplit("/", 1)[-1], src["line"]) == ("hfmod.py", marker_line(TRAINING_CODE, "sqrt"))
 
 
 def test_without_attach_the_callback_says_it_is_needed(mod, tmp_path, caplog):
