@@ -27,7 +27,7 @@ def check_action(action: str) -> str:
 
 
 def guard_options(options: dict[str, Any], taken: Iterable[str], who: str) -> dict[str, Any]:
-    """The NanGuard options a user passed through an integration, minus none: those it sets itself are refused."""
+    """The NanGuard options a user passed through an integration; those the integration sets itself are refused."""
     clash = sorted(set(options) & set(taken))
     if clash:
         raise GuardError(f"{who} sets {', '.join(clash)} itself; pass the other NanGuard options only")
