@@ -14,6 +14,7 @@ that escapes is a bug in nanreplay and keeps its traceback.
     ├── TimeLimitError             exit 1: the analysis ran past --timeout
     ├── GuardError                 training side: the guard was used in a way that cannot work
     ├── NonFiniteStep              training side: raised by NanGuard(on_nonfinite="raise")
+    │   └── TrainingStopped        a trainer integration stopped training (Lightning, HF Trainer)
     └── PoolError                  triage: the worker pool itself failed
 """
 
@@ -78,6 +79,14 @@ class NonFiniteStep(NanReplayError, RuntimeError):
         where = f"; snapshot: {snapshot}" if snapshot else "; no snapshot was written"
         super().__init__(f"{what or f'non-finite {trigger}'} at this step{where}")
         self.trigger, self.snapshot = str(trigger), snapshot
+
+
+class TrainingStopped(NonFiniteStep):
+    """A trainer integration (Lightning, Hugging Face Trainer) stopped training before a non-finite update."""
+
+    def __init__(self, trigger: str, snapshot: str | None, message: str):
+        super().__init__(trigger, snapshot)
+        self.args = (message,)
 
 
 class PoolError(NanReplayError, RuntimeError):

@@ -105,7 +105,8 @@ def test_no_grab_bag_modules():
 
 def test_training_side_imports_only_torch():
     code = ("import sys; import nanreplay; from nanreplay import NanGuard; "
-            "heavy = [m for m in ('pandas', 'jinja2', 'click', 'markupsafe') if m in sys.modules]; "
+            "heavy = [m for m in ('pandas', 'jinja2', 'click', 'markupsafe', 'lightning', 'pytorch_lightning', "
+            "'transformers', 'accelerate') if m in sys.modules]; "
             "print(','.join(heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"importing NanGuard pulled in {out}"

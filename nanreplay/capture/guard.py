@@ -132,6 +132,7 @@ class NanGuard:
         self.spike_snapshots: list[str] = []
         self.last_snapshot: str | None = None
         self.last_error: str | None = None
+        self.last_trigger: Trigger | None = None  # why the last failure snapshot was (or would have been) written
         self.step_index = -1
         self.micro_batch: int | None = None
         self._states: list[snapshot.StepState] = []  # one per micro-batch of the current optimizer step
@@ -147,8 +148,15 @@ class NanGuard:
         self.scheduler = scheduler
         self._update_failed = False  # this step's update made the weights non-finite
         self._broken_by: str | None = None  # the update snapshot written when the weights broke
-        self._watch = (upd.UpdateWatch(self, optimizer, NanGuard._update_failure, NanGuard._update_healthy,
-                                       keep_pre_step) if optimizer is not None and check_update else None)
+        self._watch = None
+        inner = upd.unwrap_optimizer(optimizer)  # accelerate's / Lightning's wrappers hold the torch optimizer
+        if inner is not None and check_update:
+            try:
+                self._watch = upd.UpdateWatch(self, inner, NanGuard._update_failure, NanGuard._update_healthy,
+                                              keep_pre_step)
+            except Exception as e:  # noqa: BLE001 - the update check is an extra: never a reason to fail training
+                self._warn_once("update-hooks", f"cannot watch the optimizer's updates ({type(e).__name__}: {e}); "
+                                                "NaN/Inf written by optimizer.step() is caught one step late")
 
     def close(self) -> None:
         """Remove the optimizer hooks (also done when the guard is garbage-collected)."""
@@ -182,11 +190,18 @@ class NanGuard:
         batch = {"batch": inputs} if self.step_fn is not None else {"inputs": inputs, "target": target}
         self._states.append(snapshot.StepState(batch, rng, self._buffers.begin(), micro_batch))
 
-    def loss_ok(self, loss: torch.Tensor) -> bool:
-        """After the forward, before backward(): False (and a snapshot) if the loss is NaN or Inf."""
+    def loss_ok(self, loss: torch.Tensor, *, scaled_by: float | torch.Tensor | None = None) -> bool:
+        """After the forward, before backward(): False (and a snapshot) if the loss is NaN or Inf.
+
+        `scaled_by`: the factor a framework already multiplied the loss by (a GradScaler's scale, 1/N for
+        N accumulation steps); the loss recorded is divided by it, so it is the loss the step computed.
+        """
         if not self._in_step:  # begin() was not called: still count steps
             self._new_step(None)
         value = float(loss.detach().float())  # the one host sync; most loops log this value anyway
+        factor = float(scaled_by) if scaled_by is not None else 1.0
+        if factor != 1.0 and factor != 0.0 and math.isfinite(factor):
+            value = value / factor
         if not self._inspected:  # once: did the forward run under autocast (loss_ok called outside the block)?
             self._inspected = True
             if self._autocast is None:
@@ -217,8 +232,9 @@ class NanGuard:
                 trigger = Trigger.GRADIENT
         row = self._row()
         row["grad_norm"] = norm
-        if self.optimizer is not None:
-            self._update_healthy(self.optimizer)  # the learning rate this update will use, for the history
+        inner = upd.unwrap_optimizer(self.optimizer)
+        if inner is not None:
+            self._update_healthy(inner)  # the learning rate this update will use, for the history
         if trigger == Trigger.GRADIENT and self.scaler is not None:
             scale = float(self.scaler.get_scale())
             row["scale"] = scale
@@ -265,6 +281,11 @@ class NanGuard:
         if not ok:
             self.optimizer.zero_grad(set_to_none=True)
         return ok and not self._update_failed
+
+    def end_step(self) -> None:
+        """The optimizer step is over (the accumulation boundary): the next begin() starts a new step even
+        if it passes the same `step` number. Trainer integrations call it; plain loops need not."""
+        self._in_step = False
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -344,6 +365,7 @@ class NanGuard:
     # ------------------------------------------------------------------ writing
 
     def _fail(self, trigger: Trigger, **extra: Any) -> bool:
+        self.last_trigger = trigger
         if self._broken_by is not None and trigger != Trigger.UPDATE:
             # the weights are non-finite since an update this guard already wrote a snapshot of: a second
             # snapshot, one step late, would only say so again
@@ -378,7 +400,9 @@ class NanGuard:
         taken.append(path)
         if not spike:
             self.last_snapshot = path
-        micro = f" (micro-batch {self.micro_batch})" if self.micro_batch is not None else ""
+        st = extra.get("state")  # the micro-batch that broke, when it is not the current one
+        mb = st.micro_batch if st is not None else self.micro_batch
+        micro = f" (micro-batch {mb})" if mb is not None else ""
         log.warning("nanreplay: %s at step %s%s; snapshot written to %s", _SAID[trigger], self.step_index, micro, path)
         return path
 
@@ -448,7 +472,8 @@ class NanGuard:
             extra["nonfinite_ranks"] = list(self._bad_ranks)
         return snapshot.build(model=self.model, wrapped=self.wrapped, state=st, trigger=trigger, step=self.step_index,
                               extra=extra, program=program, constants=constants, program_error=why,
-                              loss_fn=self.loss_fn, step_fn=self.step_fn, optimizer=self.optimizer,
+                              loss_fn=self.loss_fn, step_fn=self.step_fn,
+                              optimizer=upd.unwrap_optimizer(self.optimizer),
                               scaler=self.scaler, autocast=self._autocast or None, history=list(self.history),
                               factory=self.factory, notes=notes)
 

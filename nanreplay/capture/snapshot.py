@@ -172,7 +172,7 @@ def record(model: nn.Module, state: StepState, forward: Callable[[], Any], loss:
             torch.cuda.set_rng_state_all(state.rng["cuda"])
         ctx = torch.autocast(**_autocast_kwargs(autocast)) if autocast and not _autocast_on(autocast) \
             else _nullcontext()
-        with ctx:
+        with torch.enable_grad(), ctx:  # a hook inside optimizer.step() runs under no_grad; the step did not
             rec = record_step(forward, loss, model=model, batch=state.batch, hooks=hooks)
         return rec.program, rec.constants, None, time.perf_counter() - t0
     except NotRecordable as e:
@@ -232,9 +232,10 @@ def first_nonfinite_micro_batch(model: nn.Module, states: list[StepState], forwa
             forward, loss = forward_loss(st)
             ctx = torch.autocast(**_autocast_kwargs(autocast)) if autocast and not _autocast_on(autocast) \
                 else _nullcontext()
-            with ctx:
-                value = loss(forward())
-            value.backward()
+            with torch.enable_grad():
+                with ctx:
+                    value = loss(forward())
+                value.backward()
             if not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None):
                 return st
         return None

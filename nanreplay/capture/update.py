@@ -126,6 +126,15 @@ class PreStep:
         self.taken = False
 
 
+def unwrap_optimizer(opt: Any) -> torch.optim.Optimizer | None:
+    """The torch.optim optimizer inside a framework's wrapper (accelerate's `.optimizer`, Lightning's `._optimizer`)."""
+    for _ in range(5):
+        if opt is None or isinstance(opt, torch.optim.Optimizer):
+            return opt
+        opt = getattr(opt, "optimizer", None) or getattr(opt, "_optimizer", None)
+    return None
+
+
 class UpdateWatch:
     """The optimizer hooks of one guard. `on_failure(optimizer, step_kwargs)` runs when weights turn non-finite."""
 

@@ -441,7 +441,8 @@ def _check_value(v: Any, t, op_name: str, arg: str, defined: set[int], what: str
             raise _Invalid(f"{what}: argument {arg} must be true or false")
         return v
     if kind in ("IntType", "SymIntType"):
-        if not isinstance(v, int) or isinstance(v, bool) or not -(2**63) <= v < 2**63:  # int64 (x[:, 1:] ends at its max)
+        # int64, as aten takes it: `x[1:]` records its open end as 2**63 - 1
+        if not isinstance(v, int) or isinstance(v, bool) or not -(2**63) <= v < 2**63:
             raise _Invalid(f"{what}: argument {arg} must be an integer")
         return v
     if kind in ("FloatType", "NumberType", "SymFloatType"):

@@ -1,0 +1,86 @@
+"""For the trainer-integration tests (tests/integrations): the training code lives in a file of its own (so that its source
+lines are recorded as a user's), and every snapshot is analyzed in a subprocess where neither that file nor
+any training framework can be imported."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities", "torchmetrics",
+              "transformers", "accelerate", "huggingface_hub", "tokenizers", "safetensors")
+
+ANALYZE = r'''
+import importlib.abc, json, sys
+
+BLOCKED = set(sys.argv[1].split(","))
+
+
+class Blocked(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is not importable here")
+        return None
+
+
+sys.meta_path.insert(0, Blocked())
+for name in sorted(BLOCKED):
+    try:
+        __import__(name)
+    except ImportError:
+        continue
+    raise SystemExit(f"{name} is importable: the test would prove nothing")
+from nanreplay.analysis import analyze
+
+out = {p: analyze(p).to_json() for p in sys.argv[2:]}
+leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+if leaked:
+    raise SystemExit(f"the analysis imported {leaked}")
+print(json.dumps(out))
+'''
+
+
+def framework(name: str) -> ModuleType:
+    """The framework, or a skip where it is not installed. CI installs the `test` extra, which holds every
+    framework: there a missing one is a failure, never a silent skip."""
+    if os.environ.get("CI"):
+        return importlib.import_module(name)
+    return pytest.importorskip(name)
+
+
+def load_training_code(folder: Path, name: str, code: str) -> ModuleType:
+    """Write the training code to folder/name.py and import it from there (as a user's script would be)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.py"
+    path.write_text(code)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def marker_line(code: str, marker: str) -> int:
+    return next(i for i, ln in enumerate(code.splitlines(), 1) if ln.rstrip().endswith(f"# LINE: {marker}"))
+
+
+def analyze_isolated(paths: list[str], workdir: Path, also_blocked: tuple[str, ...] = ()) -> dict[str, dict]:
+    """`analyze()` of each snapshot in a fresh python that cannot import the frameworks or the training code."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    script = workdir / "analyze_isolated.py"
+    script.write_text(ANALYZE)
+    blocked = ",".join(FRAMEWORKS + also_blocked)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, str(script), blocked, *paths], cwd=workdir, capture_output=True, text=True,
+                         timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout)
