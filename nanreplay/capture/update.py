@@ -129,10 +129,13 @@ class PreStep:
 def unwrap_optimizer(opt: Any) -> torch.optim.Optimizer | None:
     """The torch.optim optimizer inside a framework's wrapper (accelerate's `.optimizer`, Lightning's `._optimizer`)."""
     for _ in range(5):
-        if opt is None or isinstance(opt, torch.optim.Optimizer):
-            return opt
-        opt = getattr(opt, "optimizer", None) or getattr(opt, "_optimizer", None)
-    return None
+        # accelerate's AcceleratedOptimizer subclasses torch.optim.Optimizer without running its __init__ (no
+        # hooks of its own): look inside any wrapper first, and take an optimizer only when nothing is inside
+        inner = getattr(opt, "optimizer", None) or getattr(opt, "_optimizer", None)
+        if inner is None or inner is opt:
+            return opt if isinstance(opt, torch.optim.Optimizer) else None
+        opt = inner
+    return opt if isinstance(opt, torch.optim.Optimizer) else None
 
 
 class UpdateWatch:

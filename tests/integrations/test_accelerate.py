@@ -45,11 +45,11 @@ def pairs(n=32, duplicate=None):
     return torch.utils.data.TensorDataset(torch.stack([a, b], dim=1), torch.full((n,), 0.5))
 
 
-def train(folder, dataset, accumulate=1, mixed_precision="no"):
+def train(folder, dataset, accumulate=1, mixed_precision="no", lr=0.05):
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulate, mixed_precision=mixed_precision)
     torch.manual_seed(0)
     model = PairNet()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     loader = torch.utils.data.DataLoader(dataset, batch_size=4)
     loss_fn = F.mse_loss
 {readme_loop}
@@ -131,6 +131,20 @@ def test_a_healthy_run_writes_nothing_and_counts_optimizer_steps(mod, tmp_path):
     assert guard.snapshots == [] and not any(tmp_path.iterdir())
     assert [h["step"] for h in guard.history] == [0, 1, 2, 3]
     assert all(h["loss"] is not None and h["grad_norm"] is not None for h in guard.history)
+
+
+def test_the_update_is_watched_inside_the_accelerated_optimizer(mod, tmp_path):
+    """accelerate's optimizer wrapper subclasses torch.optim.Optimizer: the guard must hook the one inside,
+    or weights broken by optimizer.step() are only seen a step later, as a NaN loss."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        guard = mod.train(tmp_path, mod.pairs(), lr=float("inf"))  # a warmup that divided by zero steps
+    assert not [w for w in seen if "cannot watch" in str(w.message)]
+    assert len(guard.snapshots) == 1 and "_update_" in guard.snapshots[0], guard.snapshots
+    d = torch.load(guard.snapshots[0], weights_only=True)
+    assert d["trigger"] == "update" and d["step"] == 0
 
 
 def test_fp16_on_the_cpu_is_float32_so_no_scaler_and_no_autocast(tmp_path):
