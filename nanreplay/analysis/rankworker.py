@@ -290,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     finally:
         replay.SOURCE_ROOTS.reset(token)
+    try:  # gloo can abort a process that tears down while a peer is still connected: leave together
+        torch.distributed.barrier()
+    except Exception:  # noqa: BLE001, S110 - a peer that already failed has said why in its own error file
+        pass
     torch.distributed.destroy_process_group()
     return 0
 

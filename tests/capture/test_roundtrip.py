@@ -198,7 +198,8 @@ def ddp_worker(rank, folder, store):
     torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     path = train("ddp", folder)
     if rank == 0:
-        print(path)
+        print(path, flush=True)
+    torch.distributed.barrier()  # gloo aborts a process that tears down while its peer is still connected
     torch.distributed.destroy_process_group()
 
 

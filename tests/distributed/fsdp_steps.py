@@ -119,4 +119,5 @@ if __name__ == "__main__":
         lines.append(f"RESULT {s} {rank} {step} {path} {error}\n")
     with open(f"{sys.argv[1]}/rank{rank}.txt", "w") as f:  # (the ranks share one stdout: lines would interleave)
         f.writelines(lines)
+    dist.barrier()  # gloo aborts a process that tears down while its peer is still connected
     dist.destroy_process_group()
