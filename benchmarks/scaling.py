@@ -1,76 +1,97 @@
-"""How the culprit-finding replay scales with model size and batch size.
+"""How a whole `nanreplay analyze` scales with the model, next to the plain step.
 
-    python benchmarks/scaling.py [--repeats 3]
+    python benchmarks/scaling.py [--rounds 1] [--png benchmarks/scaling.png]
 
-For three model widths (at batch 8) and three batch sizes (at the reference
-width), with a NaN planted deep inside, measures in one process: a plain
-forward+backward, nanreplay's instrumented replay, and the peak memory each
-allocates (torch's CPU allocator is not visible to tracemalloc, so memory is
-read as the growth of the process's peak RSS in a fresh subprocess per point).
-The cost must grow linearly with the work: the replay/plain ratio should stay
-flat across sizes, and time per sample flat across batch sizes.
+The reference transformer (batch 8, NaN from p*log(p) deep inside) at widths d = 128, 256, 512, 1024
+(4 layers) and depths 1, 2, 4, 8 layers (d = 384). Each point is a native snapshot written by NanGuard
+and timed in fresh processes as in end_to_end.py: a plain process that loads it and runs one
+forward+backward, and `nanreplay analyze` with every default analysis. Prints time and peak RSS for
+both and their ratios, and draws them on one chart (needs matplotlib: `pip install -e '.[bench]'`).
+
+The cost should grow with the plain step: ratios that fall towards a constant as the model grows (the
+fixed costs — imports, torch._dynamo, the report — weigh less), not ratios that climb.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
+import statistics
 import sys
+import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-POINT = """
-import resource, sys, time, torch
-sys.path.insert(0, {root!r})
-torch.set_num_threads({threads})
-from benchmarks import transformer as tf
-from nanreplay import replay
-torch.manual_seed(0)
-model = tf.Transformer(layers=4, d={d}, heads={heads}, nan_layer=2)
-idx, y = tf.batch(batch_size={batch})
-names = {{id(m): n for n, m in model.named_modules()}}
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-def plain():
-    model.zero_grad(set_to_none=True)
-    tf.loss_fn(model(idx), y).backward()
-def scan():
-    replay.run(model, lambda: model(idx), lambda o: tf.loss_fn(o, y), names=names)
-fn = {{"plain": plain, "scan": scan}}["{which}"]
-fn()
-best = float("inf")
-for _ in range({repeats}):
-    t0 = time.perf_counter(); fn(); best = min(best, time.perf_counter() - t0)
-print(best, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
-"""
+from benchmarks.end_to_end import measure  # noqa: E402
+
+WIDTHS = [(128, 2), (256, 4), (512, 8), (1024, 16)]  # (d, heads), 4 layers
+DEPTHS = [1, 2, 4, 8]  # layers, d = 384
+BATCH = 8
 
 
-def point(which: str, d: int, heads: int, batch: int, repeats: int, threads: int) -> tuple[float, float]:
-    code = POINT.format(root=str(ROOT), d=d, heads=heads, batch=batch, which=which, repeats=repeats,
-                        threads=threads)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    if res.returncode:
-        raise SystemExit(res.stderr[-2000:])
-    t, mem = res.stdout.split()[-2:]
-    return float(t), float(mem) / 1024
+def points() -> list[tuple[str, int, dict]]:
+    out = [("width", d, {"layers": 4, "d": d, "heads": h, "nan_layer": 2}) for d, h in WIDTHS]
+    out += [("depth", n, {"layers": n, "nan_layer": max(0, n - 2)}) for n in DEPTHS]
+    return out
+
+
+def chart(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
+    for col, (sweep, xlabel) in enumerate((("width", "width d (4 layers)"), ("depth", "layers (d = 384)"))):
+        pts = [r for r in rows if r["sweep"] == sweep]
+        xs = [r["x"] for r in pts]
+        for row, (key, unit) in enumerate((("time", "seconds"), ("rss", "peak RSS, MB"))):
+            ax = axes[row][col]
+            ax.plot(xs, [r[f"plain_{key}"] for r in pts], "o-", label="load + forward + backward")
+            ax.plot(xs, [r[f"ana_{key}"] for r in pts], "s-", label="nanreplay analyze (all analyses + report)")
+            for x, r in zip(xs, pts, strict=True):
+                ax.annotate(f"{r[f'ana_{key}'] / r[f'plain_{key}']:.2f}x", (x, r[f"ana_{key}"]),
+                            textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [str(x) for x in xs])
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(unit)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"nanreplay analyze vs the plain step (batch {BATCH}, seq 256, CPU)")
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--png", default=str(Path(__file__).with_name("scaling.png")))
     args = ap.parse_args()
-    rows = [("width", d, h, 8) for d, h in ((128, 2), (256, 4), (384, 6))]
-    rows += [("batch", 384, 6, b) for b in (4, 8, 16)]
-    print(f"{'sweep':6s} {'d':>4s} {'batch':>5s} {'plain s':>8s} {'replay s':>9s} {'ratio':>6s} "
-          f"{'plain MB':>9s} {'replay MB':>10s} {'mem ratio':>9s} {'replay ms/sample':>17s}")
-    for sweep, d, h, b in rows:
-        pt, pm = point("plain", d, h, b, args.repeats, args.threads)
-        st, sm = point("scan", d, h, b, args.repeats, args.threads)
-        print(f"{sweep:6s} {d:4d} {b:5d} {pt:8.3f} {st:9.3f} {st / pt:6.2f} {pm:9.0f} {sm:10.0f} "
-              f"{sm / max(pm, 1):9.2f} {1e3 * st / b:17.1f}")
+    rows = []
+    print(f"{'sweep':6s} {'x':>5s} {'plain s':>8s} {'analyze s':>10s} {'ratio':>6s} "
+          f"{'plain MB':>9s} {'analyze MB':>11s} {'ratio':>6s}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (sweep, x, kw) in enumerate(points()):
+            m = measure(kw, BATCH, Path(tmp) / f"p{i}", args.rounds, args.threads)
+            med = lambda k, j, rows=m["rows"]: statistics.median(r[k][j] for r in rows)  # noqa: E731
+            r = {"sweep": sweep, "x": x, "plain_time": med("plain", 0), "ana_time": med("ana", 0),
+                 "plain_rss": med("plain", 1) / 1024, "ana_rss": med("ana", 1) / 1024}
+            rows.append(r)
+            print(f"{sweep:6s} {x:5d} {r['plain_time']:8.2f} {r['ana_time']:10.2f} "
+                  f"{r['ana_time'] / r['plain_time']:5.2f}x {r['plain_rss']:9.0f} {r['ana_rss']:11.0f} "
+                  f"{r['ana_rss'] / r['plain_rss']:5.2f}x", flush=True)
+    for sweep in ("width", "depth"):
+        pts = [r for r in rows if r["sweep"] == sweep]
+        t = [r["ana_time"] / r["plain_time"] for r in pts]
+        grows = t[-1] > t[0] * 1.1
+        print(f"{sweep}: time ratio {t[0]:.2f}x at the smallest, {t[-1]:.2f}x at the largest — "
+              f"{'NOT linear (the ratio climbs)' if grows else 'linear with the plain step: met'}")
+    try:
+        chart(rows, Path(args.png))
+        print(f"chart: {args.png}")
+    except ImportError:
+        print("chart: skipped (pip install matplotlib)")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@
 `nan_layer=k` plants a realistic NaN deep inside: block k computes an unguarded
 entropy-style term p * log(p) on a ReLU gate, so the forward pass goes NaN there
 and everything after it — the rest of forward and all of backward — carries it.
+
+`grad_layer=k` plants a gradient-only failure instead: block k adds a hand-written
+pairwise distance sqrt(sum((a - b)^2)) between its tokens, which is 0 from each token
+to itself — a finite forward and loss, and 0/0 = NaN in backward.
 """
 
 from __future__ import annotations
@@ -17,13 +21,14 @@ VOCAB, D, LAYERS, HEADS, SEQ, BATCH = 1000, 384, 4, 6, 256, 16
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int, nan: bool = False):
+    def __init__(self, d: int, heads: int, nan: bool = False, grad_nan: bool = False):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
         self.heads = heads
         self.nan = nan
+        self.grad_nan = grad_nan
 
     def forward(self, x):
         B, T, C = x.shape
@@ -38,15 +43,20 @@ class Block(nn.Module):
         if self.nan:
             gate = F.relu(h[..., :8])
             h = h + (gate * torch.log(gate)).sum(-1, keepdim=True)  # 0 * log(0) = NaN
+        if self.grad_nan:
+            g = h[..., :8]
+            dist = ((g[:, :, None] - g[:, None, :]) ** 2).sum(-1).sqrt()  # 0 on the diagonal: d sqrt = 1/0
+            h = h + 1e-3 * dist.mean(-1, keepdim=True)
         return x + self.fc2(h)
 
 
 class Transformer(nn.Module):
-    def __init__(self, layers: int = LAYERS, d: int = D, heads: int = HEADS, nan_layer: int | None = None):
+    def __init__(self, layers: int = LAYERS, d: int = D, heads: int = HEADS, nan_layer: int | None = None,
+                 grad_layer: int | None = None):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, d)
         self.pos = nn.Parameter(torch.zeros(SEQ, d))
-        self.blocks = nn.ModuleList([Block(d, heads, nan=(i == nan_layer)) for i in range(layers)])
+        self.blocks = nn.ModuleList([Block(d, heads, nan=(i == nan_layer), grad_nan=(i == grad_layer)) for i in range(layers)])
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, VOCAB)
 

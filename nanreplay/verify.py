@@ -25,6 +25,7 @@ from nanreplay import culprit as culprit_mod
 from nanreplay import replay, stats
 from nanreplay import torch_internals as ti
 from nanreplay.errors import first_line
+from nanreplay.limits import release_memory
 from nanreplay.pytree import iter_tensors, map_tensors
 from nanreplay.replay.subject import Subject
 
@@ -117,6 +118,7 @@ def try_patch(subject: Subject, intercepts: dict[int, Callable] | None = None, *
 
 
 def _replay(copy: Subject, intercepts: dict[int, Callable] | None, label: str, scale: float | None) -> Outcome:
+    release_memory()
     k = scale or 1.0
     try:
         quick = replay.run_patched(copy, intercepts)  # no op-level instrumentation: a fix that works costs one step
@@ -245,6 +247,7 @@ def precision_probe(subject: Subject, step_dtype: str | None, *, failure: str | 
             variant = independent(subject, dtype, autocast)
             row = plain_step(variant, forward_first=failure == "loss", stop_at=culprit)
             del variant
+            release_memory()
         except Exception as e:  # noqa: BLE001 - e.g. an op without a float64 kernel on this device
             row = {"error": f"{type(e).__name__}: {first_line(e)}"}
         rows.append({"dtype": label, **row})

@@ -4,11 +4,13 @@ no source file over 600 lines, no grab-bag modules, and the training side stays 
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parent.parent / "nanreplay"
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "nanreplay"
 MAX_LINES = 600
 
 
@@ -110,3 +112,16 @@ def test_training_side_imports_only_torch():
             "print(','.join(heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "", f"importing NanGuard pulled in {out}"
+
+
+def test_analyze_and_its_report_do_not_import_pandas(tmp_path):
+    """pandas costs ~0.3 s and ~33 MB: triage's CSV uses it, one analysis and its report must not."""
+    snap = ROOT / "sample_snapshots" / "zero_norm.pt"
+    code = ("import sys; from nanreplay.cli import main\n"
+            f"try: main(['analyze', {str(snap)!r}, '--json', 'a.json', '-o', 'r.html', '--markdown', 'r.md'])\n"
+            "except SystemExit as e: assert not e.code, e.code\n"
+            "print('pandas' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False" and (tmp_path / "r.html").stat().st_size > 0

@@ -30,7 +30,7 @@ from nanreplay.analysis.contract import (
 from nanreplay.diagnose.update import diagnose_update
 from nanreplay.enums import Verdict
 from nanreplay.errors import LimitError, NanReplayError, UsageError, first_line
-from nanreplay.limits import format_size
+from nanreplay.limits import format_size, release_memory
 from nanreplay.replay.records import Step
 from nanreplay.replay.subject import Subject, batch_tensors
 from nanreplay.replay.update import run_update
@@ -134,7 +134,10 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
         result.stats = {"timings": {"load": t_load - t0, "total": time.perf_counter() - t0}}
         return result
 
-    step = step or replay.run_subject(subject)
+    if step is None:
+        step = replay.run_subject(subject)
+        subject.model.zero_grad(set_to_none=True)  # the gradient walk is in `step`; the tensors are not needed
+    release_memory()  # each pass starts from what the analysis holds, not from the last pass's peak
     t_replay = time.perf_counter()
     result.step = step
     # the replay backpropagates the scaled loss, as a GradScaler run did; people want the loss itself
@@ -163,6 +166,7 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
     result.diagnosis = diagnose.diagnose(result, subject, step, c, chain, verify_fixes=verify)
     if c is not None:
         result.culprit["forward_inputs"] = forward_inputs_json(subject, step, step.events[c])
+    release_memory()
     t_diag = time.perf_counter()
     if probe and (c is not None or step.failure is not None):
         cev = step.events[c] if c is not None else None

@@ -107,6 +107,26 @@ class Program:
     calls: list[str]
     notes: list[str] = field(default_factory=list)  # what the capture side wants the analysis to say
 
+    def dead_after(self) -> list[list[int]]:
+        """For each node, the refs no later node reads (the replay drops them there, as eager Python drops
+        intermediates: a program's replay holds no more memory than the step did). Computed once."""
+        cached = self.__dict__.get("_dead_after")
+        if cached is not None:
+            return cached
+        last: dict[int, int] = {}
+        for i, node in enumerate(self.nodes):
+            for r in _refs_in(node.args) + _refs_in(list(node.kwargs.values())):
+                last[r] = i
+            for r in _flat(node.out):
+                if r is not None:
+                    last.setdefault(r, i)  # made and never read: dropped right away
+        dead: list[list[int]] = [[] for _ in self.nodes]
+        for r, i in last.items():
+            if r != self.loss:
+                dead[i].append(r)
+        self.__dict__["_dead_after"] = dead
+        return dead
+
     def scopes_of(self, node: Node) -> tuple[tuple[str, str], ...]:
         """The module calls a node ran inside, outermost first, as (call key, module name)."""
         out = []
@@ -119,6 +139,16 @@ class Program:
             name = self.modules[node.module]
             return ((name, name),) if name == "<loss>" else ()
         return tuple(reversed(out))
+
+
+def _refs_in(values: list) -> list[int]:
+    out = []
+    for v in values:
+        if isinstance(v, Ref):
+            out.append(int(v))
+        elif isinstance(v, list):
+            out.extend(_refs_in(v))
+    return out
 
 
 def _flat(out: Any) -> list:

@@ -124,6 +124,7 @@ class StepModule(nn.Module):
             t = self.leaf_tensor(lf, batch)
             env[lf.ref] = t.clone() if lf.kind == "constant" else t  # a replay may write into its constants
         grad_on = torch.is_grad_enabled()
+        dead = prog.dead_after()
         try:
             for i, node in enumerate(prog.nodes):
                 self._node = i
@@ -131,6 +132,8 @@ class StepModule(nn.Module):
                     torch.set_grad_enabled(node.grad)
                 out = self._run(node, env)
                 self._bind(node, out, env, i)
+                for r in dead[i]:  # no later node reads them: let autograd decide what stays alive
+                    env.pop(r, None)
         finally:
             torch.set_grad_enabled(grad_on)
             self._node = None

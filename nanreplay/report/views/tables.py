@@ -125,44 +125,38 @@ def _finite_stat(g: dict, key: str) -> object:
 
 
 def gradient_table(d: dict) -> GradTable | None:
-    """The per-parameter walk as a table: the failing parameter first, then worst first (pandas orders the frame).
+    """The per-parameter walk as a table: the failing parameter first, then worst first.
 
     Mean, std and max |g| are over each gradient's finite values, so a gradient that is
     partly NaN still shows what the rest looks like; how much of it is non-finite has its
-    own column.
+    own column. (Plain Python: a report must not pay for importing pandas to sort a list.)
     """
-    grads = d.get("gradients") or []
+    grads = [g for g in d.get("gradients") or [] if isinstance(g, dict)]
     if not grads:
         return None
-    import pandas as pd
-
     fail = d.get("failure") or {}
     failing = str(fail.get("name")) if fail.get("what") == "gradient" else ""
-    df = pd.DataFrame([{"name": g.get("name"), "shape": g.get("shape"), "has_grad": g.get("has_grad"),
-                        "mean": _finite_stat(g, "mean"), "std": _finite_stat(g, "std"),
-                        "max_abs": _finite_stat(g, "max_abs"), "nan": g.get("nan"), "inf": g.get("inf"),
-                        "numel": g.get("numel") if isinstance(g.get("numel"), int) else numel(g.get("shape")),
-                        "finite": g.get("finite")} for g in grads])
-    df["has_grad"] = df["has_grad"].fillna(False).astype(bool)
-    df["nan"] = pd.to_numeric(df["nan"], errors="coerce").fillna(0).astype(int)
-    df["inf"] = pd.to_numeric(df["inf"], errors="coerce").fillna(0).astype(int)
-    df["bad"] = df["nan"] + df["inf"]
-    df["size"] = pd.to_numeric(df["numel"], errors="coerce").fillna(0).astype(int)
-    df["frac"] = [b / n if n else (1.0 if b else 0.0) for b, n in zip(df["bad"], df["size"], strict=True)]
-    df["max_f"] = [to_float(v) for v in df["max_abs"]]
-    df["max_f"] = df["max_f"].astype(float).fillna(-1.0)
-    df["zero"] = df["has_grad"] & (df["max_f"] == 0.0) & (df["bad"] == 0)
-    df["rank"] = 0
-    df.loc[df["zero"], "rank"] = 1
-    df.loc[~df["has_grad"], "rank"] = 2
-    df.loc[df["bad"] > 0, "rank"] = 3
-    df.loc[df["name"] == failing, "rank"] = 4
-    df = df.sort_values(["rank", "frac", "bad", "max_f", "name"], ascending=[False, False, False, False, True],
-                        kind="stable")
-    total = len(df)
-    shown = df.head(MAX_TABLE_ROWS)
+    table = []
+    for g in grads:
+        numel_v = g.get("numel")
+        r = _GradRow(name=g.get("name"), shape=g.get("shape"), has_grad=bool(g.get("has_grad")),
+                     mean=_finite_stat(g, "mean"), std=_finite_stat(g, "std"), max_abs=_finite_stat(g, "max_abs"),
+                     nan=_count(g.get("nan")), inf=_count(g.get("inf")), finite=g.get("finite"),
+                     size=_count(numel_v if isinstance(numel_v, int) else numel(g.get("shape"))))
+        r.bad = r.nan + r.inf
+        r.frac = r.bad / r.size if r.size else (1.0 if r.bad else 0.0)
+        mx = to_float(r.max_abs)
+        r.max_f = -1.0 if mx is None or math.isnan(mx) else mx
+        r.zero = r.has_grad and r.max_f == 0.0 and r.bad == 0
+        r.rank = (4 if r.name == failing else 3 if r.bad > 0 else 2 if not r.has_grad
+                  else 1 if r.zero else 0)
+        table.append(r)
+    table.sort(key=lambda r: (r.name is None, str(r.name)))
+    table.sort(key=lambda r: (r.rank, r.frac, r.bad, r.max_f), reverse=True)  # stable: names break ties
+    total = len(table)
+    shown = table[:MAX_TABLE_ROWS]
     rows, classes = [], []
-    for r in shown.itertuples(index=False):
+    for r in shown:
         shape = Cell(fmt_shape(r.shape), sort=str(int(r.size)), title=f"{int(r.size):,} elements")
         if not r.has_grad:
             status = Cell("NO GRADIENT", bad=False, sort="2")
@@ -189,8 +183,42 @@ def gradient_table(d: dict) -> GradTable | None:
                      Cell(num(int(r.nan)), bad=bool(r.nan), sort=str(int(r.nan))),
                      Cell(num(int(r.inf)), bad=bool(r.inf), sort=str(int(r.inf)))])
         classes.append("failing" if failing and r.name == failing else "")
-    return GradTable(rows, total, total - len(shown), int((df["bad"] > 0).sum()), int((~df["has_grad"]).sum()),
-                     int(df["zero"].sum()), failing=failing if failing in set(df["name"]) else "", classes=classes)
+    return GradTable(rows, total, total - len(shown), sum(r.bad > 0 for r in table),
+                     sum(not r.has_grad for r in table), sum(r.zero for r in table),
+                     failing=failing if any(r.name == failing for r in table) else "",
+                     classes=classes)
+
+
+@dataclass
+class _GradRow:
+    name: object
+    shape: object
+    has_grad: bool
+    mean: object
+    std: object
+    max_abs: object
+    nan: int
+    inf: int
+    finite: object
+    size: int
+    bad: int = 0
+    frac: float = 0.0
+    max_f: float = -1.0
+    zero: bool = False
+    rank: int = 0
+
+
+def _count(v: object) -> int:
+    """A count from the JSON (a number, or text that reads as one); anything else is 0."""
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, int):
+        return v
+    try:
+        f = float(v) if isinstance(v, (float, str)) else math.nan
+    except ValueError:
+        return 0
+    return int(f) if math.isfinite(f) else 0
 
 
 @dataclass
