@@ -18,6 +18,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -157,23 +158,31 @@ def try_variant(subject: Subject, *, dtype: torch.dtype | None = None, autocast:
     return _replay(variant, None, label or "with the fix", subject.loss_scale)
 
 
-def plain_step(subject: Subject, *, forward_first: bool = False, stop_at: tuple[int, str] | None = None) -> dict:
+def plain_step(subject: Subject, *, forward_first: bool = False, stop_at: Culprit | None = None) -> dict:
     """One uninstrumented step: are the loss and the gradients finite?
 
     Stops as soon as the answer is known: a non-finite loss needs no backward
     (`grads_finite` is then None). With forward_first the forward runs under
     no_grad first, so a step that is already non-finite there costs one
-    activation at a time instead of the whole graph. With `stop_at` = (forward op
-    index, op), that forward also stops right after that op when it makes NaN/Inf.
+    activation at a time instead of the whole graph. With `stop_at` (the culprit
+    op), the step stops right after that op when it makes NaN/Inf here too: a
+    forward culprit in the forward-alone pass (the loss cannot be finite), a
+    backward culprit in backward (neither can the gradients its value flows
+    into; the rest of backward is not run).
     """
     if subject.prepare is not None:
         subject.prepare()
     subject.model.zero_grad(set_to_none=True)
+
+    def watch(*phases: str):
+        # A forward culprit stops only the forward-alone pass of a loss failure: in a gradient failure the
+        # forward NaN may be masked before the loss (the where trap), so the full pass says nothing there.
+        return _StopAt(stop_at) if stop_at is not None and stop_at.phase in phases else contextlib.nullcontext()
+
     with replay.anomaly_off():
         if forward_first:
-            watch = _StopAt(*stop_at) if stop_at is not None else contextlib.nullcontext()
             try:
-                with torch.no_grad(), replay.autocast_from(subject.run_autocast), watch:
+                with torch.no_grad(), replay.autocast_from(subject.run_autocast), watch("forward"):
                     loss = subject.loss(subject.forward())
             except _Stopped:
                 return {"loss": None, "loss_finite": False, "grads_finite": None,
@@ -182,15 +191,30 @@ def plain_step(subject: Subject, *, forward_first: bool = False, stop_at: tuple[
                 return _row(loss, None)
             if subject.prepare is not None:
                 subject.prepare()  # the same RNG for the full pass
-        with replay.autocast_from(subject.run_autocast):
-            loss = subject.loss(subject.forward())
-        if not stats.finite_fast(loss.detach()):
-            return _row(loss, None)
-        if loss.requires_grad:
-            loss.backward()
+        loss = None
+        try:
+            with watch("backward"):
+                with replay.autocast_from(subject.run_autocast):
+                    loss = subject.loss(subject.forward())
+                if not stats.finite_fast(loss.detach()):
+                    return _row(loss, None)
+                if loss.requires_grad:
+                    loss.backward()
+        except _Stopped:
+            subject.model.zero_grad(set_to_none=True)
+            return {**_row(loss, False), "probe": "backward stopped after the culprit op, which makes NaN/Inf "
+                                                  "in this dtype too"}
     bad = [n for n, p in subject.model.named_parameters() if p.grad is not None and not stats.finite_fast(p.grad)]
     subject.model.zero_grad(set_to_none=True)
     return {**_row(loss, not bad), "nonfinite_grads": len(bad)}
+
+
+class Culprit(NamedTuple):
+    """The culprit op as the probe finds it again: its phase, the forward op it is (forward) or whose
+    gradient it computes (backward), numbered as the Recorder numbers forward ops, and its aten name."""
+    phase: str
+    fwd: int
+    op: str
 
 
 class _Stopped(BaseException):  # noqa: N818 - not an error: the answer is known (BaseException: user code lets it pass)
@@ -198,21 +222,33 @@ class _Stopped(BaseException):  # noqa: N818 - not an error: the answer is known
 
 
 class _StopAt(ti.TorchDispatchMode):
-    """Counts forward ops as the Recorder numbers them; raises _Stopped right after op `index` when it is `op`
-    and its output is not finite. (Where the count does not line up — autocast's casts gone — it never stops.)"""
+    """Counts forward ops as the Recorder numbers them (and which autograd node each creates); raises _Stopped
+    right after the culprit op when its output is not finite. (Where the count does not line up — autocast's
+    casts gone — it never stops.)"""
 
-    def __init__(self, index: int, op: str):
+    def __init__(self, culprit: Culprit):
         super().__init__()
-        self.index, self.op, self.n = index, op, 0
+        self.culprit, self.n = culprit, 0
+        self.op_by_seq: dict[int, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        c = self.culprit
+        node = ti.current_autograd_node()
+        seq = ti.sequence_nr() if node is None else -1
         out = func(*args, **(kwargs or {}))
-        if self.n == self.index and str(func) == self.op:
+        if node is None:  # forward (and the loss)
+            here = self.n
+            self.n += 1
+            if seq - 1 not in self.op_by_seq:  # the node an op creates takes the number just before it
+                self.op_by_seq[seq - 1] = here
+            hit = c.phase == "forward" and here == c.fwd
+        else:
+            hit = c.phase == "backward" and self.op_by_seq.get(ti.node_sequence_nr(node)) == c.fwd
+        if hit and str(func) == c.op:
             outs = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)] \
                 if isinstance(out, (list, tuple)) else []
             if not all(stats.finite_fast(t) for t in outs if t.is_floating_point()):
                 raise _Stopped
-        self.n += 1
         return out
 
 
@@ -222,13 +258,13 @@ def _row(loss: torch.Tensor, grads_finite: bool | None) -> dict:
 
 
 def precision_probe(subject: Subject, step_dtype: str | None, *, failure: str | None = None,
-                    culprit: tuple[int, str] | None = None) -> list[dict]:
+                    culprit: Culprit | None = None) -> list[dict]:
     """Replay the step in float64 — and in bf16/fp32 where the step ran in fp16 or autocast.
 
     Uninstrumented, one copy at a time. When the snapshot's failure was the loss (a forward problem), each
-    dtype first runs forward alone; with `culprit` = (forward op index, op) of a forward culprit, that forward
-    stops right after the culprit op when the op makes NaN/Inf in the wider dtype too (on inputs computed in
-    that dtype): the step cannot be finite there, and the rest of it is not run.
+    dtype first runs forward alone. With the `culprit` op, each run stops right after that op when it makes
+    NaN/Inf in the wider dtype too (on inputs computed in that dtype): the answer is known, and the rest of the
+    step — the rest of forward, or of backward for a backward culprit — is not run.
     """
     plans: list[tuple[str, torch.dtype | None, dict | None | str]] = []
     ac = subject.autocast

@@ -170,9 +170,9 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
     t_diag = time.perf_counter()
     if probe and (c is not None or step.failure is not None):
         cev = step.events[c] if c is not None else None
-        forward_culprit = (cev.fwd, str(step.ops[cev.fwd].op)) if cev is not None and cev.phase == "forward" \
-            and cev.fwd is not None else None
-        result.precision = verify_mod.precision_probe(subject, _step_dtype(subject), culprit=forward_culprit,
+        where = verify_mod.Culprit(cev.phase, cev.fwd, cev.op) if cev is not None and cev.fwd is not None \
+            and cev.phase in ("forward", "backward") else None
+        result.precision = verify_mod.precision_probe(subject, _step_dtype(subject), culprit=where,
                                                       failure=step.failure.what if step.failure else None)
         note = precision_sentence(result.precision, _step_label(subject))
         if note:

@@ -69,6 +69,38 @@ def test_precision_probe_tells_range_from_domain(analyzed):
     assert "a math domain error, not a precision problem" in dom["diagnosis"]["explanation"]
 
 
+def test_precision_probe_stops_at_a_backward_culprit_but_never_at_a_masked_forward_nan(analyzed):
+    """sqrt at 0: the culprit is SqrtBackward0, NaN in float64 too, so the probe stops there (grads not finite).
+    A forward NaN masked before the loss (sqrt of a negative under where) must not stop the full pass and
+    get the loss called non-finite: the loss is finite, the gradients are not."""
+    from nanreplay import verify
+    from nanreplay.replay.subject import Subject
+
+    rows = {r["dtype"]: r for r in analyzed("sqrt_zero", verify=False)["precision"]}
+    assert rows["float64"]["loss_finite"] is True and rows["float64"]["grads_finite"] is False
+    assert rows["float64"]["probe"].startswith("backward stopped after the culprit op")
+
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return torch.where(h > 0, h.sqrt(), torch.zeros_like(h))
+
+    torch.manual_seed(0)
+    subject = Subject(Masked(), torch.randn(8, 3), None, lambda out: out.sum(), "sum", "test", torch.device("cpu"))
+    plain = verify.plain_step(subject)
+    assert plain["loss_finite"] is True and plain["grads_finite"] is False
+    with verify._StopAt(verify.Culprit("forward", -1, "")) as counter:  # counts forward ops, never stops
+        subject.loss(subject.forward())
+    assert counter.n >= 4  # the Linear, sqrt, where, the sum
+    for fwd in range(counter.n):  # whichever op is named, a gradient failure's full pass is never cut short
+        row = verify.plain_step(subject, stop_at=verify.Culprit("forward", fwd, "aten.sqrt.default"))
+        assert (row["loss_finite"], row["grads_finite"]) == (True, False) and "probe" not in row
+
+
 @pytest.mark.parametrize("dtype,scale", [("float32", 1.0), ("float16", 1.0), ("bfloat16", 1.0), ("float32", 1e4)])
 def test_epsilon_fits_dtype_and_scale(dtype, scale):
     eps, why = choose_eps(dtype, scale, "f")

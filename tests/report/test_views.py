@@ -82,6 +82,19 @@ def test_the_precision_sentence_is_written_from_the_table_it_sits_under():
     assert "non-finite in float64 too" in view(d).precision.sentence
 
 
+@pytest.mark.parametrize("name", ["sqrt_zero", "log_zero"])
+def test_a_precision_row_stopped_at_the_culprit_says_so_instead_of_a_blank_count(name):
+    """The probe stops at the culprit (in backward for sqrt at 0, in forward for log(0)): the row shows what
+    was not reached, never '— non-finite'."""
+    rows = {r[0].text: [c.text for c in r] for r in view(sample(name)).precision.rows}
+    f64 = rows["float64"]
+    assert "—" not in " ".join(f64) and f64[3] == "non-finite"
+    if name == "sqrt_zero":
+        assert f64[2] == "non-finite (stopped at the culprit)"
+    else:
+        assert f64[1] == "not reached (stopped at the culprit)" and f64[2] == "not run (the loss is non-finite)"
+
+
 @pytest.mark.parametrize("name", ["sqrt_zero", "log_softmax", "zero_log_zero", "fp16_overflow"])
 def test_the_causal_strip_counts_what_the_table_shows_between_its_steps(name):
     ch = view(sample(name)).chain

@@ -28,11 +28,26 @@ def precision_view(d: dict) -> PrecisionView | None:
             continue
         ok = bool(r.get("loss_finite")) and bool(r.get("grads_finite"))
         rows.append([Cell(str(r.get("dtype"))),
-                     Cell(num(r.get("loss")), bad=not r.get("loss_finite")),
-                     Cell("finite" if r.get("grads_finite") else f"{num(r.get('nonfinite_grads'))} non-finite",
-                          bad=not r.get("grads_finite")),
+                     Cell(_loss_cell(r), bad=not r.get("loss_finite")),
+                     Cell(_grads_cell(r), bad=not r.get("grads_finite")),
                      Cell("finite" if ok else "non-finite", bad=not ok)])
     return PrecisionView(rows, precision_sentence(d))
+
+
+def _loss_cell(r: dict) -> str:
+    if r.get("loss") is None and r.get("probe"):
+        return "not reached (stopped at the culprit)"
+    return num(r.get("loss"))
+
+
+def _grads_cell(r: dict) -> str:
+    if r.get("grads_finite"):
+        return "finite"
+    if r.get("grads_finite") is None:
+        return "not run (the loss is non-finite)"
+    if r.get("nonfinite_grads") is not None:
+        return f"{num(r['nonfinite_grads'])} non-finite"
+    return "non-finite (stopped at the culprit)" if r.get("probe") else "non-finite"
 
 
 def step_dtype(d: dict) -> str:
