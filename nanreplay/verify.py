@@ -211,10 +211,17 @@ def plain_step(subject: Subject, *, forward_first: bool = False, stop_at: Culpri
 
 class Culprit(NamedTuple):
     """The culprit op as the probe finds it again: its phase, the forward op it is (forward) or whose
-    gradient it computes (backward), numbered as the Recorder numbers forward ops, and its aten name."""
+    gradient it computes (backward), numbered as the Recorder numbers forward ops, its aten name, and which
+    call of that op it is among the forward ops (`nth`: the forward-alone pass runs under no_grad, where
+    autograd's own ops — the detach of a saved output — are not made, so the global number shifts)."""
     phase: str
     fwd: int
     op: str
+    nth: int
+
+    @classmethod
+    def of(cls, phase: str, fwd: int, op: str, forward_ops: list[str]) -> Culprit:
+        return cls(phase, fwd, op, sum(1 for o in forward_ops[:fwd] if o == op))
 
 
 class _Stopped(BaseException):  # noqa: N818 - not an error: the answer is known (BaseException: user code lets it pass)
@@ -222,13 +229,14 @@ class _Stopped(BaseException):  # noqa: N818 - not an error: the answer is known
 
 
 class _StopAt(ti.TorchDispatchMode):
-    """Counts forward ops as the Recorder numbers them (and which autograd node each creates); raises _Stopped
-    right after the culprit op when its output is not finite. (Where the count does not line up — autocast's
-    casts gone — it never stops.)"""
+    """Finds the culprit op again and raises _Stopped right after it when its output is not finite: a forward
+    culprit by its call number among calls of the same op (the same under no_grad), a backward one through
+    the forward op that made its node, numbered as the Recorder numbers forward ops (backward runs with grad
+    on, as the recording did). Where the count does not line up it never stops: only slower, never wrong."""
 
     def __init__(self, culprit: Culprit):
         super().__init__()
-        self.culprit, self.n = culprit, 0
+        self.culprit, self.n, self.calls = culprit, 0, 0
         self.op_by_seq: dict[int, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -241,7 +249,10 @@ class _StopAt(ti.TorchDispatchMode):
             self.n += 1
             if seq - 1 not in self.op_by_seq:  # the node an op creates takes the number just before it
                 self.op_by_seq[seq - 1] = here
-            hit = c.phase == "forward" and here == c.fwd
+            hit = False
+            if c.phase == "forward" and str(func) == c.op:
+                hit = self.calls == c.nth
+                self.calls += 1
         else:
             hit = c.phase == "backward" and self.op_by_seq.get(ti.node_sequence_nr(node)) == c.fwd
         if hit and str(func) == c.op:

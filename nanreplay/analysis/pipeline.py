@@ -170,8 +170,8 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
     t_diag = time.perf_counter()
     if probe and (c is not None or step.failure is not None):
         cev = step.events[c] if c is not None else None
-        where = verify_mod.Culprit(cev.phase, cev.fwd, cev.op) if cev is not None and cev.fwd is not None \
-            and cev.phase in ("forward", "backward") else None
+        where = verify_mod.Culprit.of(cev.phase, cev.fwd, str(cev.op), [str(o.op) for o in step.ops]) \
+            if cev is not None and cev.fwd is not None and cev.phase in ("forward", "backward") else None
         result.precision = verify_mod.precision_probe(subject, _step_dtype(subject), culprit=where,
                                                       failure=step.failure.what if step.failure else None)
         note = precision_sentence(result.precision, _step_label(subject))

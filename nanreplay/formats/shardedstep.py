@@ -163,6 +163,7 @@ class ShardedStepModule(StepModule):
                 t = self.leaf_tensor(lf, batch)
                 env[lf.ref] = t.clone() if lf.kind == "constant" else t
         grad_on = torch.is_grad_enabled()
+        self._grad_on = grad_on  # a caller's no_grad holds for every node (see StepModule.forward)
         try:
             self._segments(self.segments, env)
         finally:
@@ -195,11 +196,11 @@ class ShardedStepModule(StepModule):
             for r in node_inputs(node):
                 if r in refs:
                     env[r] = self.get_parameter(refs[r])
-            if node.grad != torch.is_grad_enabled():
-                torch.set_grad_enabled(node.grad)
+            if (node.grad and self._grad_on) != torch.is_grad_enabled():
+                torch.set_grad_enabled(node.grad and self._grad_on)
             out = self._run(node, env)
             self._bind(node, out, env, i)
-        torch.set_grad_enabled(True)
+        torch.set_grad_enabled(self._grad_on)
 
 
 def check_program(program: Program, shapes: dict[str, tuple[list[int], torch.dtype]], batch: dict,

@@ -128,8 +128,10 @@ class StepModule(nn.Module):
         try:
             for i, node in enumerate(prog.nodes):
                 self._node = i
-                if node.grad != torch.is_grad_enabled():
-                    torch.set_grad_enabled(node.grad)
+                # grad mode as the step had it (parts under no_grad stay so), never on under a caller's no_grad:
+                # a forward-only pass must not build the graph
+                if (node.grad and grad_on) != torch.is_grad_enabled():
+                    torch.set_grad_enabled(node.grad and grad_on)
                 out = self._run(node, env)
                 self._bind(node, out, env, i)
                 for r in dead[i]:  # no later node reads them: let autograd decide what stays alive

@@ -72,7 +72,9 @@ def test_precision_probe_tells_range_from_domain(analyzed):
 def test_precision_probe_stops_at_a_backward_culprit_but_never_at_a_masked_forward_nan(analyzed):
     """sqrt at 0: the culprit is SqrtBackward0, NaN in float64 too, so the probe stops there (grads not finite).
     A forward NaN masked before the loss (sqrt of a negative under where) must not stop the full pass and
-    get the loss called non-finite: the loss is finite, the gradients are not."""
+    get the loss called non-finite: the loss is finite, the gradients are not. The forward-alone pass of a
+    loss failure runs under no_grad, where autograd's detach of tanh's saved output is not made: the sqrt
+    is found by its call number all the same."""
     from nanreplay import verify
     from nanreplay.replay.subject import Subject
 
@@ -86,19 +88,28 @@ def test_precision_probe_stops_at_a_backward_culprit_but_never_at_a_masked_forwa
             self.fc = torch.nn.Linear(3, 3)
 
         def forward(self, x):
-            h = self.fc(x)
+            h = self.fc(x).tanh()  # tanh saves its output: with grad on, autograd adds a detach before the sqrt
             return torch.where(h > 0, h.sqrt(), torch.zeros_like(h))
 
     torch.manual_seed(0)
     subject = Subject(Masked(), torch.randn(8, 3), None, lambda out: out.sum(), "sum", "test", torch.device("cpu"))
     plain = verify.plain_step(subject)
     assert plain["loss_finite"] is True and plain["grads_finite"] is False
-    with verify._StopAt(verify.Culprit("forward", -1, "")) as counter:  # counts forward ops, never stops
+    ops: list[str] = []
+
+    class Ops(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
         subject.loss(subject.forward())
-    assert counter.n >= 4  # the Linear, sqrt, where, the sum
-    for fwd in range(counter.n):  # whichever op is named, a gradient failure's full pass is never cut short
-        row = verify.plain_step(subject, stop_at=verify.Culprit("forward", fwd, "aten.sqrt.default"))
-        assert (row["loss_finite"], row["grads_finite"]) == (True, False) and "probe" not in row
+    sqrt = verify.Culprit.of("forward", ops.index("aten.sqrt.default"), "aten.sqrt.default", ops)
+    assert sqrt.nth == 0 and "aten.detach.default" in ops[:sqrt.fwd]
+    row = verify.plain_step(subject, stop_at=sqrt)  # a gradient failure: the full pass is never cut short
+    assert (row["loss_finite"], row["grads_finite"]) == (True, False) and "probe" not in row
+    row = verify.plain_step(subject, forward_first=True, stop_at=sqrt)  # as for a loss failure: it stops
+    assert row["loss_finite"] is False and row["probe"].startswith("stopped after the culprit op")
 
 
 @pytest.mark.parametrize("dtype,scale", [("float32", 1.0), ("float16", 1.0), ("bfloat16", 1.0), ("float32", 1e4)])

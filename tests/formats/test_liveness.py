@@ -75,3 +75,34 @@ def test_the_replay_gives_the_steps_loss_and_gradients():
     assert torch.equal(replayed.detach(), loss.detach())
     for name, p in m.named_parameters():
         assert torch.equal(step.get_parameter(name).grad, p.grad), name
+
+
+def test_a_replay_under_no_grad_builds_no_graph_but_keeps_the_steps_own_no_grad_parts():
+    """Forward-only passes (the precision probe of a loss failure, plausibility) run the program under
+    no_grad: the nodes the step ran with grad on must not switch it back on and build a graph (it held a
+    whole float64 graph at once: +1 GB at 8 layers). Parts the step ran under no_grad stay so with grad on."""
+
+    class PartlyFrozen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.frozen, self.head = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            with torch.no_grad():
+                h = self.frozen(x)
+            return self.head(h)
+
+    torch.manual_seed(0)
+    m, x, y = PartlyFrozen(), torch.randn(4, 8), torch.randn(4, 8)
+    rec = record_step(lambda: m(x), lambda out: F.mse_loss(out, y), model=m, batch={"inputs": x, "target": y})
+    prog = decode(to_json(rec.program))
+    assert {n.grad for n in prog.nodes} == {True, False}
+    state = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    step = StepModule(prog, state, [n for n, _ in m.named_parameters()], {}, rec.constants)
+    with torch.no_grad():
+        loss = step(x, y)
+    assert loss.grad_fn is None and not loss.requires_grad
+    assert torch.is_grad_enabled()
+    step(x, y).backward()
+    assert step.get_parameter("head.weight").grad is not None
+    assert step.get_parameter("frozen.weight").grad is None
