@@ -26,6 +26,7 @@ from nanreplay import culprit as culprit_mod
 from nanreplay import replay, stats
 from nanreplay import torch_internals as ti
 from nanreplay.errors import first_line
+from nanreplay.formats.stepmodel import recomputing
 from nanreplay.limits import release_memory
 from nanreplay.pytree import iter_tensors, map_tensors
 from nanreplay.replay.subject import Subject
@@ -210,18 +211,19 @@ def plain_step(subject: Subject, *, forward_first: bool = False, stop_at: Culpri
 
 
 class Culprit(NamedTuple):
-    """The culprit op as the probe finds it again: its phase, the forward op it is (forward) or whose
-    gradient it computes (backward), numbered as the Recorder numbers forward ops, its aten name, and which
-    call of that op it is among the forward ops (`nth`: the forward-alone pass runs under no_grad, where
-    autograd's own ops — the detach of a saved output — are not made, so the global number shifts)."""
+    """The culprit op as the probe finds it again: its phase, its aten name, and the forward op it is
+    (forward) or whose gradient it computes (backward) as that op's name and call number among calls of
+    the same op. A call number, not the op's place in the step: under no_grad or checkpointing autograd's
+    own ops (the detach of a saved output) are not made, and every later place shifts."""
     phase: str
-    fwd: int
     op: str
+    fwd_op: str
     nth: int
 
     @classmethod
     def of(cls, phase: str, fwd: int, op: str, forward_ops: list[str]) -> Culprit:
-        return cls(phase, fwd, op, sum(1 for o in forward_ops[:fwd] if o == op))
+        """From the Recorder's numbering: `fwd` is an index into the step's forward ops (`forward_ops`)."""
+        return cls(phase, op, forward_ops[fwd], sum(1 for o in forward_ops[:fwd] if o == forward_ops[fwd]))
 
 
 class _Stopped(BaseException):  # noqa: N818 - not an error: the answer is known (BaseException: user code lets it pass)
@@ -230,31 +232,31 @@ class _Stopped(BaseException):  # noqa: N818 - not an error: the answer is known
 
 class _StopAt(ti.TorchDispatchMode):
     """Finds the culprit op again and raises _Stopped right after it when its output is not finite: a forward
-    culprit by its call number among calls of the same op (the same under no_grad), a backward one through
-    the forward op that made its node, numbered as the Recorder numbers forward ops (backward runs with grad
-    on, as the recording did). Where the count does not line up it never stops: only slower, never wrong."""
+    culprit by its call number, a backward one through the forward call that made its node. Where the
+    count does not line up it never stops: only slower, never wrong."""
 
     def __init__(self, culprit: Culprit):
         super().__init__()
-        self.culprit, self.n, self.calls = culprit, 0, 0
-        self.op_by_seq: dict[int, int] = {}
+        self.culprit = culprit
+        self.calls: dict[str, int] = {}
+        self.call_by_seq: dict[int, tuple[str, int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if recomputing():  # a checkpointed replay's forward again, inside backward: not the step's ops
+            return func(*args, **(kwargs or {}))
         c = self.culprit
         node = ti.current_autograd_node()
         seq = ti.sequence_nr() if node is None else -1
         out = func(*args, **(kwargs or {}))
         if node is None:  # forward (and the loss)
-            here = self.n
-            self.n += 1
-            if seq - 1 not in self.op_by_seq:  # the node an op creates takes the number just before it
-                self.op_by_seq[seq - 1] = here
-            hit = False
-            if c.phase == "forward" and str(func) == c.op:
-                hit = self.calls == c.nth
-                self.calls += 1
+            name = str(func)
+            call = (name, self.calls.get(name, 0))
+            self.calls[name] = call[1] + 1
+            if seq - 1 not in self.call_by_seq:  # the node an op creates takes the number just before it
+                self.call_by_seq[seq - 1] = call
+            hit = c.phase == "forward" and call == (c.fwd_op, c.nth)
         else:
-            hit = c.phase == "backward" and self.op_by_seq.get(ti.node_sequence_nr(node)) == c.fwd
+            hit = c.phase == "backward" and self.call_by_seq.get(ti.node_sequence_nr(node)) == (c.fwd_op, c.nth)
         if hit and str(func) == c.op:
             outs = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)] \
                 if isinstance(out, (list, tuple)) else []
@@ -291,11 +293,27 @@ def precision_probe(subject: Subject, step_dtype: str | None, *, failure: str | 
     rows = []
     for label, dtype, autocast in plans:
         try:
-            variant = independent(subject, dtype, autocast)
-            row = plain_step(variant, forward_first=failure == "loss", stop_at=culprit)
-            del variant
-            release_memory()
+            row = _probe_one(subject, dtype, autocast, failure, culprit)
         except Exception as e:  # noqa: BLE001 - e.g. an op without a float64 kernel on this device
             row = {"error": f"{type(e).__name__}: {first_line(e)}"}
         rows.append({"dtype": label, **row})
     return rows
+
+
+def _probe_one(subject: Subject, dtype, autocast, failure: str | None, culprit: Culprit | None, *,
+               lean: bool = True) -> dict:
+    """One dtype of the probe. A gradient failure runs a whole step with grad on in the wider dtype — a
+    float64 graph twice the step's — so a step program replays checkpointed (the same values, one more
+    forward, a fraction of the memory); where that fails, plainly."""
+    variant = independent(subject, dtype, autocast)
+    checkpointed = getattr(variant.model, "checkpointed", None)  # a step program's StepModule
+    lean = lean and failure != "loss" and checkpointed is not None and checkpointed()
+    try:
+        return plain_step(variant, forward_first=failure == "loss", stop_at=culprit)
+    except Exception:  # noqa: BLE001 - retried without checkpointing, which raises what is real
+        if not lean:
+            raise
+    finally:
+        del variant
+        release_memory()
+    return _probe_one(subject, dtype, autocast, failure, culprit, lean=False)

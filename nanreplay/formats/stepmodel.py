@@ -13,6 +13,7 @@ against the file and returns the replay's peak-memory bound in bytes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from typing import Any
@@ -23,11 +24,94 @@ import torch.nn as nn
 from nanreplay import torch_internals as ti
 from nanreplay.errors import ReplayError, SnapshotError
 from nanreplay.formats.program import DTYPES, DeviceLiteral, Node, Program, Ref
+from nanreplay.formats.segments import Segment, node_inputs, node_outputs, plan
 from nanreplay.replay.frames import RecordedFrame
 
 _FILL_ZERO = frozenset({"aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default",
                         "aten.empty_strided.default"})  # uninitialised memory: replay it as zeros
 _HALF_TO_FLOAT = frozenset({"aten._softmax.default", "aten._log_softmax.default"})
+_RECOMPUTING = [0]  # > 0 while a checkpointed segment recomputes its forward during backward
+
+
+def recomputing() -> bool:
+    """True while a checkpointed replay recomputes forward ops inside backward (they are not the step's)."""
+    return _RECOMPUTING[0] > 0
+
+
+class _Recomputing:
+    def __enter__(self):
+        _RECOMPUTING[0] += 1
+
+    def __exit__(self, *exc):
+        _RECOMPUTING[0] -= 1
+
+
+def _recompute_context():
+    return contextlib.nullcontext(), _Recomputing()
+
+
+def checkpoint_plan(program: Program, min_segments: int = 3) -> list[Segment] | None:
+    """Segments for a checkpointed replay: the module calls at the shallowest depth below the model that has
+    at least `min_segments` of them (a wrapper's one child is not enough), those that write into no tensor
+    marked for recomputation (unit set), the rest run plainly (unit None). None when nothing qualifies."""
+    depth_of: dict[int, int] = {}
+    for s, (_m, parent) in enumerate(program.scopes):
+        depth_of[s] = 0 if parent < 0 else depth_of.get(parent, 0) + 1
+    for depth in range(1, 6):
+        units = {program.modules[program.scopes[s][0]] for s, d in depth_of.items() if d == depth}
+        if sum(1 for d in depth_of.values() if d == depth) < min_segments:
+            continue
+        out: list[Segment] = []
+        for seg in plan(program, units):
+            if seg.unit is None or not _recomputable(program, seg):
+                seg = Segment(None, seg.start, seg.stop)
+            if out and out[-1].unit is None and seg.unit is None:
+                out[-1].stop = seg.stop
+            else:
+                out.append(seg)
+        return out if any(seg.unit for seg in out) else None
+    return None
+
+
+def _recomputable(program: Program, seg: Segment) -> bool:
+    """Whether running the segment again gives what its first run gave: no node writes into a tensor the
+    segment did not make itself (an input, a weight, a buffer, or a view of one) — dropout's fresh mask
+    filled in place is fine, ReLU(inplace=True) on its input or BatchNorm's running stats are not. No,
+    wherever an op's schema cannot be read (fail closed)."""
+    fresh: set[int] = set()  # refs the segment made that alias nothing from outside it
+    for node in program.nodes[seg.start:seg.stop]:
+        schema = ti.op_schema(node.op)
+        if schema is None:
+            return False
+        args = list(node.args) + [node.kwargs.get(a.name) for a in schema.arguments[len(node.args):]]
+        reads = []
+        for a, v in zip(schema.arguments, args, strict=False):
+            refs = _flat_refs(v)
+            reads += refs
+            if a.alias_info is not None and a.alias_info.is_write and any(r not in fresh for r in refs):
+                return False
+        aliases = any(r.alias_info is not None for r in schema.returns)  # a view, or an in-place op's result
+        if not aliases or all(r in fresh for r in reads):
+            fresh.update(node_outputs(node))
+    return True
+
+
+def _flat_refs(v: Any) -> list[int]:
+    if isinstance(v, Ref):
+        return [int(v)]
+    if isinstance(v, (list, tuple)):
+        return [r for e in v for r in _flat_refs(e)]
+    return []
+
+
+def segment_reads(program: Program, seg: Segment) -> set[int]:
+    """Refs the segment's nodes read that none of them made."""
+    made: set[int] = set()
+    reads: set[int] = set()
+    for node in program.nodes[seg.start:seg.stop]:
+        reads.update(r for r in node_inputs(node) if r not in made)
+        made.update(node_outputs(node))
+    return reads
 
 
 def _container(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
@@ -124,22 +208,63 @@ class StepModule(nn.Module):
             t = self.leaf_tensor(lf, batch)
             env[lf.ref] = t.clone() if lf.kind == "constant" else t  # a replay may write into its constants
         grad_on = torch.is_grad_enabled()
-        dead = prog.dead_after()
+        segments = self.__dict__.get("_checkpointed")
         try:
-            for i, node in enumerate(prog.nodes):
-                self._node = i
-                # grad mode as the step had it (parts under no_grad stay so), never on under a caller's no_grad:
-                # a forward-only pass must not build the graph
-                if (node.grad and grad_on) != torch.is_grad_enabled():
-                    torch.set_grad_enabled(node.grad and grad_on)
-                out = self._run(node, env)
-                self._bind(node, out, env, i)
-                for r in dead[i]:  # no later node reads them: let autograd decide what stays alive
-                    env.pop(r, None)
+            if segments and grad_on:
+                self._segments(segments, env)
+            else:
+                self._nodes(0, len(prog.nodes), env, grad_on)
         finally:
             torch.set_grad_enabled(grad_on)
             self._node = None
         return env[prog.loss]
+
+    def _nodes(self, a: int, b: int, env: dict, grad_on: bool) -> None:
+        dead = self.program.dead_after()
+        for i in range(a, b):
+            node = self.program.nodes[i]
+            self._node = i
+            # grad mode as the step had it (parts under no_grad stay so), never on under a caller's no_grad:
+            # a forward-only pass must not build the graph
+            if (node.grad and grad_on) != torch.is_grad_enabled():
+                torch.set_grad_enabled(node.grad and grad_on)
+            out = self._run(node, env)
+            self._bind(node, out, env, i)
+            for r in dead[i]:  # no later node reads them: let autograd decide what stays alive
+                env.pop(r, None)
+
+    # ---- replaying in less memory
+    def checkpointed(self, on: bool = True) -> bool:
+        """Replays with grad on run in segments, one per module call a few levels down, whose activations
+        are recomputed in backward instead of kept (`torch.utils.checkpoint`, non-reentrant): the float64
+        probe of a gradient failure then holds the segments' boundaries and one segment's graph, not the
+        whole step's — for one more forward. The values are the same (the program's random values are
+        recorded constants). A segment with a node that writes into a tensor runs plainly: its
+        recomputation would read what the first run wrote."""
+        self.__dict__["_checkpointed"] = checkpoint_plan(self.program) if on else None
+        return self.__dict__["_checkpointed"] is not None
+
+    def _segments(self, segments: list[Segment], env: dict) -> None:
+        from torch.utils.checkpoint import checkpoint
+
+        dead = self.program.dead_after()
+        for seg in segments:
+            if seg.unit is None:
+                self._nodes(seg.start, seg.stop, env, True)
+                continue
+            held = {r: env[r] for r in segment_reads(self.program, seg) if r not in seg.inputs}  # parameters
+
+            def run(*tensors, seg=seg, held=held):
+                local = dict(held)
+                local.update(zip(seg.inputs, tensors, strict=True))
+                self._nodes(seg.start, seg.stop, local, True)
+                return tuple(local[r] for r in seg.outputs)
+
+            outs = checkpoint(run, *[env[r] for r in seg.inputs], use_reentrant=False, context_fn=_recompute_context)
+            env.update(zip(seg.outputs, outs, strict=True))
+            for i in range(seg.start, seg.stop):
+                for r in dead[i]:
+                    env.pop(r, None)
 
     def _restore_buffers(self) -> None:
         """Each replay starts from the buffers as captured (BatchNorm's running stats change in place)."""

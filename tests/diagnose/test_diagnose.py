@@ -105,7 +105,7 @@ def test_precision_probe_stops_at_a_backward_culprit_but_never_at_a_masked_forwa
     with Ops():
         subject.loss(subject.forward())
     sqrt = verify.Culprit.of("forward", ops.index("aten.sqrt.default"), "aten.sqrt.default", ops)
-    assert sqrt.nth == 0 and "aten.detach.default" in ops[:sqrt.fwd]
+    assert sqrt.nth == 0 and "aten.detach.default" in ops[:ops.index("aten.sqrt.default")]
     row = verify.plain_step(subject, stop_at=sqrt)  # a gradient failure: the full pass is never cut short
     assert (row["loss_finite"], row["grads_finite"]) == (True, False) and "probe" not in row
     row = verify.plain_step(subject, forward_first=True, stop_at=sqrt)  # as for a loss failure: it stops

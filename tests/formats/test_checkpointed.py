@@ -1,0 +1,96 @@
+"""A checkpointed program replay: the same loss and gradients, bit for bit, from a fraction of the saved
+activations. The float64 precision probe of a gradient failure runs this way (a float64 graph is twice
+the step's); segments that write into a tensor run plainly, since their recomputation would read what
+the first run wrote."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanreplay.capture.program import record_step
+from nanreplay.formats.program import decode, to_json
+from nanreplay.formats.stepmodel import StepModule, checkpoint_plan
+
+
+class Block(nn.Module):
+    def __init__(self, d, inplace=False):
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.Dropout(0.1)
+        self.inplace = inplace
+
+    def forward(self, x):
+        if self.inplace:
+            x = F.relu(x, inplace=True)  # writes into the block's input: its recomputation would read that
+        h = F.relu(self.fc1(x), inplace=True)  # writes into a tensor the block made: fine
+        return x + self.drop(self.fc2(h))
+
+
+class Net(nn.Module):
+    def __init__(self, d=16, n=4):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, inplace=i == 1) for i in range(n))
+        self.norm = nn.BatchNorm1d(d)  # running stats written in place: never recomputed
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))
+
+
+def _step_module():
+    torch.manual_seed(0)
+    m, x, y = Net().train(), torch.randn(32, 16), torch.randint(0, 3, (32,))
+    rec = record_step(lambda: m(x), lambda out: F.cross_entropy(out, y), model=m, batch={"inputs": x, "target": y})
+    prog = decode(to_json(rec.program))
+    state = {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+    def make():  # each replay its own weights and buffers (a StepModule adopts the tensors it is given)
+        return StepModule(prog, {k: v.clone() for k, v in state.items()}, [n for n, _ in m.named_parameters()], {},
+                          rec.constants)
+    return make, x, y, prog
+
+
+def _run(step, x, y):
+    packed = [0]
+
+    def pack(t):
+        packed[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = step(x, y)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in step.named_parameters()}
+    buffers = {n: b.clone() for n, b in step.named_buffers()}
+    return loss.detach(), grads, buffers, packed[0]
+
+
+def test_checkpointed_replay_is_bit_identical_and_saves_less():
+    make, x, y, prog = _step_module()
+    plan = checkpoint_plan(prog)
+    marked = {s.unit for s in plan if s.unit}
+    assert {"blocks.0", "blocks.2", "blocks.3"} <= marked
+    assert "blocks.1" not in marked and "norm" not in marked  # relu_ on the input / running stats
+    plain = _run(make(), x, y)
+    step = make()
+    assert step.checkpointed()
+    lean = _run(step, x, y)
+    assert torch.equal(plain[0], lean[0])
+    for name in plain[1]:
+        assert torch.equal(plain[1][name], lean[1][name]), name
+    for name in plain[2]:
+        assert torch.equal(plain[2][name], lean[2][name]), name  # recomputation did not update them twice
+    assert lean[3] < plain[3] / 2, (lean[3], plain[3])  # what autograd keeps outside the checkpoints
+
+
+def test_no_plan_for_a_model_without_enough_module_calls():
+    torch.manual_seed(0)
+    m, x = nn.Linear(4, 2), torch.randn(3, 4)
+    rec = record_step(lambda: m(x), lambda out: out.square().mean(), model=m, batch={"inputs": x, "target": None})
+    prog = decode(to_json(rec.program))
+    assert checkpoint_plan(prog) is None
+    step = StepModule(prog, dict(m.state_dict()), [n for n, _ in m.named_parameters()], {}, rec.constants)
+    assert step.checkpointed() is False
