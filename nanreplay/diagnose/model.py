@@ -110,6 +110,18 @@ class Registry:
     def __iter__(self) -> Iterator[Rule]:
         return iter(self._rules)
 
+    def answer(self, site: Any) -> Diagnosis:
+        """The first rule's diagnosis, highest priority first (a generic rule always answers)."""
+        for r in self._rules:
+            if not r.applies_to(site):
+                continue
+            diag = r.fn(site)
+            if diag is not None:
+                if diag.cause != r.cause:
+                    raise RuntimeError(f"rule {r.cause!r} returned cause {diag.cause!r}")
+                return diag
+        raise RuntimeError(f"no rule answered for {getattr(site, 'op', site)!r}: the generic rules must")
+
     def __len__(self) -> int:
         return len(self._rules)
 

@@ -20,16 +20,7 @@ def diagnose_update(us: UpdateSubject, upd: UpdateReplay, c: int | None, chain: 
     if c is None:
         return _finite(us, upd)
     site = UpdateSite(upd.step, upd.step.events[c], chain, us, us=us, upd=upd)
-    diag = None
-    for r in RULES:  # highest priority first; the optimizer family claims every update culprit
-        if not r.applies_to(site):
-            continue
-        diag = r.fn(site)
-        if diag is not None:
-            if diag.cause != r.cause:
-                raise RuntimeError(f"rule {r.cause!r} returned cause {diag.cause!r}")
-            break
-    assert diag is not None  # the generic rules always answer
+    diag = RULES.answer(site)  # the optimizer family claims every update culprit
     chosen, tried, replays = _verify(diag, us) if verify_fixes else (diag.fixes[0], [], {})
     fix = chosen.to_json()
     if id(chosen) in replays:

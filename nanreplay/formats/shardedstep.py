@@ -75,13 +75,7 @@ class ShardedStepModule(StepModule):
 
     def forward(self, inputs: Any = None, target: Any = None) -> torch.Tensor:
         prog = self.program
-        self._restore_buffers()
-        batch = {"batch": inputs} if self.step_fn else {"inputs": inputs, "target": target}
-        env: dict[int, Any] = {}
-        for lf in prog.leaves:
-            if lf.kind != "param":
-                t = self.leaf_tensor(lf, batch)
-                env[lf.ref] = t.clone() if lf.kind == "constant" else t
+        env = self._leaves(inputs, target, params=False)  # parameters: looked up as each node runs
         grad_on = torch.is_grad_enabled()
         self._grad_on = grad_on  # a caller's no_grad holds for every node (see StepModule.forward)
         try:

@@ -201,25 +201,31 @@ class StepModule(nn.Module):
     def forward(self, inputs: Any = None, target: Any = None) -> torch.Tensor:
         """Run the program on this batch (the snapshot's, or a converted copy of it); returns the loss."""
         prog = self.program
-        self._restore_buffers()
-        batch = {"batch": inputs} if self.step_fn else {"inputs": inputs, "target": target}
-        env: dict[int, Any] = {}
-        for lf in prog.leaves:
-            t = self.leaf_tensor(lf, batch)
-            env[lf.ref] = t.clone() if lf.kind == "constant" else t  # a replay may write into its constants
+        env = self._leaves(inputs, target)
         grad_on = torch.is_grad_enabled()
         segments = self.__dict__.get("_checkpointed")
         try:
             if segments and grad_on:
-                self._segments(segments, env)
+                self._run_checkpointed(segments, env)
             else:
-                self._nodes(0, len(prog.nodes), env, grad_on)
+                self._run_nodes(0, len(prog.nodes), env, grad_on)
         finally:
             torch.set_grad_enabled(grad_on)
             self._node = None
         return env[prog.loss]
 
-    def _nodes(self, a: int, b: int, env: dict, grad_on: bool) -> None:
+    def _leaves(self, inputs: Any, target: Any, *, params: bool = True) -> dict[int, Any]:
+        """A replay's starting values: the buffers as captured, then every leaf the program names."""
+        self._restore_buffers()
+        batch = {"batch": inputs} if self.step_fn else {"inputs": inputs, "target": target}
+        env: dict[int, Any] = {}
+        for lf in self.program.leaves:
+            if params or lf.kind != "param":
+                t = self.leaf_tensor(lf, batch)
+                env[lf.ref] = t.clone() if lf.kind == "constant" else t  # a replay may write into its constants
+        return env
+
+    def _run_nodes(self, a: int, b: int, env: dict, grad_on: bool) -> None:
         dead = self.program.dead_after()
         for i in range(a, b):
             node = self.program.nodes[i]
@@ -244,20 +250,20 @@ class StepModule(nn.Module):
         self.__dict__["_checkpointed"] = checkpoint_plan(self.program) if on else None
         return self.__dict__["_checkpointed"] is not None
 
-    def _segments(self, segments: list[Segment], env: dict) -> None:
+    def _run_checkpointed(self, segments: list[Segment], env: dict) -> None:
         from torch.utils.checkpoint import checkpoint
 
         dead = self.program.dead_after()
         for seg in segments:
             if seg.unit is None:
-                self._nodes(seg.start, seg.stop, env, True)
+                self._run_nodes(seg.start, seg.stop, env, True)
                 continue
             held = {r: env[r] for r in segment_reads(self.program, seg) if r not in seg.inputs}  # parameters
 
             def run(*tensors, seg=seg, held=held):
                 local = dict(held)
                 local.update(zip(seg.inputs, tensors, strict=True))
-                self._nodes(seg.start, seg.stop, local, True)
+                self._run_nodes(seg.start, seg.stop, local, True)
                 return tuple(local[r] for r in seg.outputs)
 
             outs = checkpoint(run, *[env[r] for r in seg.inputs], use_reentrant=False, context_fn=_recompute_context)
