@@ -204,6 +204,15 @@ def leaf_counts(t: torch.Tensor) -> tuple[int, int]:
     return c["nan"], c["posinf"] + c["neginf"]
 
 
+def leaf_row(name: str, role: str, t: torch.Tensor, *, shape: torch.Size | None = None) -> dict | None:
+    """A non-finite-leaves row ({name, role, nan, inf, shape}) for a tensor holding NaN/Inf, else None.
+    `shape`: the shape to report where `t` is a selection of the tensor."""
+    nan, inf = leaf_counts(t)
+    if not (nan or inf):
+        return None
+    return {"name": name, "role": role, "nan": nan, "inf": inf, "shape": list(t.shape if shape is None else shape)}
+
+
 def jsonable(x):
     """Deep-convert to strict-JSON values: the one rule for the whole analysis JSON (docs/json.md).
 

@@ -274,20 +274,18 @@ def check_leaves(subject: Subject) -> list[dict]:
     """NaN/Inf already present in the batch, the parameters or the buffers."""
     rows = []
     for name, role, t in batch_tensors(subject):
-        nan, inf = stats.leaf_counts(t)
-        if nan or inf:
-            rows.append({"name": name, "role": role, "nan": nan, "inf": inf, "shape": list(t.shape),
-                         "samples": _bad_samples(t)})
+        row = stats.leaf_row(name, role, t)
+        if row:
+            rows.append({**row, "samples": _bad_samples(t)})
     for name, p in subject.model.named_parameters():
-        nan, inf = stats.leaf_counts(p)
-        if nan or inf:
-            rows.append({"name": name, "role": "parameter", "nan": nan, "inf": inf, "shape": list(p.shape)})
+        row = stats.leaf_row(name, "parameter", p)
+        if row:
+            rows.append(row)
     for name, b in subject.model.named_buffers():
-        nan, inf = stats.leaf_counts(b)
-        if nan or inf:
+        row = stats.leaf_row(name, "buffer", b)
+        if row:
             # A buffer of ±inf and no NaN is almost always an intentional mask: a constant, not damage.
-            rows.append({"name": name, "role": "buffer", "nan": nan, "inf": inf, "shape": list(b.shape),
-                         "literal": nan == 0})
+            rows.append({**row, "literal": row["nan"] == 0})
     return rows
 
 

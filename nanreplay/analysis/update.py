@@ -48,21 +48,12 @@ def leaves(us: UpdateSubject) -> list[dict]:
     for n in us.names:
         w = us.weights[n]
         lost = us.lost.get(n)
-        check = w[~lost] if lost is not None and lost.shape == w.shape else w
-        nan, inf = stats.leaf_counts(check)
-        if nan or inf:
-            rows.append({"name": n, "role": "parameter", "nan": nan, "inf": inf, "shape": list(w.shape)})
-    for n, gr in us.grads.items():
-        nan, inf = stats.leaf_counts(gr)
-        if nan or inf:
-            rows.append({"name": n, "role": "gradient", "nan": nan, "inf": inf, "shape": list(gr.shape)})
-    for n, st in us.state.items():
-        for k, v in st.items():
-            if isinstance(v, torch.Tensor):
-                nan, inf = stats.leaf_counts(v)
-                if nan or inf:
-                    rows.append({"name": f"{n}:{k}", "role": "optimizer_state", "nan": nan, "inf": inf,
-                                 "shape": list(v.shape)})
+        rows.append(stats.leaf_row(n, "parameter", w[~lost] if lost is not None and lost.shape == w.shape else w,
+                                   shape=w.shape))
+    rows += [stats.leaf_row(n, "gradient", gr) for n, gr in us.grads.items()]
+    rows += [stats.leaf_row(f"{n}:{k}", "optimizer_state", v) for n, st in us.state.items() for k, v in st.items()
+             if isinstance(v, torch.Tensor)]
+    rows = [r for r in rows if r]
     return rows
 
 

@@ -102,12 +102,7 @@ def sniff(obj: dict) -> bool:
 
 
 def parse(path: str, d: dict) -> Snapshot:
-    v = d.get("version")
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise SnapshotError(f"{path}: native snapshot without a version number")
-    if v > VERSION:
-        raise SnapshotError(f"{path}: snapshot format version {v} is newer than this nanreplay understands "
-                            f"({VERSION}); upgrade nanreplay")
+    v = S.format_version(d, path, "native snapshot", VERSION)
     fields, required = (FIELDS_V2, REQUIRED_V2) if v >= 2 else (FIELDS_V1, ("batch", "model_state"))
     try:
         clean = S.record(fields, required=required)(d, "")

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from nanreplay.errors import SnapshotError
+
 Checker = Callable[[Any, str], Any]
 
 MAX_STR = 20_000  # longest string field kept (messages, names, code)
@@ -27,6 +29,17 @@ def _what(v: Any) -> str:
     if isinstance(v, torch.Tensor):
         return f"a {str(v.dtype).removeprefix('torch.')} tensor"
     return f"a {type(v).__name__}"
+
+
+def format_version(d: dict, path: str, what: str, newest: int) -> int:
+    """A snapshot's format version: an integer no newer than this nanreplay reads (else one clear line)."""
+    v = d.get("version")
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise SnapshotError(f"{path}: {what} without a version number")
+    if v > newest:
+        raise SnapshotError(f"{path}: {what} format version {v} is newer than this nanreplay understands "
+                            f"({newest}); upgrade nanreplay")
+    return v
 
 
 def optional(check: Checker) -> Checker:

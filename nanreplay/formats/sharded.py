@@ -212,12 +212,7 @@ def parse(path: str, d: dict) -> Snapshot:
     from nanreplay.formats import dcpread
 
     folder = Path(path)
-    v = d.get("version")
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise SnapshotError(f"{path}: sharded snapshot without a version number")
-    if v > VERSION:
-        raise SnapshotError(f"{path}: sharded snapshot format version {v} is newer than this nanreplay understands "
-                            f"({VERSION}); upgrade nanreplay")
+    S.format_version(d, path, "sharded snapshot", VERSION)
     try:
         c = S.record(FIELDS, required=REQUIRED)(d, "")
     except S.SchemaError as e:
