@@ -62,15 +62,21 @@ def kinds(t: torch.Tensor) -> tuple[bool, bool]:
 
 
 @torch.no_grad()
-def counts(t: torch.Tensor, known: tuple[bool, bool] | None = None) -> dict:
+def counts(t: torch.Tensor, known: tuple[bool, bool] | None = None, total: float | None = None) -> dict:
     """Output counts as in the JSON contract: numel, nan, posinf, neginf.
 
     `known` is (has_nan, has_inf) when the caller already checked (as kinds_slow
     reports it: has_inf is only meaningful without NaN); it spares the passes that
-    cannot find anything.
+    cannot find anything. `total` is `t.sum()` when the caller has it: a sum of -Inf
+    means no NaN and no +Inf (either would make it NaN or +Inf), so one pass counts
+    the -Inf (an attention mask's common case); +Inf likewise.
     """
     out = {"numel": t.numel(), "nan": 0, "posinf": 0, "neginf": 0}
     if not t.is_floating_point():
+        return out
+    if total is not None and math.isinf(total):
+        key, value = ("posinf", math.inf) if total > 0 else ("neginf", -math.inf)
+        out[key] = _count(t == value)  # 0 where the sum overflowed on finite values
         return out
     if known is None:
         known = kinds(t)

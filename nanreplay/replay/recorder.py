@@ -147,8 +147,8 @@ class Recorder:
         if mutates and not outs:  # in-place ops that return nothing (the foreach family): look at what they wrote
             outs = list(_written_tensors(func, args, kwargs))
         for t in outs:
-            if t.is_floating_point() and t.numel() and not math.isfinite(t.sum().item()):
-                c = stats.counts(t, (True, True))  # exact counts straight away: most such sums are NaN/Inf
+            if t.is_floating_point() and t.numel() and not math.isfinite(total := t.sum().item()):
+                c = stats.counts(t, (True, True), total)  # exact counts straight away: most such sums are NaN/Inf
                 if c["nan"] or c["posinf"] or c["neginf"]:
                     bad.append((t, c))
                     continue

@@ -98,15 +98,18 @@ def test_jsonable_applies_the_rule_deeply():
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_event_counts_are_exact_for_every_mix_of_nan_and_inf(dtype):
-    """The recorder's counts take shortcuts (all NaN; NaN with a finite rest); each must give the exact answer."""
+    """The recorder's counts take shortcuts (all NaN; NaN with a finite rest; a sum of ±Inf, which rules out
+    NaN and the other Inf, or was an overflow of finite values); each must give the exact answer."""
     import torch
 
     big = torch.finfo(getattr(torch, dtype)).max
     nan, inf = math.nan, math.inf
     for values in ([1.0, nan, inf, -inf], [nan] * 3, [1.0, nan], [inf, 2.0], [big, big, nan], [inf, -inf, nan],
-                   [1.0, 2.0], [big, big], [-inf, nan, nan, 5.0], [big, -big, inf]):
+                   [1.0, 2.0], [big, big], [-inf, nan, nan, 5.0], [big, -big, inf], [-inf, -inf, 1.0],
+                   [-big, -big, -inf], [-big, -big], [inf, big, inf]):
         t = torch.tensor(values).to(getattr(torch, dtype))
         want = {"numel": len(values), "nan": sum(math.isnan(v) for v in values),
                 "posinf": sum(v == inf for v in values), "neginf": sum(v == -inf for v in values)}
         assert stats.counts(t, (True, True)) == want, values
         assert stats.counts(t) == want, values
+        assert stats.counts(t, (True, True), t.sum().item()) == want, values  # the recorder passes the sum
