@@ -97,3 +97,20 @@ def first_line(e: BaseException | str, limit: int = 200) -> str:
     """The first line of an exception's message (or any text): what a one-line error can carry."""
     text = str(e).strip()
     return text.splitlines()[0][:limit] if text else ""
+
+
+def raised(e: BaseException) -> str:
+    """`RuntimeError in aten.mkldnn_rnn_layer.default: <first line>`: the exception, the program op it came from
+    where a step-program replay tagged it (`op_of`), and its first line."""
+    op = getattr(e, "nanreplay_op", None)
+    return f"{type(e).__name__}{f' in {op}' if isinstance(op, str) else ''}: {first_line(e)}"
+
+
+def op_of(e: BaseException, op: str) -> None:
+    """Tag an exception with the step-program op that raised it (first tag wins: the innermost op)."""
+    if getattr(e, "nanreplay_op", None) is None:
+        try:
+            e.nanreplay_op = op  # type: ignore[attr-defined]
+        except AttributeError:  # an exception type without __dict__: the message stays as it is
+            pass
+

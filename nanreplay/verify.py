@@ -25,7 +25,7 @@ import torch
 from nanreplay import culprit as culprit_mod
 from nanreplay import replay, stats
 from nanreplay import torch_internals as ti
-from nanreplay.errors import first_line
+from nanreplay.errors import raised
 from nanreplay.formats.stepmodel import recomputing
 from nanreplay.limits import release_memory
 from nanreplay.pytree import iter_tensors, map_tensors
@@ -115,7 +115,7 @@ def try_patch(subject: Subject, intercepts: dict[int, Callable] | None = None, *
     try:
         copy = independent(subject)
     except Exception as e:  # noqa: BLE001
-        return Outcome(False, f"copying the step to replay it {label} raised {type(e).__name__}: {first_line(e)}")
+        return Outcome(False, f"copying the step to replay it {label} raised {raised(e)}")
     return _replay(copy, intercepts, label, subject.loss_scale)
 
 
@@ -125,7 +125,7 @@ def _replay(copy: Subject, intercepts: dict[int, Callable] | None, label: str, s
     try:
         quick = replay.run_patched(copy, intercepts)  # no op-level instrumentation: a fix that works costs one step
     except Exception as e:  # noqa: BLE001 - a fix that breaks the model is a failed fix, not a crash
-        return Outcome(False, f"replaying {label} raised {type(e).__name__}: {first_line(e)}")
+        return Outcome(False, f"replaying {label} raised {raised(e)}")
     if quick is not None:
         loss, norms = quick
         out = Outcome(True, f"replayed {label}: loss {loss:.6g}, every parameter gradient finite", loss=loss / k)
@@ -135,7 +135,7 @@ def _replay(copy: Subject, intercepts: dict[int, Callable] | None, label: str, s
     try:  # it did not verify: replay it instrumented, to name the op that breaks it now
         step = replay.run_subject(copy, intercepts=intercepts, backward_after_bad_loss=False)
     except Exception as e:  # noqa: BLE001 - a fix that breaks the model is a failed fix, not a crash
-        return Outcome(False, f"replaying {label} raised {type(e).__name__}: {first_line(e)}")
+        return Outcome(False, f"replaying {label} raised {raised(e)}")
     out = _outcome(step)
     out.detail = out.detail.replace("with the fix", label)
     if step.loss is not None and math.isfinite(step.loss):
@@ -155,7 +155,7 @@ def try_variant(subject: Subject, *, dtype: torch.dtype | None = None, autocast:
     try:
         variant = independent(subject, dtype, autocast)
     except Exception as e:  # noqa: BLE001
-        return Outcome(False, f"converting the step {label} raised {type(e).__name__}: {first_line(e)}")
+        return Outcome(False, f"converting the step {label} raised {raised(e)}")
     return _replay(variant, None, label or "with the fix", subject.loss_scale)
 
 
@@ -295,7 +295,7 @@ def precision_probe(subject: Subject, step_dtype: str | None, *, failure: str | 
         try:
             row = _probe_one(subject, dtype, autocast, failure, culprit)
         except Exception as e:  # noqa: BLE001 - e.g. an op without a float64 kernel on this device
-            row = {"error": f"{type(e).__name__}: {first_line(e)}"}
+            row = {"error": raised(e)}
         rows.append({"dtype": label, **row})
     return rows
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from nanreplay import torch_internals as ti
-from nanreplay.errors import ReplayError, SnapshotError
+from nanreplay.errors import ReplayError, SnapshotError, op_of
 from nanreplay.formats.program import DTYPES, DeviceLiteral, Node, Program, Ref
 from nanreplay.formats.segments import Segment, node_inputs, node_outputs, plan
 from nanreplay.replay.frames import RecordedFrame
@@ -234,7 +234,11 @@ class StepModule(nn.Module):
             # a forward-only pass must not build the graph
             if (node.grad and grad_on) != torch.is_grad_enabled():
                 torch.set_grad_enabled(node.grad and grad_on)
-            out = self._run(node, env)
+            try:
+                out = self._run(node, env)
+            except Exception as e:
+                op_of(e, node.name)  # "raised ... in aten.x": which recorded op could not run (e.g. in float64)
+                raise
             self._bind(node, out, env, i)
             for r in dead[i]:  # no later node reads them: let autograd decide what stays alive
                 env.pop(r, None)
