@@ -203,8 +203,8 @@ def plain_step(subject: Subject, *, forward_first: bool = False, stop_at: Culpri
                     loss.backward()
         except _Stopped:
             subject.model.zero_grad(set_to_none=True)
-            return {**_row(loss, False), "probe": "backward stopped after the culprit op, which makes NaN/Inf "
-                                                  "in this dtype too"}
+            return {**_row(loss, False), "nonfinite_grads": None,  # not counted: the rest of backward did not run
+                    "probe": "backward stopped after the culprit op, which makes NaN/Inf in this dtype too"}
     bad = [n for n, p in subject.model.named_parameters() if p.grad is not None and not stats.finite_fast(p.grad)]
     subject.model.zero_grad(set_to_none=True)
     return {**_row(loss, not bad), "nonfinite_grads": len(bad)}

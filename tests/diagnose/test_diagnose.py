@@ -81,6 +81,7 @@ def test_precision_probe_stops_at_a_backward_culprit_but_never_at_a_masked_forwa
     rows = {r["dtype"]: r for r in analyzed("sqrt_zero", verify=False)["precision"]}
     assert rows["float64"]["loss_finite"] is True and rows["float64"]["grads_finite"] is False
     assert rows["float64"]["probe"].startswith("backward stopped after the culprit op")
+    assert "nonfinite_grads" in rows["float64"] and rows["float64"]["nonfinite_grads"] is None  # kept, not counted
 
     class Masked(torch.nn.Module):
         def __init__(self):
