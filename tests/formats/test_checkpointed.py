@@ -45,12 +45,25 @@ def _step_module():
     m, x, y = Net().train(), torch.randn(32, 16), torch.randint(0, 3, (32,))
     rec = record_step(lambda: m(x), lambda out: F.cross_entropy(out, y), model=m, batch={"inputs": x, "target": y})
     prog = decode(to_json(rec.program))
-    state = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    return _maker(m, prog, rec), x, y, prog
 
-    def make():  # each replay its own weights and buffers (a StepModule adopts the tensors it is given)
-        return StepModule(prog, {k: v.clone() for k, v in state.items()}, [n for n, _ in m.named_parameters()], {},
-                          rec.constants)
-    return make, x, y, prog
+
+def _maker(m, prog, rec):
+    """StepModules of the recorded step, each with its own weights and buffers (a StepModule adopts them)."""
+    state = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    params = [n for n, _ in m.named_parameters()]
+    return lambda: StepModule(prog, {k: v.clone() for k, v in state.items()}, params, {}, rec.constants)
+
+
+def _plain_and_checkpointed(make, x, y):
+    """Both replays; the loss and every gradient must be bit-identical."""
+    plain, step = _run(make(), x, y), make()
+    assert step.checkpointed()
+    lean = _run(step, x, y)
+    assert torch.equal(plain[0], lean[0])
+    for name in plain[1]:
+        assert torch.equal(plain[1][name], lean[1][name]), name
+    return plain, lean
 
 
 def _run(step, x, y):
@@ -74,13 +87,7 @@ def test_checkpointed_replay_is_bit_identical_and_saves_less():
     marked = {s.unit for s in plan if s.unit}
     assert {"blocks.0", "blocks.2", "blocks.3", "norm"} <= marked
     assert "blocks.1" not in marked  # relu_ on the block's input
-    plain = _run(make(), x, y)
-    step = make()
-    assert step.checkpointed()
-    lean = _run(step, x, y)
-    assert torch.equal(plain[0], lean[0])
-    for name in plain[1]:
-        assert torch.equal(plain[1][name], lean[1][name]), name
+    plain, lean = _plain_and_checkpointed(make, x, y)
     # the recomputed BatchNorm counted the batch twice: a checkpointed replay's buffers are not the step's
     assert int(lean[2]["norm.num_batches_tracked"]) == int(plain[2]["norm.num_batches_tracked"]) + 1
     assert lean[3] < plain[3] / 2, (lean[3], plain[3])  # what autograd keeps outside the checkpoints
@@ -107,19 +114,7 @@ def test_a_buffer_some_node_reads_keeps_its_segment_plain():
     prog = decode(to_json(rec.program))
     marked = {s.unit for s in checkpoint_plan(prog) if s.unit}
     assert "1" not in marked and {"0", "2", "4"} <= marked
-    state = {k: v.detach().clone() for k, v in m.state_dict().items()}
-
-    def make():
-        return StepModule(prog, {k: v.clone() for k, v in state.items()}, [n for n, _ in m.named_parameters()], {},
-                          rec.constants)
-
-    plain = _run(make(), x, y)
-    step = make()
-    assert step.checkpointed()
-    lean = _run(step, x, y)
-    assert torch.equal(plain[0], lean[0])
-    for name in plain[1]:
-        assert torch.equal(plain[1][name], lean[1][name]), name
+    plain, lean = _plain_and_checkpointed(_maker(m, prog, rec), x, y)
     assert torch.equal(plain[2]["1.calls"], lean[2]["1.calls"])
 
 
@@ -157,15 +152,4 @@ def test_a_resnet_is_split_into_its_residual_blocks_not_into_one_layers_call():
     prog = decode(to_json(rec.program))
     marked = [s.unit for s in checkpoint_plan(prog) if s.unit]
     assert {"layers.0", "layers.1", "layers.2"} <= set(marked) and "layers" not in marked
-    state = {k: v.detach().clone() for k, v in m.state_dict().items()}
-
-    def make():
-        return StepModule(prog, {k: v.clone() for k, v in state.items()}, [n for n, _ in m.named_parameters()], {},
-                          rec.constants)
-
-    plain, step = _run(make(), x, y), make()
-    assert step.checkpointed()
-    lean = _run(step, x, y)
-    assert torch.equal(plain[0], lean[0])
-    for name in plain[1]:
-        assert torch.equal(plain[1][name], lean[1][name]), name
+    _plain_and_checkpointed(_maker(m, prog, rec), x, y)
