@@ -1,6 +1,6 @@
 """Replays that answer "would this change have helped?".
 
-Every replay here runs on an independent copy of the step (`independent()`): a fix or a probe
+Every replay here runs on an independent copy of the step (`Subject.converted()`): a fix or a probe
 never changes the model, the batch or the dtypes of the step being analyzed.
 
 * `try_patch`: replay the step with some call sites rewritten (a fix applied where the user's
@@ -13,8 +13,6 @@ never changes the model, the batch or the dtypes of the step being analyzed.
 from __future__ import annotations
 
 import contextlib
-import copy as py_copy
-import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,49 +26,7 @@ from nanreplay import torch_internals as ti
 from nanreplay.errors import raised
 from nanreplay.formats.stepmodel import recomputing
 from nanreplay.limits import release_memory
-from nanreplay.pytree import iter_tensors, map_tensors
 from nanreplay.replay.subject import Subject
-
-
-def independent(subject: Subject, dtype: torch.dtype | None = None, autocast: dict | None | str = "same") -> Subject:
-    """A copy of the step that shares no tensor with `subject`: model, loss module and batch, then in `dtype`.
-
-    `Subject.converted` makes the copy; whatever parameter, buffer or batch tensor it hands back still
-    shared with the original (a module whose copy keeps the original's tensors) is cloned here before
-    any dtype change, so a probe in float64 or a replay that writes in place cannot touch the step.
-    """
-    copy = subject.converted(None, autocast)
-    _unshare(copy.model, subject.model)
-    loss_fn = copy.loss_fn
-    if dtype is not None:
-        copy.model.to(dtype)
-        if isinstance(loss_fn, torch.nn.Module):  # e.g. CrossEntropyLoss(weight=...)
-            loss_fn = py_copy.deepcopy(loss_fn).to(dtype)
-    originals = {id(t) for t in _tensors((subject.inputs, subject.target))}
-
-    def own(t: torch.Tensor) -> torch.Tensor:
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        return t.clone() if id(t) in originals else t
-    return dataclasses.replace(copy, loss_fn=loss_fn, inputs=map_tensors(copy.inputs, own),
-                               target=map_tensors(copy.target, own))
-
-
-def _unshare(copy: torch.nn.Module, original: torch.nn.Module) -> None:
-    """Give `copy` its own parameters and buffers wherever it still holds the original's."""
-    mine = {id(t) for t in original.parameters()} | {id(t) for t in original.buffers()}
-    ptrs = {t.data_ptr() for t in list(original.parameters()) + list(original.buffers()) if t.numel()}
-    for m in copy.modules():
-        for k, p in list(m._parameters.items()):
-            if p is not None and (id(p) in mine or (p.numel() and p.data_ptr() in ptrs)):
-                m._parameters[k] = torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
-        for k, b in list(m._buffers.items()):
-            if b is not None and (id(b) in mine or (b.numel() and b.data_ptr() in ptrs)):
-                m._buffers[k] = b.detach().clone()
-
-
-def _tensors(obj):
-    return (t for _, t in iter_tensors(obj))
 
 
 @dataclass
@@ -113,7 +69,7 @@ def try_patch(subject: Subject, intercepts: dict[int, Callable] | None = None, *
     """Replay (instrumented, to name the next culprit if it fails) with the given call sites rewritten,
     on an independent copy of the step."""
     try:
-        copy = independent(subject)
+        copy = subject.converted()
     except Exception as e:  # noqa: BLE001
         return Outcome(False, f"copying the step to replay it {label} raised {raised(e)}")
     return _replay(copy, intercepts, label, subject.loss_scale)
@@ -153,7 +109,7 @@ def try_variant(subject: Subject, *, dtype: torch.dtype | None = None, autocast:
                 label: str = "") -> Outcome:
     """The whole step with model and batch in `dtype` and/or another autocast setting (an independent copy)."""
     try:
-        variant = independent(subject, dtype, autocast)
+        variant = subject.converted(dtype, autocast)
     except Exception as e:  # noqa: BLE001
         return Outcome(False, f"converting the step {label} raised {raised(e)}")
     return _replay(variant, None, label or "with the fix", subject.loss_scale)
@@ -305,7 +261,7 @@ def _probe_one(subject: Subject, dtype, autocast, failure: str | None, culprit: 
     """One dtype of the probe. A gradient failure runs a whole step with grad on in the wider dtype — a
     float64 graph twice the step's — so a step program replays checkpointed (the same values, one more
     forward, a fraction of the memory); where that fails, plainly."""
-    variant = independent(subject, dtype, autocast)
+    variant = subject.converted(dtype, autocast)
     checkpointed = getattr(variant.model, "checkpointed", None)  # a step program's StepModule
     lean = lean and failure != "loss" and checkpointed is not None and checkpointed()
     try:

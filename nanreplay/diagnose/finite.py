@@ -18,7 +18,7 @@ import statistics
 
 import torch
 
-from nanreplay import replay, stats, verify
+from nanreplay import replay, stats
 from nanreplay import torch_internals as ti
 from nanreplay.diagnose.divergence import clip_value, divergence, lr_clip_fix
 from nanreplay.diagnose.model import Fix
@@ -224,7 +224,7 @@ def _spike(result, subject, step: replay.Step, info: dict) -> dict:
 def _backward_growth(subject, step: replay.Step) -> dict | None:
     """The leaf module whose backward made the gradient grow the most (‖grad in‖ / ‖grad out‖), on a copy."""
     try:
-        copy = verify.independent(subject)
+        copy = subject.converted()
         names = {id(m): n for n, m in copy.model.named_modules() if n and not any(True for _ in m.children())}
         acc: dict[str, list[float]] = {}
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanreplay import replay, stats, verify
+from nanreplay import replay, stats
 from nanreplay import torch_internals as ti
 from nanreplay.diagnose.site import Site, finite_float
 from nanreplay.replay.subject import batch_tensors
@@ -81,7 +81,7 @@ def _absmax_of(out) -> float:
 
 def _probe(subject, stop_after: int) -> list[_Op] | None:
     try:
-        copy = verify.independent(subject)
+        copy = subject.converted()
         leaves = {id(p): n for n, p in copy.model.named_parameters()}
         leaves.update({id(b): n for n, b in copy.model.named_buffers()})
         leaves.update({id(t): n for n, _, t in batch_tensors(copy)})

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanreplay import replay, stats, verify
+from nanreplay import replay, stats
 from nanreplay import torch_internals as ti
 from nanreplay.diagnose.site import finite_float
 
@@ -207,7 +207,7 @@ def _finite_reduction(pk, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.T
 def finite_part_loss(subject) -> float | None:
     """The step's loss over its finite elements only (forward on an independent copy, no gradients)."""
     try:
-        copy = verify.independent(subject)
+        copy = subject.converted()
         if copy.prepare is not None:
             copy.prepare()
         mode = _FiniteParts()
@@ -224,7 +224,7 @@ def finite_part_loss(subject) -> float | None:
 def float64_loss(subject) -> float | None:
     """The step's loss in float64 (an independent copy, forward only): the reference for a range problem."""
     try:
-        copy = verify.independent(subject, torch.float64, None if subject.autocast else "same")
+        copy = subject.converted(torch.float64, None if subject.autocast else "same")
         if copy.prepare is not None:
             copy.prepare()
         with torch.no_grad(), replay.anomaly_off():

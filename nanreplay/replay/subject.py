@@ -64,15 +64,15 @@ class Subject:
         return max(counts, key=counts.get) if counts else torch.float32
 
     def converted(self, dtype: torch.dtype | None = None, autocast: dict | None | str = "same") -> Subject:
-        """A copy of this step in another floating dtype and/or autocast setting; this one stays untouched.
+        """A copy of this step in another floating dtype and/or autocast setting that shares no tensor with
+        this one: weights, buffers, constants, loss module and batch. A probe in float64 or a fix replay that
+        writes in place can never change the step that was analyzed.
 
-        Everything is copied (weights, buffers, constants, batch): a probe or a fix verification can
-        never change the step that was analyzed."""
+        A step program also learns the dtype: its own dtype becomes `dtype` everywhere, and the casts autocast
+        inserted go to the new autocast's dtype (or to `dtype` when autocast is turned off)."""
         model = copy.deepcopy(self.model)
+        _unshare(model, self.model)  # before any dtype change: .to() would write into a shared Parameter
         loss_fn = self.loss_fn
-        def conv(t: torch.Tensor) -> torch.Tensor:
-            return t.to(dtype) if dtype is not None and t.is_floating_point() else t.clone()
-
         if self.program:
             low = (self.autocast or {}).get("dtype")
             all_map = {self.step_dtype(): dtype} if dtype is not None else {}
@@ -84,6 +84,10 @@ class Subject:
             model.to(dtype)
             if isinstance(loss_fn, nn.Module):  # e.g. CrossEntropyLoss(weight=...)
                 loss_fn = copy.deepcopy(loss_fn).to(dtype)
+
+        def conv(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dtype, copy=True) if dtype is not None and t.is_floating_point() else t.clone()
+
         return dataclasses.replace(
             self, model=model, loss_fn=loss_fn, inputs=map_tensors(self.inputs, conv),
             target=map_tensors(self.target, conv), autocast=self.autocast if autocast == "same" else autocast,
@@ -203,3 +207,17 @@ def batch_tensors(subject: Subject):
                 label = names[0]
         yield label, "input", t
     yield from ((f"{subject.target_label}{n}", "target", t) for n, t in iter_tensors(subject.target))
+
+
+def _unshare(copy: nn.Module, original: nn.Module) -> None:
+    """Give `copy` its own parameters and buffers wherever it still holds the original's (a module whose
+    deepcopy keeps tensors it was given)."""
+    mine = {id(t) for t in original.parameters()} | {id(t) for t in original.buffers()}
+    ptrs = {t.data_ptr() for t in list(original.parameters()) + list(original.buffers()) if t.numel()}
+    for m in copy.modules():
+        for k, p in list(m._parameters.items()):
+            if p is not None and (id(p) in mine or (p.numel() and p.data_ptr() in ptrs)):
+                m._parameters[k] = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+        for k, b in list(m._buffers.items()):
+            if b is not None and (id(b) in mine or (b.numel() and b.data_ptr() in ptrs)):
+                m._buffers[k] = b.detach().clone()

@@ -2,7 +2,7 @@
 
 The float64 precision probe used to turn the model it probed into float64 (the copy shared its
 parameters), so the verdict said "finite in float32, float64 but not in float64". Every replay but
-the analysis' own now runs on `verify.independent(subject)`, built on `Subject.converted`.
+the analysis' own now runs on `Subject.converted`, which copies everything.
 """
 
 from __future__ import annotations
@@ -68,13 +68,13 @@ def test_converted_is_an_independent_copy(tmp_path, module, name, dtype):
 
 @pytest.mark.parametrize("name", samples.names())
 def test_independent_copies_of_every_sample(name):
-    """verify.independent, what every probe and verification replays on, for the native samples too (a
+    """Subject.converted, what every probe and verification replays on, for the native samples too (a
     program model whose own copies shared its weights): float64 probes leave the step in its dtype."""
     snap = formats.load(samples.SAMPLES / f"{name}.pt")
     subject = formats.rebuild(snap, device=None, trust=False, **{"model": None, "loss": None, **samples.flags(name)})
     before = _state(subject)
     for dtype in (None, torch.float64):
-        copy = verify.independent(subject, dtype)
+        copy = subject.converted(dtype)
         assert _no_shared_storage(subject.model, copy.model)
         assert not any(t is u for _, _, t in batch_tensors(copy) for _, _, u in batch_tensors(subject))
         verify.plain_step(copy)

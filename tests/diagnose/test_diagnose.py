@@ -187,3 +187,31 @@ def test_a_probe_dtype_that_cannot_run_names_the_recorded_op(tmp_path):
     assert d["failure"]["what"] == "gradient" and d["culprit"] is not None
     row = {r["dtype"]: r for r in d["precision"]}["float64"]
     assert row["error"].startswith("RuntimeError in aten.mkldnn_rnn_layer.default: "), row
+
+
+def test_float64_probe_of_an_autocast_program_runs_every_op_in_float64(tmp_path):
+    """A bf16-autocast step with a BatchNorm (which takes a bf16 input with float32 weights): in the float64
+    probe, the casts autocast inserted must go to float64 too. They went to float32 while the weights were
+    float64, and the row said `mixed dtype (CPU): expect parameter to have scalar type of Float`."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from nanreplay import NanGuard
+    from nanreplay.analysis import analyze
+
+    def masked_ce(logits, y):
+        valid = (y != 255).float()
+        ce = F.cross_entropy(logits.float(), y.clamp(max=2), reduction="none")
+        return (ce * valid).sum() / valid.sum()  # an all-ignore batch: 0 / 0
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 3, 1))
+    guard = NanGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=masked_ce, folder=tmp_path)
+    x, y = torch.randn(2, 3, 8, 8), torch.full((2, 8, 8), 255)
+    guard.begin(x, y, step=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = masked_ce(model(x), y)
+    assert not guard.loss_ok(loss)
+    rows = {r["dtype"]: r for r in analyze(guard.last_snapshot).to_json()["precision"]}
+    assert set(rows) == {"float32 (autocast off)", "float64"}
+    assert all("error" not in r and r["loss_finite"] is False for r in rows.values()), rows
