@@ -64,7 +64,9 @@ def read_file(path: str | Path, *, trust: bool = False, max_memory: int | None =
     except Exception as e:  # noqa: BLE001 - torch.load raises many types; each becomes one line
         msg = str(e)
         if "Weights only load failed" not in msg:
-            if "zip archive" in msg or isinstance(e, EOFError):
+            # the file was opened and its header read: an OSError from torch's reader (a seek past the end of a
+            # cut-off zip) is the file's damage, not the disk's
+            if "zip archive" in msg or isinstance(e, (EOFError, OSError)):
                 why = first_line(msg) or "unexpected end of file"
                 raise SnapshotError(f"{path}: corrupt or truncated snapshot ({why})") from None
             raise SnapshotError(f"{path}: cannot load snapshot: {type(e).__name__}: {first_line(msg)}") from None

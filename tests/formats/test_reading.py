@@ -120,3 +120,15 @@ def test_check_size_leaves_corrupt_zips_to_torch(tmp_path):
     reading.check_size(p, p.stat().st_size, is_zip=True, max_memory=1 << 30)  # no central directory: no opinion
     with pytest.raises(SnapshotError, match="corrupt or truncated"):
         read_file(p)
+
+
+@pytest.mark.parametrize("keep", [64, 5000, 0.9])
+def test_a_cut_off_snapshot_is_called_corrupt_or_truncated(tmp_path, keep):
+    """Cut at any point, torch's reader fails differently (a zip error, or an OSError seeking past the end):
+    every way is one line that says what is wrong with the file."""
+    p = tmp_path / "cut.pt"
+    torch.save({"x": torch.randn(20_000), "y": torch.ones(3)}, p)
+    data = p.read_bytes()
+    p.write_bytes(data[: int(len(data) * keep) if isinstance(keep, float) else keep])
+    with pytest.raises(SnapshotError, match="corrupt or truncated"):
+        read_file(p)
