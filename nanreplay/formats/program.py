@@ -115,11 +115,10 @@ class Program:
             return cached
         last: dict[int, int] = {}
         for i, node in enumerate(self.nodes):
-            for r in _refs_in(node.args) + _refs_in(list(node.kwargs.values())):
+            for r in node_inputs(node):
                 last[r] = i
-            for r in _flat(node.out):
-                if r is not None:
-                    last.setdefault(r, i)  # made and never read: dropped right away
+            for r in node_outputs(node):
+                last.setdefault(r, i)  # made and never read: dropped right away
         dead: list[list[int]] = [[] for _ in self.nodes]
         for r, i in last.items():
             if r != self.loss:
@@ -141,14 +140,23 @@ class Program:
         return tuple(reversed(out))
 
 
-def _refs_in(values: list) -> list[int]:
-    out = []
-    for v in values:
-        if isinstance(v, Ref):
-            out.append(int(v))
-        elif isinstance(v, list):
-            out.extend(_refs_in(v))
-    return out
+def refs_in(v: Any) -> list[int]:
+    """The refs in an argument value (a Ref, or nested lists of values)."""
+    if isinstance(v, Ref):
+        return [int(v)]
+    if isinstance(v, list):
+        return [r for e in v for r in refs_in(e)]
+    return []
+
+
+def node_inputs(node: Node) -> list[int]:
+    """The refs a node reads, positional arguments first."""
+    return refs_in(node.args) + refs_in(list(node.kwargs.values()))
+
+
+def node_outputs(node: Node) -> list[int]:
+    """The refs a node makes (None outputs left out)."""
+    return [r for r in _flat(node.out) if r is not None]
 
 
 def _flat(out: Any) -> list:

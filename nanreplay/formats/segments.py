@@ -4,7 +4,7 @@ looked up when a node runs), its outputs those it makes that are read after it.
 
 Two users: a sharded replay runs each FSDP unit's segment inside that unit's call (`shardedstep.py`), and
 a replay that must hold less memory recomputes each segment's activations in backward (`StepModule.
-checkpointed`).
+checkpointed`; `checkpoint_plan` says which segments may be recomputed and at which depth).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from nanreplay.formats.program import Node, Program, Ref
+from nanreplay import torch_internals as ti
+from nanreplay.formats.program import Node, Program, node_inputs, node_outputs, refs_in
 
 
 @dataclass
@@ -23,22 +24,7 @@ class Segment:
     children: list[Segment] = field(default_factory=list)
     inputs: list[int] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)
-
-
-def _refs(v: Any) -> list[int]:
-    if isinstance(v, Ref):
-        return [int(v)]
-    if isinstance(v, list):
-        return [x for e in v for x in _refs(e)]
-    return []
-
-
-def node_inputs(node: Node) -> list[int]:
-    return _refs(node.args) + _refs(list(node.kwargs.values()))
-
-
-def node_outputs(node: Node) -> list[int]:
-    return [r for r in (node.out if isinstance(node.out, list) else [node.out]) if r is not None]
+    params: list[int] = field(default_factory=list)  # the parameter leaves it reads (looked up, not passed in)
 
 
 def unit_chains(program: Program, units: set[str]) -> list[tuple[tuple[int, str], ...]]:
@@ -84,7 +70,10 @@ def plan(program: Program, units: set[str]) -> list[Segment]:
                 made: set[int] = set()
                 for node in program.nodes[i:j]:
                     for r in node_inputs(node):
-                        if r not in made and r not in params and r not in seg.inputs:
+                        if r in params:
+                            if r not in seg.params:
+                                seg.params.append(r)
+                        elif r not in made and r not in seg.inputs:
                             seg.inputs.append(r)
                     made.update(node_outputs(node))
                 seg.outputs = sorted(r for r in made if last_use.get(r, -1) >= j)
@@ -93,3 +82,99 @@ def plan(program: Program, units: set[str]) -> list[Segment]:
         return segs
 
     return split(0, len(program.nodes), 0)
+
+
+def checkpoint_plan(program: Program, min_segments: int = 3) -> list[Segment] | None:
+    """Segments for a checkpointed replay (computed once per program): module calls at one depth below the model, those whose
+    recomputation gives what their first run gave marked for it (unit set), the rest run plainly (unit
+    None). None when no depth has `min_segments` such calls.
+
+    The depth is the one that should hold least, counting a node's output as one unit: a checkpointed
+    replay keeps each segment's input, one segment's graph at a time in backward, and every plain node's
+    (so a transformer splits into its blocks, a ResNet into its residual blocks, not into `layers`).
+    A recomputed BatchNorm updates its running statistics twice: a checkpointed replay's buffers are not
+    the step's (the precision probe never reads them)."""
+    if "_checkpoint_plan" in program.__dict__:
+        return program.__dict__["_checkpoint_plan"]
+    depth_of: dict[int, int] = {}
+    for s, (_m, parent) in enumerate(program.scopes):
+        depth_of[s] = 0 if parent < 0 else depth_of.get(parent, 0) + 1
+    write_only = _write_only_buffers(program)
+    best: tuple[int, list[Segment]] | None = None
+    for depth in range(1, 7):
+        units = {program.modules[program.scopes[s][0]] for s, d in depth_of.items() if d == depth}
+        if not units:
+            break
+        out: list[Segment] = []
+        for seg in plan(program, units):
+            if seg.unit is None or not _recomputable(program, seg, write_only):
+                seg = Segment(None, seg.start, seg.stop)
+            if out and out[-1].unit is None and seg.unit is None:
+                out[-1].stop = seg.stop
+            else:
+                out.append(seg)
+        marked = [seg.stop - seg.start for seg in out if seg.unit]
+        if len(marked) < min_segments:
+            continue
+        held = len(marked) + max(marked) + sum(seg.stop - seg.start for seg in out if not seg.unit)
+        if best is None or held < best[0]:
+            best = (held, out)
+    program.__dict__["_checkpoint_plan"] = best[1] if best else None
+    return program.__dict__["_checkpoint_plan"]
+
+
+def _recomputable(program: Program, seg: Segment, write_only: set[int]) -> bool:
+    """Whether running the segment again gives what its first run gave: no node writes into a tensor the
+    segment did not make itself (an input, a weight, or a view of one) — dropout's fresh mask filled in
+    place is fine, ReLU(inplace=True) on the segment's input is not. A buffer that no node reads (only
+    writes: BatchNorm's batch counter) may be written: it is then updated twice, and nothing reads it.
+    No wherever an op's schema cannot be read (fail closed)."""
+    fresh: set[int] = set()  # refs the segment made that alias nothing from outside it
+    for node in program.nodes[seg.start:seg.stop]:
+        schema = ti.op_schema(node.op)
+        if schema is None:
+            return False
+        aliased = []  # what the result may alias: the arguments with an alias annotation (self of add_, a view's base)
+        for a, v in _schema_args(schema, node):
+            refs = refs_in(v)
+            if a.alias_info is not None:
+                aliased += refs
+            if _writes(a) and any(r not in fresh and r not in write_only for r in refs):
+                return False
+        if not any(r.alias_info is not None for r in schema.returns) or all(r in fresh for r in aliased):
+            fresh.update(node_outputs(node))
+    return True
+
+
+def _write_only_buffers(program: Program) -> set[int]:
+    """Buffer leaves that nodes only write into, never read as a value — through any alias either (an in-place
+    op's result, a view). Fail closed: an op whose schema cannot be read reads everything it is given."""
+    buffers = {lf.ref for lf in program.leaves if lf.kind == "buffer"}
+    owner = {r: r for r in buffers}  # ref -> the buffer it aliases
+    read: set[int] = set()
+    for node in program.nodes:
+        schema = ti.op_schema(node.op)
+        pairs = _schema_args(schema, node) if schema is not None else [(None, v) for v in node.args]
+        touched = set()  # buffers the result may alias
+        for a, v in pairs:
+            for r in refs_in(v):
+                if r in owner:
+                    if a is None or a.alias_info is not None:
+                        touched.add(owner[r])
+                    if a is None or not _writes(a):
+                        read.add(owner[r])
+        if touched and (schema is None or any(r.alias_info is not None for r in schema.returns)):
+            for r in node_outputs(node):  # the result may alias what it was given
+                owner[r] = min(touched)
+                if len(touched) > 1:
+                    read.update(touched)
+    return buffers - read
+
+
+def _schema_args(schema: Any, node: Node) -> list[tuple[Any, Any]]:
+    args = list(node.args) + [node.kwargs.get(a.name) for a in schema.arguments[len(node.args):]]
+    return list(zip(schema.arguments, args, strict=False))
+
+
+def _writes(a: Any) -> bool:
+    return a.alias_info is not None and a.alias_info.is_write

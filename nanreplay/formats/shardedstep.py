@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 
 from nanreplay.errors import SnapshotError
-from nanreplay.formats.program import DTYPES, Program
-from nanreplay.formats.segments import Segment, node_inputs, plan
+from nanreplay.formats.program import DTYPES, Program, node_inputs
+from nanreplay.formats.segments import Segment, plan
 from nanreplay.formats.stepmodel import StepModule, _container, dry_run
 
 

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from nanreplay.capture.program import record_step
 from nanreplay.formats.program import decode, to_json
-from nanreplay.formats.stepmodel import StepModule, checkpoint_plan
+from nanreplay.formats.segments import checkpoint_plan
+from nanreplay.formats.stepmodel import StepModule
 
 
 class Block(nn.Module):
