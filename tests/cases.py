@@ -50,6 +50,28 @@ class Case:
         torch.save(d, path)
         return path
 
+    def native_snapshot(self, folder: Path, **guard_kw) -> Path:
+        """Run the case's step once under NanGuard, as the README shows, and return the snapshot it wrote."""
+        import warnings
+
+        from nanreplay import NanGuard
+        from nanreplay.formats.usercode import resolve_loss
+        from nanreplay.replay.subject import call_model, compute_loss
+
+        model = self.build()
+        loss_fn = resolve_loss(self.loss) if self.loss else None
+        guard = NanGuard(model, loss_fn=loss_fn, folder=folder, **guard_kw)
+        b = self.batch()
+        guard.begin(b["x"], b.get("y"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loss = compute_loss(call_model(model, b["x"]), b.get("y"), loss_fn)
+            if guard.loss_ok(loss):
+                loss.backward()
+                assert not guard.grads_ok(), f"{self.name}: the step did not go non-finite"
+        assert guard.last_snapshot, guard.last_error
+        return Path(guard.last_snapshot)
+
 
 class Registry(dict[str, Case]):
     """The cases of one fixture module, by name, in the order they are defined."""

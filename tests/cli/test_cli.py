@@ -7,40 +7,15 @@ tests check grouping, caching and timeouts, with the CLI only as the driver.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from click.testing import CliRunner
+from clirun import one_line_error, run
 
 import nanmodels
-from nanreplay.cli import main
 from samples import ROOT
-
-
-def run(*args, cwd=None):
-    runner = CliRunner()
-    if cwd:
-        old = os.getcwd()
-        os.chdir(cwd)
-    try:
-        return runner.invoke(main, list(map(str, args)))
-    finally:
-        if cwd:
-            os.chdir(old)
-
-
-def one_line_error(res, code: int, *needles: str) -> str:
-    assert res.exit_code == code, res.output
-    assert "Traceback" not in res.output
-    assert res.exception is None or isinstance(res.exception, SystemExit)
-    err = res.stderr.strip()
-    assert len(err.splitlines()) == 1, err
-    for n in needles:
-        assert n in err, err
-    return err
 
 
 def test_json_to_stdout_and_default_report(snapshot_of, tmp_path):

@@ -16,27 +16,13 @@ import pytest
 import torch
 import torch.nn as nn
 from click.testing import CliRunner
+from clirun import one_line_error, run
 
 from nanreplay import atomic
 from nanreplay.cli import main
 
 CLEAR_AND_CLIPBOARD = "\x1b[2J\x1b]52;c;ZWNobyBwd25lZA==\x07\x9b1m"
 FORGED = "\nnanreplay: analysis OK"
-
-
-def run(*args):
-    return CliRunner().invoke(main, list(map(str, args)))
-
-
-def one_line_error(res, code: int, *needles: str) -> str:
-    assert res.exit_code == code, res.output
-    assert "Traceback" not in res.output
-    assert res.exception is None or isinstance(res.exception, SystemExit)
-    err = res.stderr.strip()
-    assert len(err.splitlines()) == 1, err
-    for n in needles:
-        assert n in err, err
-    return err
 
 
 def assert_inert(text: str) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -18,28 +17,13 @@ from nanreplay.analysis import analyze
 from nanreplay.errors import TrustError, UsageError
 from nanreplay.formats import loss_spec as specs
 from nanreplay.formats import native
-from nanreplay.formats.usercode import resolve_loss
-from nanreplay.replay.subject import call_model, compute_loss
 
 # ---------------------------------------------------------------- step program == eager model
 
 
 def native_snapshot(case: str, folder: Path, **guard_kw) -> Path:
     """Run one step of a fixture case under NanGuard and return the snapshot it wrote."""
-    c = nanmodels.CASES[case]
-    model = c.build()
-    loss_fn = resolve_loss(c.loss) if c.loss else None
-    guard = NanGuard(model, loss_fn=loss_fn, folder=folder, **guard_kw)
-    b = c.batch()
-    guard.begin(b["x"], b.get("y"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        loss = compute_loss(call_model(model, b["x"]), b.get("y"), loss_fn)
-        if guard.loss_ok(loss):
-            loss.backward()
-            assert not guard.grads_ok(), f"{case}: the step did not go non-finite"
-    assert guard.last_snapshot, guard.last_error
-    return Path(guard.last_snapshot)
+    return nanmodels.CASES[case].native_snapshot(folder, **guard_kw)
 
 
 KEYS = ("op", "phase", "kind", "forward_op", "backward_node", "module", "role")

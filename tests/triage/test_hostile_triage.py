@@ -8,7 +8,6 @@ import importlib
 import io
 import json
 import time
-import warnings
 from pathlib import Path
 
 import pandas as pd
@@ -17,9 +16,7 @@ import torch
 from click.testing import CliRunner
 
 import nanmodels
-from nanreplay import NanGuard, triage
-from nanreplay.formats.usercode import resolve_loss
-from nanreplay.replay.subject import call_model, compute_loss
+from nanreplay import triage
 from nanreplay.triage.cache import CACHE_FILE
 from nanreplay.triage.lock import OutdirLock
 from nanreplay.triage.rows import Item, make_row
@@ -78,20 +75,7 @@ def test_rows_of_any_type_become_a_summary_and_an_index(tmp_path):
 
 
 def _native_snapshot(folder: Path) -> Path:
-    c = nanmodels.CASES["log_zero"]
-    model = c.build()
-    loss_fn = resolve_loss(c.loss) if c.loss else None
-    guard = NanGuard(model, loss_fn=loss_fn, folder=folder)
-    b = c.batch()
-    guard.begin(b["x"], b.get("y"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        loss = compute_loss(call_model(model, b["x"]), b.get("y"), loss_fn)
-        if guard.loss_ok(loss):
-            loss.backward()
-            guard.grads_ok()
-    assert guard.last_snapshot, guard.last_error
-    return Path(guard.last_snapshot)
+    return nanmodels.CASES["log_zero"].native_snapshot(folder)
 
 
 def test_native_snapshots_with_wrong_typed_step_and_rank_are_one_row_each(tmp_path):
