@@ -113,4 +113,3 @@ def op_of(e: BaseException, op: str) -> None:
             e.nanreplay_op = op  # type: ignore[attr-defined]
         except AttributeError:  # an exception type without __dict__: the message stays as it is
             pass
-

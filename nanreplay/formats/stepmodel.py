@@ -180,14 +180,13 @@ class StepModule(nn.Module):
                 env.pop(r, None)
 
     # ---- replaying in less memory
-    def checkpointed(self, on: bool = True) -> bool:
-        """Replays with grad on run in segments, one per module call a few levels down, whose activations
-        are recomputed in backward instead of kept (`torch.utils.checkpoint`, non-reentrant): the float64
-        probe of a gradient failure then holds the segments' boundaries and one segment's graph, not the
-        whole step's — for one more forward. The values are the same (the program's random values are
-        recorded constants). A segment with a node that writes into a tensor runs plainly: its
-        recomputation would read what the first run wrote."""
-        self.__dict__["_checkpointed"] = checkpoint_plan(self.program) if on else None
+    def checkpointed(self) -> bool:
+        """From now on, replays with grad on run in segments whose activations are recomputed in backward
+        instead of kept (`torch.utils.checkpoint`, non-reentrant; `segments.checkpoint_plan` says which): the
+        float64 probe of a gradient failure then holds the segments' boundaries and one segment's graph, not
+        the whole step's, for one more forward. The loss and gradients are the same (the program's random
+        values are recorded constants). False where the program has no segments worth it."""
+        self.__dict__["_checkpointed"] = checkpoint_plan(self.program)
         return self.__dict__["_checkpointed"] is not None
 
     def _run_checkpointed(self, segments: list[Segment], env: dict) -> None:
