@@ -16,6 +16,7 @@ REL = 1e-4  # float32 reductions and matmuls agree to this across CPUs, BLAS cod
 CODE = {"code", "before", "after", "lines", "call"}  # keys whose strings are code: character for character
 # a number as prose writes it: digits with an optional fraction and exponent, not part of a word (float32, 0.1.0)
 NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+\.\d+|\d+)(?:e[-+]?\d+)?(?!\w|\.\d)")
+MIN_DIGITS = 3  # a number shown with fewer significant digits is a chosen constant: exact
 RAW_DIGITS = 9  # a float32 value's repr as a Python float has 16-17 significant digits; prose writes at most 8
 
 
@@ -30,13 +31,13 @@ def _significant(token: str) -> int:
 
 
 def _same_shown_number(a: str, b: str) -> bool:
-    """Two numbers as prose shows them: equal, or (shown with 4 or more significant digits and a decimal
-    point or exponent) one unit apart in the last digit shown: the values of two machines, 1e-7 apart,
-    may straddle a rounding boundary. Integers (counts, indices, lines) and numbers shown with fewer digits
-    (chosen constants: eps = 1e-6) must be equal."""
+    """Two numbers as prose shows them: equal, or (shown with 3 or more significant digits and a decimal
+    point or exponent) one unit apart in the last digit shown: two machines' values, a relative 1e-5
+    apart, may straddle a rounding boundary. Integers (counts, indices, lines) and numbers shown with
+    fewer digits (chosen constants: eps = 1e-6, lr = 0.01) must be equal."""
     if a == b:
         return True
-    if not all(("." in t or "e" in t) and _significant(t) >= 4 for t in (a, b)):
+    if not all(("." in t or "e" in t) and _significant(t) >= MIN_DIGITS for t in (a, b)):
         return False
     x, y = float(a), float(b)
     exp = math.floor(math.log10(max(abs(x), abs(y)))) if x or y else 0
