@@ -276,7 +276,8 @@ def check_leaves(subject: Subject) -> list[dict]:
     for name, role, t in batch_tensors(subject):
         row = stats.leaf_row(name, role, t)
         if row:
-            rows.append({**row, "samples": _bad_samples(t)})
+            # -inf and nothing else non-finite: a mask's values (replayed; the chain says if they broke the step)
+            rows.append({**row, "samples": _bad_samples(t), **({"literal": True} if stats.mask_values(t) else {})})
     for name, p in subject.model.named_parameters():
         row = stats.leaf_row(name, "parameter", p)
         if row:

@@ -31,6 +31,7 @@ stays None. This module imports only torch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -47,8 +48,8 @@ import torch.nn as nn
 
 from nanreplay import atomic
 from nanreplay import torch_internals as ti
+from nanreplay.capture import losscheck, snapshot
 from nanreplay.capture import sharded as sharded_capture
-from nanreplay.capture import snapshot
 from nanreplay.capture import update as upd
 from nanreplay.enums import Trigger
 from nanreplay.errors import GuardError, NonFiniteStep
@@ -149,6 +150,10 @@ class NanGuard:
         self._update_failed = False  # this step's update made the weights non-finite
         self._broken_by: str | None = None  # the update snapshot written when the weights broke
         self._watch = None
+        self._record_loss: Callable | None = loss_fn  # the loss a recording uses (the loop's own, after the check)
+        self._loss_note: str | None = None
+        self._check_pending = True  # the first loss_ok() checks that the guard's loss is the loop's
+        self._calls = losscheck.CallWatch(self) if step_fn is None else None
         inner = upd.unwrap_optimizer(optimizer)  # accelerate's / Lightning's wrappers hold the torch optimizer
         if inner is not None and check_update:
             try:
@@ -163,6 +168,9 @@ class NanGuard:
         if self._watch is not None:
             self._watch.close()
             self._watch = None
+        if self._calls is not None:
+            self._calls.close()
+            self._calls = None
 
     def __enter__(self) -> NanGuard:
         return self
@@ -206,6 +214,8 @@ class NanGuard:
             self._inspected = True
             if self._autocast is None:
                 self._autocast = _autocast_state(self.model) or _saved_low_precision(loss, self.model) or False
+        if self._check_pending:  # once: is the loss a recording computes the loss the loop checks?
+            losscheck.first_step(self, loss, value)
         row = self._row()
         row["loss"] = value if self.micro_batch is None or row.get("loss") is None else row["loss"] + value
         bad = self._agree(not math.isfinite(value))
@@ -332,8 +342,9 @@ class NanGuard:
             # (sharded: re-running backward is a collective this rank alone would start)
             return None
         try:
-            return snapshot.first_nonfinite_micro_batch(self.model, unchecked, self._forward_loss,
-                                                        self._autocast or None) or unchecked[-1]
+            with self._calls_paused():
+                return snapshot.first_nonfinite_micro_batch(self.model, unchecked, self._forward_loss,
+                                                            self._autocast or None) or unchecked[-1]
         except Exception as e:  # noqa: BLE001 - finding it is a courtesy; never break training
             log.debug("nanreplay: could not find the micro-batch that broke the gradients: %s", e)
             return None
@@ -342,7 +353,8 @@ class NanGuard:
 
     def _update_healthy(self, optimizer: torch.optim.Optimizer) -> None:
         """Log the learning rate (the first group's, when it is a plain number) in the history."""
-        lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+        lr = upd.hyperparameters({"lr": optimizer.param_groups[0].get("lr")}).get("lr") if optimizer.param_groups \
+            else None  # (a numpy float from a schedule becomes a Python one)
         if isinstance(lr, (int, float)) and not isinstance(lr, bool):
             self._row()["lr"] = float(lr)
 
@@ -441,7 +453,27 @@ class NanGuard:
     def _forward_loss(self, st: snapshot.StepState):
         if self.step_fn is not None:
             return snapshot.step_forward(self.model, st.batch["batch"], self.step_fn)
-        return snapshot.loss_forward(self.model, st.batch["inputs"], st.batch["target"], self.loss_fn)
+        st = self._as_called(st)
+        return snapshot.loss_forward(self.model, st.batch["inputs"], st.batch["target"], self._record_loss)
+
+    def _as_called(self, st: snapshot.StepState) -> snapshot.StepState:
+        """The step with the inputs the loop's model call actually got, where begin() was given others."""
+        got = losscheck.call_inputs(st.call)
+        if self.step_fn is not None or got is None or losscheck.same_inputs(got, st.batch.get("inputs")):
+            return st
+        if "call" not in self._warned:
+            self._warned.add("call")
+            log.info("nanreplay: the model was called with other arguments than the inputs given to begin(); "
+                     "snapshots record the call the loop made")
+        return snapshot.StepState({"inputs": got, "target": st.batch.get("target")}, st.rng, st.buffers,
+                                  st.micro_batch)
+
+    def _recorded_loss_fn(self) -> Callable | None:
+        """The loss a snapshot names: None (the model's own) where the recording picks it from the output."""
+        return None if self._record_loss is not self.loss_fn else self.loss_fn
+
+    def _calls_paused(self):
+        return contextlib.nullcontext() if self._calls is None else self._calls.looking_away()
 
     def to_dict(self, trigger: str, extra: dict | None = None) -> dict:
         """The native snapshot dict for the current step (CPU copies; loads with weights_only=True)."""
@@ -458,13 +490,16 @@ class NanGuard:
         if st is None:
             st, why = snapshot.StepState({}, {}), "no batch: begin() was not called for this step"
         elif self.export:
+            st = self._as_called(st)
             forward, loss = self._forward_loss(st)
-            program, constants, why, seconds = snapshot.record(self.model, st, forward, loss, self._autocast or None)
+            with self._calls_paused():
+                program, constants, why, seconds = snapshot.record(self.model, st, forward, loss,
+                                                                   self._autocast or None)
             if program is None:
                 self.last_error = why
                 self._warn_once("record", f"the step could not be recorded as a program ({why}); analyzing its "
                                           "snapshot will need the model's code (--model, or --trust for its factory)")
-        notes: list[str] = []
+        notes: list[str] = [self._loss_note] if self._loss_note else []
         extra["record_seconds"] = round(seconds, 3) if program is not None else None
         extra.setdefault("loss_value", self._row().get("loss"))
         extra["micro_batch"] = st.micro_batch
@@ -472,7 +507,7 @@ class NanGuard:
             extra["nonfinite_ranks"] = list(self._bad_ranks)
         return snapshot.build(model=self.model, wrapped=self.wrapped, state=st, trigger=trigger, step=self.step_index,
                               extra=extra, program=program, constants=constants, program_error=why,
-                              loss_fn=self.loss_fn, step_fn=self.step_fn,
+                              loss_fn=self._recorded_loss_fn(), step_fn=self.step_fn,
                               optimizer=upd.unwrap_optimizer(self.optimizer),
                               scaler=self.scaler, autocast=self._autocast or None, history=list(self.history),
                               factory=self.factory, notes=notes)
