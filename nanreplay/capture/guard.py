@@ -19,7 +19,8 @@ Gradient accumulation: `begin(x, y, step=s, micro_batch=k)` for each micro-batch
 broke. A loss that is not `loss_fn(model(x), y)`: `NanGuard(model, opt, step_fn=fn)` with
 `fn(model, batch) -> loss` and `begin(batch, step=s)`. GradScaler: pass `scaler=`; its routine
 back-off is never a failure. DDP: `sync_ranks=True` makes every rank snapshot the same step.
-FSDP2 (`fully_shard`): with `sync_ranks=True` all ranks write one sharded snapshot folder (docs/sharded.md).
+FSDP2 (`fully_shard`, or `sharded=True`): all ranks write one sharded snapshot folder (docs/sharded.md); rank
+agreement is on by itself there (turning it off is refused when the guard is made, not at the failure).
 
 On healthy steps the guard reads the loss once (the `.item()` most loops do for logging anyway),
 the total gradient norm (pass what `clip_grad_norm_` returned to skip computing it) and, from an
@@ -92,7 +93,8 @@ class NanGuard:
         sync_ranks: under torch.distributed, agree across ranks at each check (one all-reduce of
             a world-size flag vector in loss_ok and in grads_ok), so that every rank writes a
             snapshot of the same step before any of them stops; the snapshots record which
-            ranks were non-finite. Off by default.
+            ranks were non-finite. Unset: on for sharded models (FSDP2, `sharded=True`), whose one
+            snapshot folder needs every rank (False there is refused here), off otherwise.
         check_update: with an optimizer, check the weights right after every optimizer.step() (a step
             post-hook: one fused norm) and snapshot the update that made them non-finite (trigger
             "update"). On by default; `close()` (or dropping the guard) removes the hooks.
@@ -109,7 +111,7 @@ class NanGuard:
                  step_fn: Callable | None = None, factory: str | None = None, export: bool = True,
                  max_snapshots: int = 3, max_spike_snapshots: int = 2, history: int = 200,
                  spike_factor: float | None = None, spike_window: int = 50, scaler: Any = None,
-                 autocast: dict | bool | None = None, on_nonfinite: str = "return", sync_ranks: bool = False,
+                 autocast: dict | bool | None = None, on_nonfinite: str = "return", sync_ranks: bool | None = None,
                  scaler_patience: int | None = None, check_update: bool = True, keep_pre_step: bool = False,
                  scheduler: Any = None, sharded: bool | None = None):
         if on_nonfinite not in ("return", "raise"):
@@ -126,7 +128,7 @@ class NanGuard:
         self.spike_factor, self.spike_window = spike_factor, spike_window
         self.scaler = scaler
         self.on_nonfinite = on_nonfinite
-        self.sync_ranks = sync_ranks
+        self.sync_ranks = _rank_agreement(self.model, sync_ranks, sharded)
         self.sharded = sharded
         self.history: deque = deque(maxlen=history)
         self.snapshots: list[str] = []  # failure snapshots
@@ -514,6 +516,19 @@ class NanGuard:
 
 
 # ------------------------------------------------------------------ small helpers
+
+
+def _rank_agreement(model: nn.Module, sync_ranks: bool | None, sharded: bool | None) -> bool:
+    """sync_ranks as given; unset, on exactly where a snapshot is a folder every rank writes (FSDP2, sharded=True),
+    which needs every rank to stop at the same check. Off there: refused now, never found out at the failure."""
+    folder = bool(sharded) or sharded_capture.wanted(model, sharded)
+    if sync_ranks is None:
+        return folder
+    if not sync_ranks and folder:
+        raise GuardError("NanGuard(..., sync_ranks=False) on a sharded model: its snapshot is one folder every rank "
+                         "writes, so every rank must stop at the same step; leave sync_ranks unset (it is on for "
+                         "sharded models) or pass sharded=False for one file per rank")
+    return bool(sync_ranks)
 
 
 def _rank() -> int | None:

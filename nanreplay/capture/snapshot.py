@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from nanreplay import __version__
-from nanreplay.capture import plain
+from nanreplay.capture import plain, recipe
 from nanreplay.capture.program import ModuleHooks, NotRecordable, record_step
 from nanreplay.errors import first_line
 from nanreplay.formats.loss_spec import loss_spec
@@ -317,9 +317,7 @@ def build(*, model: nn.Module, wrapped: nn.Module, state: StepState, trigger: st
         "constants": {k: v.detach().to("cpu") for k, v in constants.items()},
         "step_program": _json(program) if program is not None else None,
         "program_error": program_error,
-        "model": {"class": f"{type(model).__module__}.{type(model).__qualname__}",
-                  "factory": factory or derived_factory(model),
-                  "factory_source": "given" if factory else "derived from the model's class"},
+        "model": model_record(model, factory),
         "loss_spec": spec,
         "optimizer": _optimizer_record(optimizer, model, post_step_state=extra.get("update") is None),
         "update": extra.get("update"),
@@ -374,8 +372,10 @@ def _qualname(fn: Callable) -> str | None:
     return f"{mod}:{qual}" if mod and qual and "<" not in qual else None
 
 
-def derived_factory(model: nn.Module) -> str | None:
-    cls = type(model)
-    if cls.__module__ in ("__main__", "builtins") or "<" in cls.__qualname__:
-        return None
-    return f"{cls.__module__}:{cls.__qualname__}"
+def model_record(model: nn.Module, factory: str | None) -> dict:
+    """The snapshot's `model` field: the class, and how --trust can build it again (capture/recipe.py)."""
+    spec, arguments, source = recipe.recipe(model, factory)
+    rec = {"class": f"{type(model).__module__}.{type(model).__qualname__}", "factory": spec, "factory_source": source}
+    if arguments is not None:
+        rec["arguments"] = arguments
+    return rec
