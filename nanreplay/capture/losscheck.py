@@ -131,15 +131,16 @@ def same_inputs(a: Any, b: Any) -> bool:
 
 def find_loss(output: Any, loss: torch.Tensor, value: float) -> tuple[list, torch.Tensor] | None:
     """(path, tensor) of the scalar among the model's outputs that is the loss the loop checked: by identity,
-    else the one whose value equals it."""
+    else the one whose value equals it (or N times it)."""
     scalars = list(_scalars(output, []))
     for path, t in scalars:
         if t is loss:
             return path, t
     if not math.isfinite(value):
         return None
-    hits = [(p, t) for p, t in scalars if _close(float(t.detach().float()), value)]
-    return hits[0] if hits else None
+    values = [(p, t, float(t.detach().float())) for p, t in scalars]
+    hits = [(p, t) for p, t, v in values if _close(v, value)] or [(p, t) for p, t, v in values if agrees(v, value)]
+    return hits[0] if hits else None  # (agrees: the loop checked `loss / gradient_accumulation_steps`)
 
 
 def _scalars(x: Any, path: list, depth: int = 0):
