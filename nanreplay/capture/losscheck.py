@@ -206,7 +206,7 @@ def _name(fn: Callable | None) -> str:
         return "None"
     fn = getattr(fn, "func", fn)
     mod = getattr(fn, "__module__", "") or ""
-    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    name = getattr(fn, "__name__", None) or type(fn).__name__
     return f"F.{name}" if mod.startswith("torch.nn.functional") else name
 
 
