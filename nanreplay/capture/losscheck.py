@@ -88,7 +88,7 @@ def first_step(guard: Any, loss: torch.Tensor, value: float) -> None:
                     return guard.step_fn(guard.model, st.batch["batch"])
             msg = check_step_fn(rerun, guard.step_fn, value)
         elif output is not None:
-            with calls.looking_away():
+            with calls.looking_away(), snapshot.autocast_context(guard._autocast or None):  # as the loop's loss ran
                 picked, msg = check_loss_fn(output, st.batch.get("target"), guard.loss_fn, loss, value)
             if picked is not None:
                 guard._record_loss, guard._loss_note = picked, msg
@@ -143,19 +143,24 @@ def find_loss(output: Any, loss: torch.Tensor, value: float) -> tuple[list, torc
     return hits[0] if hits else None  # (agrees: the loop checked `loss / gradient_accumulation_steps`)
 
 
-def _scalars(x: Any, path: list, depth: int = 0):
+def _scalars(x: Any, path: list):
+    for p, t in _tensors(x, path):
+        if t.numel() == 1 and t.is_floating_point():
+            yield p, t
+
+
+def _tensors(x: Any, path: list, depth: int = 0):
     if depth > 8:
         return
     if isinstance(x, torch.Tensor):
-        if x.numel() == 1 and x.is_floating_point():
-            yield path, x
+        yield path, x
     elif isinstance(x, dict) or (hasattr(x, "keys") and hasattr(x, "__getitem__")):
         for k in list(x.keys()):
             if isinstance(k, (str, int)):
-                yield from _scalars(x[k], path + [k], depth + 1)
+                yield from _tensors(x[k], path + [k], depth + 1)
     elif isinstance(x, (tuple, list)):
         for i, v in enumerate(x):
-            yield from _scalars(v, path + [i], depth + 1)
+            yield from _tensors(v, path + [i], depth + 1)
 
 
 def pick(path: list) -> Callable[[Any, Any], torch.Tensor]:
@@ -182,22 +187,22 @@ def describe_output(x: Any, depth: int = 0) -> str:
     return type(x).__name__
 
 
-def _close(a: float, b: float) -> bool:
+def _close(a: float, b: float, rtol: float = _RTOL) -> bool:
     if math.isnan(a) and math.isnan(b):
         return True
     if not (math.isfinite(a) and math.isfinite(b)):
         return a == b
-    return abs(a - b) <= _RTOL * max(abs(a), abs(b)) + 1e-6
+    return abs(a - b) <= rtol * max(abs(a), abs(b)) + 1e-6
 
 
-def agrees(mine: float, checked: float) -> bool:
+def agrees(mine: float, checked: float, rtol: float = _RTOL) -> bool:
     """The configured loss gives the loss the loop checked (or N times it: accumulation's division)."""
-    if _close(mine, checked):
+    if _close(mine, checked, rtol):
         return True
     if math.isfinite(mine) and math.isfinite(checked) and checked != 0 and mine != 0:
         ratio = mine / checked
         n = round(ratio)
-        return 2 <= n <= 4096 and abs(ratio - n) <= _RTOL * n
+        return 2 <= n <= 4096 and abs(ratio - n) <= rtol * n
     return False
 
 
@@ -212,11 +217,12 @@ def _name(fn: Callable | None) -> str:
 
 def check_loss_fn(output: Any, target: Any, loss_fn: Callable | None, loss: torch.Tensor, value: float):
     """(a recording loss to use instead, or None; the warning to give, or None) for the first step."""
+    rtol = _RTOL if not any(t.dtype in (torch.float16, torch.bfloat16) for _, t in _tensors(output, [])) else 3e-2
     try:
         with torch.no_grad():
             mine = compute_loss(output, target, loss_fn)
         got = float(mine.detach().float())
-        if agrees(got, value):
+        if agrees(got, value, rtol):
             return None, None
         why = f"gives {got:.6g}, not the {value:.6g} the loop checked"
     except Exception as e:  # noqa: BLE001 - exactly what the check is for

@@ -168,9 +168,7 @@ def from_begin_state(model: nn.Module, state: StepState, autocast: dict | None) 
             torch.set_rng_state(state.rng["cpu"])
         if state.rng.get("cuda") is not None:
             torch.cuda.set_rng_state_all(state.rng["cuda"])
-        ctx = torch.autocast(**_autocast_kwargs(autocast)) if autocast and not _autocast_on(autocast) \
-            else _nullcontext()
-        with torch.enable_grad(), ctx:
+        with torch.enable_grad(), autocast_context(autocast):
             yield
     finally:
         torch.set_rng_state(live_rng)
@@ -199,6 +197,11 @@ def record(model: nn.Module, state: StepState, forward: Callable[[], Any], loss:
     except Exception as e:  # noqa: BLE001 - the user's step raised when run again: no program
         return None, {}, f"running the step again to record it raised {type(e).__name__}: {first_line(e, 300)}", \
             time.perf_counter() - t0
+
+
+def autocast_context(autocast: dict | None):
+    """The step's autocast, unless it is on already (loss_ok() called inside the autocast block)."""
+    return torch.autocast(**_autocast_kwargs(autocast)) if autocast and not _autocast_on(autocast) else _nullcontext()
 
 
 class _nullcontext:
