@@ -231,6 +231,8 @@ class NanGuard:
         Pass the total norm you already have (what clip_grad_norm_ returned) to skip computing it.
         Under gradient accumulation it may be called after every micro-batch or only after the last.
         """
+        if self._check_pending and self._calls is not None:  # loss_ok() is not called: nothing to check against
+            self._calls.want_output, self._calls.output = False, None
         norm = float(grad_norm) if grad_norm is not None else _total_norm(self.model)
         trigger = None
         if not math.isfinite(norm):

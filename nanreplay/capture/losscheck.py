@@ -39,7 +39,7 @@ log = logging.getLogger("nanreplay")
 
 
 class CallWatch:
-    """A forward hook on the guard's model: the last call of each micro-batch, and the first step's output."""
+    """A forward hook on the guard's model: the first call after each begin(), and the first step's output."""
 
     def __init__(self, guard: Any):
         self._guard = weakref.ref(guard)
@@ -63,8 +63,8 @@ class CallWatch:
 
     def _hook(self, module, args, kwargs, output) -> None:
         guard = self._guard()
-        if guard is None or self.paused or not guard._states:
-            return
+        if guard is None or self.paused or not guard._states or guard._states[-1].call is not None:
+            return  # the first call after begin() is the step's (a later one may be a metric on other data)
         guard._states[-1].call = (tuple(args), dict(kwargs))
         if self.want_output:
             self.output = output
@@ -228,19 +228,19 @@ def check_loss_fn(output: Any, target: Any, loss_fn: Callable | None, loss: torc
     except Exception as e:  # noqa: BLE001 - exactly what the check is for
         why = f"raises {type(e).__name__}: {first_line(e, 160)}"
     shown = describe_output(output)
-    what = (f"loss_fn={_name(loss_fn)} on the model's output {shown} {why}" if loss_fn is not None
-            else f"the model's own loss (loss_fn=None) in its output {shown} {why}")
+    what = (f"loss_fn={_name(loss_fn)} does not fit the model's output {shown}: it {why}" if loss_fn is not None
+            else f"the model's own loss (loss_fn=None) is not the loss the loop checks: in its output {shown} it {why}")
     found = find_loss(output, loss, value)
     if found is not None:
-        path, _ = found
-        own = model_loss(output)
+        path, tensor = found
         where = "".join(f"[{p!r}]" for p in path)
-        fix = ("pass loss_fn=None" if own is not None and own is found[1]
-               else f"pass step_fn=lambda model, batch: model(...){where}")
-        return pick(path), (f"{what}. The loss the loop checked is the model's own output{where}: your model returns "
-                            f"{shown}: {fix}. Snapshots of this run record the step through output{where}.")
-    return None, (f"{what}, and the loss the loop checked is none of the model's outputs: snapshots of this run "
-                  "record loss_fn's loss, not the loop's. Give the guard the loss the loop computes: "
+        own = model_loss(output)
+        fix = "pass loss_fn=None" if own is not None and own is tensor \
+            else f"pass step_fn=lambda model, batch: model(...){where}, and begin(batch)"
+        return pick(path), (f"{what}. The loss your loop checks is the model's own, output{where}: {fix}. Until then, "
+                            f"this run's snapshots record the step through output{where}.")
+    return None, (f"{what}, and the loss the loop checks is none of the model's outputs: this run's snapshots record "
+                  "loss_fn's loss, not the loop's. Give the guard the loss the loop computes: "
                   "step_fn=fn(model, batch) -> loss, and begin(batch)")
 
 
