@@ -6,7 +6,7 @@
 * weight norm (both APIs) and CTC record and replay bit for bit; a program whose CTC labels or weight-norm
   gains address outside their tensors is refused before any kernel runs;
 * the fallback recipe: a class and the constructor arguments it keeps (a transformers config as JSON), or
-  no factory and the reason.
+  no factory and the reason; `--trust` really rebuilds a Wav2Vec2ForCTC no program was recorded for.
 """
 
 from __future__ import annotations
@@ -247,3 +247,26 @@ def test_a_transformers_model_is_rebuilt_from_its_class_and_config():
     rebuilt = build_model(spec, args)
     assert type(rebuilt) is type(model) and rebuilt.config.n_embd == 16
     assert {k: v.shape for k, v in rebuilt.state_dict().items()} == {k: v.shape for k, v in model.state_dict().items()}
+
+
+def test_trust_rebuilds_a_transformers_model_no_program_was_recorded_for(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from nanreplay.analysis import analyze
+
+    cfg = transformers.Wav2Vec2Config(vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=32, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
+                                      num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2, mask_time_prob=0.0,
+                                      layerdrop=0.0, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.Wav2Vec2ForCTC(cfg)
+    guard = NanGuard(model, None, folder=tmp_path, export=False)  # as if the step could not be recorded
+    batch = {"input_values": torch.randn(2, 400), "labels": torch.randint(1, 12, (2, 60))}
+    guard.begin(batch, step=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert not guard.loss_ok(model(**batch).loss)
+    d = torch.load(guard.last_snapshot, weights_only=True)
+    assert d["model"]["factory"].endswith(":Wav2Vec2ForCTC") and "config_class" in d["model"]["arguments"]
+    a = analyze(guard.last_snapshot, trust=True, verify=False).to_json()
+    assert a["model"]["how"].startswith("factory") and a["verdict"] == "culprit_found"
+    assert a["culprit"]["op"] == "aten._ctc_loss.Tensor"
