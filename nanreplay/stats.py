@@ -239,6 +239,13 @@ def leaf_counts(t: torch.Tensor) -> tuple[int, int]:
     return c["nan"], c["posinf"] + c["neginf"]
 
 
+def mask_values(t: torch.Tensor) -> bool:
+    """Only -inf among its non-finite values (no NaN, no +inf): an additive attention mask's values, a literal-like
+    source whose effect the causal chain judges (softmax over a row where every key is masked), not damage."""
+    c = counts(t)
+    return c["neginf"] > 0 and not c["nan"] and not c["posinf"]
+
+
 def leaf_row(name: str, role: str, t: torch.Tensor, *, shape: torch.Size | None = None) -> dict | None:
     """A non-finite-leaves row ({name, role, nan, inf, shape}) for a tensor holding NaN/Inf, else None.
     `shape`: the shape to report where `t` is a selection of the tensor."""

@@ -276,7 +276,8 @@ def check_leaves(subject: Subject) -> list[dict]:
     for name, role, t in batch_tensors(subject):
         row = stats.leaf_row(name, role, t)
         if row:
-            rows.append({**row, "samples": _bad_samples(t)})
+            # -inf and nothing else non-finite: a mask's values (replayed; the chain says if they broke the step)
+            rows.append({**row, "samples": _bad_samples(t), **({"literal": True} if stats.mask_values(t) else {})})
     for name, p in subject.model.named_parameters():
         row = stats.leaf_row(name, "parameter", p)
         if row:
@@ -290,9 +291,13 @@ def check_leaves(subject: Subject) -> list[dict]:
 
 
 def _bad_samples(t: torch.Tensor, limit: int = 20) -> list[int]:
+    """The samples (dim 0) holding NaN/Inf; in a tensor that also holds a mask's -inf, those with NaN or +inf."""
     if t.dim() == 0 or not t.is_floating_point():
         return []
-    bad = ~torch.isfinite(t.reshape(t.shape[0], -1)).all(dim=1)
+    rows = t.reshape(t.shape[0], -1)
+    bad = (torch.isnan(rows) | torch.isposinf(rows)).any(dim=1)
+    if not bool(bad.any()):
+        bad = ~torch.isfinite(rows).all(dim=1)
     return bad.nonzero().flatten()[:limit].tolist()
 
 

@@ -19,7 +19,8 @@ Gradient accumulation: `begin(x, y, step=s, micro_batch=k)` for each micro-batch
 broke. A loss that is not `loss_fn(model(x), y)`: `NanGuard(model, opt, step_fn=fn)` with
 `fn(model, batch) -> loss` and `begin(batch, step=s)`. GradScaler: pass `scaler=`; its routine
 back-off is never a failure. DDP: `sync_ranks=True` makes every rank snapshot the same step.
-FSDP2 (`fully_shard`): with `sync_ranks=True` all ranks write one sharded snapshot folder (docs/sharded.md).
+FSDP2 (`fully_shard`, or `sharded=True`): all ranks write one sharded snapshot folder (docs/sharded.md); rank
+agreement is on by itself there (turning it off is refused when the guard is made, not at the failure).
 
 On healthy steps the guard reads the loss once (the `.item()` most loops do for logging anyway),
 the total gradient norm (pass what `clip_grad_norm_` returned to skip computing it) and, from an
@@ -31,6 +32,7 @@ stays None. This module imports only torch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -47,8 +49,8 @@ import torch.nn as nn
 
 from nanreplay import atomic
 from nanreplay import torch_internals as ti
+from nanreplay.capture import losscheck, snapshot
 from nanreplay.capture import sharded as sharded_capture
-from nanreplay.capture import snapshot
 from nanreplay.capture import update as upd
 from nanreplay.enums import Trigger
 from nanreplay.errors import GuardError, NonFiniteStep
@@ -91,7 +93,8 @@ class NanGuard:
         sync_ranks: under torch.distributed, agree across ranks at each check (one all-reduce of
             a world-size flag vector in loss_ok and in grads_ok), so that every rank writes a
             snapshot of the same step before any of them stops; the snapshots record which
-            ranks were non-finite. Off by default.
+            ranks were non-finite. Unset: on for sharded models (FSDP2, `sharded=True`), whose one
+            snapshot folder needs every rank (False there is refused here), off otherwise.
         check_update: with an optimizer, check the weights right after every optimizer.step() (a step
             post-hook: one fused norm) and snapshot the update that made them non-finite (trigger
             "update"). On by default; `close()` (or dropping the guard) removes the hooks.
@@ -108,7 +111,7 @@ class NanGuard:
                  step_fn: Callable | None = None, factory: str | None = None, export: bool = True,
                  max_snapshots: int = 3, max_spike_snapshots: int = 2, history: int = 200,
                  spike_factor: float | None = None, spike_window: int = 50, scaler: Any = None,
-                 autocast: dict | bool | None = None, on_nonfinite: str = "return", sync_ranks: bool = False,
+                 autocast: dict | bool | None = None, on_nonfinite: str = "return", sync_ranks: bool | None = None,
                  scaler_patience: int | None = None, check_update: bool = True, keep_pre_step: bool = False,
                  scheduler: Any = None, sharded: bool | None = None):
         if on_nonfinite not in ("return", "raise"):
@@ -125,7 +128,7 @@ class NanGuard:
         self.spike_factor, self.spike_window = spike_factor, spike_window
         self.scaler = scaler
         self.on_nonfinite = on_nonfinite
-        self.sync_ranks = sync_ranks
+        self.sync_ranks = _rank_agreement(self.model, sync_ranks, sharded)
         self.sharded = sharded
         self.history: deque = deque(maxlen=history)
         self.snapshots: list[str] = []  # failure snapshots
@@ -149,6 +152,10 @@ class NanGuard:
         self._update_failed = False  # this step's update made the weights non-finite
         self._broken_by: str | None = None  # the update snapshot written when the weights broke
         self._watch = None
+        self._record_loss: Callable | None = loss_fn  # the loss a recording uses (the loop's own, after the check)
+        self._loss_note: str | None = None
+        self._check_pending = True  # the first loss_ok() checks that the guard's loss is the loop's
+        self._calls = losscheck.CallWatch(self) if step_fn is None else None
         inner = upd.unwrap_optimizer(optimizer)  # accelerate's / Lightning's wrappers hold the torch optimizer
         if inner is not None and check_update:
             try:
@@ -163,6 +170,9 @@ class NanGuard:
         if self._watch is not None:
             self._watch.close()
             self._watch = None
+        if self._calls is not None:
+            self._calls.close()
+            self._calls = None
 
     def __enter__(self) -> NanGuard:
         return self
@@ -206,6 +216,8 @@ class NanGuard:
             self._inspected = True
             if self._autocast is None:
                 self._autocast = _autocast_state(self.model) or _saved_low_precision(loss, self.model) or False
+        if self._check_pending:  # once: is the loss a recording computes the loss the loop checks?
+            losscheck.first_step(self, loss, value)
         row = self._row()
         row["loss"] = value if self.micro_batch is None or row.get("loss") is None else row["loss"] + value
         bad = self._agree(not math.isfinite(value))
@@ -219,6 +231,8 @@ class NanGuard:
         Pass the total norm you already have (what clip_grad_norm_ returned) to skip computing it.
         Under gradient accumulation it may be called after every micro-batch or only after the last.
         """
+        if self._check_pending and self._calls is not None:  # loss_ok() is not called: nothing to check against
+            self._calls.want_output, self._calls.output = False, None
         norm = float(grad_norm) if grad_norm is not None else _total_norm(self.model)
         trigger = None
         if not math.isfinite(norm):
@@ -332,8 +346,9 @@ class NanGuard:
             # (sharded: re-running backward is a collective this rank alone would start)
             return None
         try:
-            return snapshot.first_nonfinite_micro_batch(self.model, unchecked, self._forward_loss,
-                                                        self._autocast or None) or unchecked[-1]
+            with self._calls_paused():
+                return snapshot.first_nonfinite_micro_batch(self.model, unchecked, self._forward_loss,
+                                                            self._autocast or None) or unchecked[-1]
         except Exception as e:  # noqa: BLE001 - finding it is a courtesy; never break training
             log.debug("nanreplay: could not find the micro-batch that broke the gradients: %s", e)
             return None
@@ -342,7 +357,8 @@ class NanGuard:
 
     def _update_healthy(self, optimizer: torch.optim.Optimizer) -> None:
         """Log the learning rate (the first group's, when it is a plain number) in the history."""
-        lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+        lr = upd.hyperparameters({"lr": optimizer.param_groups[0].get("lr")}).get("lr") if optimizer.param_groups \
+            else None  # (a numpy float from a schedule becomes a Python one)
         if isinstance(lr, (int, float)) and not isinstance(lr, bool):
             self._row()["lr"] = float(lr)
 
@@ -441,7 +457,27 @@ class NanGuard:
     def _forward_loss(self, st: snapshot.StepState):
         if self.step_fn is not None:
             return snapshot.step_forward(self.model, st.batch["batch"], self.step_fn)
-        return snapshot.loss_forward(self.model, st.batch["inputs"], st.batch["target"], self.loss_fn)
+        st = self._as_called(st)
+        return snapshot.loss_forward(self.model, st.batch["inputs"], st.batch["target"], self._record_loss)
+
+    def _as_called(self, st: snapshot.StepState) -> snapshot.StepState:
+        """The step with the inputs the loop's model call actually got, where begin() was given others."""
+        got = losscheck.call_inputs(st.call)
+        if self.step_fn is not None or got is None or losscheck.same_inputs(got, st.batch.get("inputs")):
+            return st
+        if "call" not in self._warned:
+            self._warned.add("call")
+            log.info("nanreplay: the model was called with other arguments than the inputs given to begin(); "
+                     "snapshots record the call the loop made")
+        return snapshot.StepState({"inputs": got, "target": st.batch.get("target")}, st.rng, st.buffers,
+                                  st.micro_batch)
+
+    def _recorded_loss_fn(self) -> Callable | None:
+        """The loss a snapshot names: None (the model's own) where the recording picks it from the output."""
+        return None if self._record_loss is not self.loss_fn else self.loss_fn
+
+    def _calls_paused(self):
+        return contextlib.nullcontext() if self._calls is None else self._calls.looking_away()
 
     def to_dict(self, trigger: str, extra: dict | None = None) -> dict:
         """The native snapshot dict for the current step (CPU copies; loads with weights_only=True)."""
@@ -458,13 +494,16 @@ class NanGuard:
         if st is None:
             st, why = snapshot.StepState({}, {}), "no batch: begin() was not called for this step"
         elif self.export:
+            st = self._as_called(st)
             forward, loss = self._forward_loss(st)
-            program, constants, why, seconds = snapshot.record(self.model, st, forward, loss, self._autocast or None)
+            with self._calls_paused():
+                program, constants, why, seconds = snapshot.record(self.model, st, forward, loss,
+                                                                   self._autocast or None)
             if program is None:
                 self.last_error = why
                 self._warn_once("record", f"the step could not be recorded as a program ({why}); analyzing its "
                                           "snapshot will need the model's code (--model, or --trust for its factory)")
-        notes: list[str] = []
+        notes: list[str] = [self._loss_note] if self._loss_note else []
         extra["record_seconds"] = round(seconds, 3) if program is not None else None
         extra.setdefault("loss_value", self._row().get("loss"))
         extra["micro_batch"] = st.micro_batch
@@ -472,13 +511,26 @@ class NanGuard:
             extra["nonfinite_ranks"] = list(self._bad_ranks)
         return snapshot.build(model=self.model, wrapped=self.wrapped, state=st, trigger=trigger, step=self.step_index,
                               extra=extra, program=program, constants=constants, program_error=why,
-                              loss_fn=self.loss_fn, step_fn=self.step_fn,
+                              loss_fn=self._recorded_loss_fn(), step_fn=self.step_fn,
                               optimizer=upd.unwrap_optimizer(self.optimizer),
                               scaler=self.scaler, autocast=self._autocast or None, history=list(self.history),
                               factory=self.factory, notes=notes)
 
 
 # ------------------------------------------------------------------ small helpers
+
+
+def _rank_agreement(model: nn.Module, sync_ranks: bool | None, sharded: bool | None) -> bool:
+    """sync_ranks as given; unset, on exactly where a snapshot is a folder every rank writes (FSDP2, sharded=True),
+    which needs every rank to stop at the same check. Off there: refused now, never found out at the failure."""
+    folder = bool(sharded) or sharded_capture.wanted(model, sharded)
+    if sync_ranks is None:
+        return folder
+    if not sync_ranks and folder:
+        raise GuardError("NanGuard(..., sync_ranks=False) on a sharded model: its snapshot is one folder every rank "
+                         "writes, so every rank must stop at the same step; leave sync_ranks unset (it is on for "
+                         "sharded models) or pass sharded=False for one file per rank")
+    return bool(sync_ranks)
 
 
 def _rank() -> int | None:

@@ -177,13 +177,14 @@ def write(guard: Any, trigger: str, extra: dict) -> str:
         raise GuardError("a sharded snapshot needs every rank to stop at the same step: NanGuard(..., sync_ranks=True)")
     rank, world = dist.get_rank(), dist.get_world_size()
     extra = dict(extra)
-    st = extra.pop("state", None) or guard._states[-1]
+    st = guard._as_called(extra.pop("state", None) or guard._states[-1])
     folder = _agree_folder(guard, trigger, st, rank)
     model = guard.model
     program, constants, why, seconds = None, {}, "recording was switched off (export=False)", 0.0
     if guard.export:
         forward, loss = guard._forward_loss(st)
-        program, constants, why, seconds = record(model, st, forward, loss, guard._autocast or None)
+        with guard._calls_paused():
+            program, constants, why, seconds = record(model, st, forward, loss, guard._autocast or None)
     for _, unit in fsdp_units(model):  # the root stays gathered after a forward: save shards, as the optimizer
         unit.reshard()                 # holds them (a backward that follows gathers it again)
     failed = None
@@ -376,7 +377,8 @@ def _contents(guard: Any, model: nn.Module, trigger: str, st: snapshot.StepState
         mesh = {"shape": list(m.shape), "dim_names": list(m.mesh_dim_names or []), "device_type": m.device_type,
                 "placements": [str(pl) for pl in first.placements]}
     cls = _user_class(model)
-    spec = loss_spec(guard.loss_fn) if guard.step_fn is None else {"kind": "step_fn", "spec": snapshot._qualname(guard.step_fn)}
+    spec = loss_spec(guard._recorded_loss_fn()) if guard.step_fn is None \
+        else {"kind": "step_fn", "spec": snapshot._qualname(guard.step_fn)}
     spec = {k: v for k, v in spec.items() if k != "kwargs"}
     param0 = next(iter(params.values()), None)
     autocast = snapshot._autocast_record(guard._autocast or None)

@@ -8,9 +8,10 @@ is copied to the CPU; the live model, its buffers and the RNG are left as they w
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from nanreplay import __version__
+from nanreplay.capture import plain, recipe
 from nanreplay.capture.program import ModuleHooks, NotRecordable, record_step
 from nanreplay.errors import first_line
 from nanreplay.formats.loss_spec import loss_spec
@@ -57,6 +59,7 @@ class StepState:
     rng: dict
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> copy, for buffers forward mutates
     micro_batch: int | None = None
+    call: tuple | None = None  # (args, kwargs) the loop's model call got (capture/losscheck.py CallWatch)
 
 
 class BufferWatch:
@@ -131,9 +134,9 @@ def cpu_copy(obj: Any) -> Any:
             return tuple(copy(v) for v in x)
         if isinstance(x, list):
             return [copy(v) for v in x]
-        if x is None or isinstance(x, (bool, int, float, str)):
-            return x
-        return repr(x)[:200]  # not data a snapshot can hold; the program records what the step did with it
+        # numpy scalars and arrays, enums, ... become plain values or tensors; what is not data becomes its
+        # repr (the program records what the step did with it)
+        return plain.data(x, keep_tuples=True)
     return copy(obj)
 
 
@@ -148,15 +151,10 @@ def _tensors(obj: Any):
             yield from _tensors(v)
 
 
-def record(model: nn.Module, state: StepState, forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor],
-           autocast: dict | None, hooks: ModuleHooks | None = None) -> tuple[dict | None, dict, str | None, float]:
-    """Replay the step from its begin() state under the recorder; the live state is restored afterwards.
-
-    `hooks`: work around module calls the program must not see (FSDP2 gathering a unit's parameters).
-
-    Returns (program or None, constants, why there is no program, seconds).
-    """
-    t0 = time.perf_counter()
+@contextlib.contextmanager
+def from_begin_state(model: nn.Module, state: StepState, autocast: dict | None) -> Iterator[None]:
+    """Run the step again as it began: the RNG state and mutated buffers of begin(), the step's autocast, grad
+    on (a hook inside optimizer.step() runs under no_grad; the step did not); the live state restored after."""
     live_rng = torch.get_rng_state()
     live_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     bufs = dict(model.named_buffers())
@@ -170,16 +168,8 @@ def record(model: nn.Module, state: StepState, forward: Callable[[], Any], loss:
             torch.set_rng_state(state.rng["cpu"])
         if state.rng.get("cuda") is not None:
             torch.cuda.set_rng_state_all(state.rng["cuda"])
-        ctx = torch.autocast(**_autocast_kwargs(autocast)) if autocast and not _autocast_on(autocast) \
-            else _nullcontext()
-        with torch.enable_grad(), ctx:  # a hook inside optimizer.step() runs under no_grad; the step did not
-            rec = record_step(forward, loss, model=model, batch=state.batch, hooks=hooks)
-        return rec.program, rec.constants, None, time.perf_counter() - t0
-    except NotRecordable as e:
-        return None, {}, str(e), time.perf_counter() - t0
-    except Exception as e:  # noqa: BLE001 - the user's step raised when run again: no program
-        return None, {}, f"running the step again to record it raised {type(e).__name__}: {first_line(e, 300)}", \
-            time.perf_counter() - t0
+        with torch.enable_grad(), autocast_context(autocast):
+            yield
     finally:
         torch.set_rng_state(live_rng)
         if live_cuda is not None:
@@ -187,6 +177,31 @@ def record(model: nn.Module, state: StepState, forward: Callable[[], Any], loss:
         with torch.no_grad():
             for n, b in live_bufs.items():
                 bufs[n].copy_(b)
+
+
+def record(model: nn.Module, state: StepState, forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor],
+           autocast: dict | None, hooks: ModuleHooks | None = None) -> tuple[dict | None, dict, str | None, float]:
+    """Replay the step from its begin() state under the recorder; the live state is restored afterwards.
+
+    `hooks`: work around module calls the program must not see (FSDP2 gathering a unit's parameters).
+
+    Returns (program or None, constants, why there is no program, seconds).
+    """
+    t0 = time.perf_counter()
+    try:
+        with from_begin_state(model, state, autocast):
+            rec = record_step(forward, loss, model=model, batch=state.batch, hooks=hooks)
+        return rec.program, rec.constants, None, time.perf_counter() - t0
+    except NotRecordable as e:
+        return None, {}, str(e), time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 - the user's step raised when run again: no program
+        return None, {}, f"running the step again to record it raised {type(e).__name__}: {first_line(e, 300)}", \
+            time.perf_counter() - t0
+
+
+def autocast_context(autocast: dict | None):
+    """The step's autocast, unless it is on already (loss_ok() called inside the autocast block)."""
+    return torch.autocast(**_autocast_kwargs(autocast)) if autocast and not _autocast_on(autocast) else _nullcontext()
 
 
 class _nullcontext:
@@ -280,7 +295,7 @@ def build(*, model: nn.Module, wrapped: nn.Module, state: StepState, trigger: st
         b = state.buffers.get(name, b)  # as the step began
         state_dict[name] = b.detach().to("cpu", copy=True)
     spec = loss_spec(loss_fn) if step_fn is None else {"kind": "step_fn", "spec": _qualname(step_fn)}
-    return {
+    d = {
         "format": FORMAT,
         "version": VERSION,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -305,9 +320,7 @@ def build(*, model: nn.Module, wrapped: nn.Module, state: StepState, trigger: st
         "constants": {k: v.detach().to("cpu") for k, v in constants.items()},
         "step_program": _json(program) if program is not None else None,
         "program_error": program_error,
-        "model": {"class": f"{type(model).__module__}.{type(model).__qualname__}",
-                  "factory": factory or derived_factory(model),
-                  "factory_source": "given" if factory else "derived from the model's class"},
+        "model": model_record(model, factory),
         "loss_spec": spec,
         "optimizer": _optimizer_record(optimizer, model, post_step_state=extra.get("update") is None),
         "update": extra.get("update"),
@@ -321,6 +334,13 @@ def build(*, model: nn.Module, wrapped: nn.Module, state: StepState, trigger: st
         "history": [dict(h) for h in history],
         "notes": notes,
     }
+    # only data: whatever training code left in these fields (numpy scalars from a schedule, enums, ...) becomes
+    # plain values, so the file loads with weights_only=True and no pickled object (the batch is copied above)
+    return {k: v if k == "batch" else plain.data(v, keep_tuples=True, tensor=_cpu) for k, v in d.items()}
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t if t.device.type == "cpu" else t.detach().to("cpu")
 
 
 def _optimizer_record(optimizer: Any, model: nn.Module, post_step_state: bool) -> dict | None:
@@ -333,7 +353,7 @@ def _optimizer_record(optimizer: Any, model: nn.Module, post_step_state: bool) -
         names.setdefault(id(p), n)
     order = [names.get(id(p), "") for g in optimizer.param_groups for p in g["params"]]
     return {"class": type(optimizer).__name__,
-            "state_dict": cpu_copy(optimizer.state_dict()) if post_step_state else None,
+            "state_dict": plain.data(optimizer.state_dict()) if post_step_state else None,
             "param_names": order}
 
 
@@ -355,8 +375,10 @@ def _qualname(fn: Callable) -> str | None:
     return f"{mod}:{qual}" if mod and qual and "<" not in qual else None
 
 
-def derived_factory(model: nn.Module) -> str | None:
-    cls = type(model)
-    if cls.__module__ in ("__main__", "builtins") or "<" in cls.__qualname__:
-        return None
-    return f"{cls.__module__}:{cls.__qualname__}"
+def model_record(model: nn.Module, factory: str | None) -> dict:
+    """The snapshot's `model` field: the class, and how --trust can build it again (capture/recipe.py)."""
+    spec, arguments, source = recipe.recipe(model, factory)
+    rec = {"class": f"{type(model).__module__}.{type(model).__qualname__}", "factory": spec, "factory_source": source}
+    if arguments is not None:
+        rec["arguments"] = arguments
+    return rec

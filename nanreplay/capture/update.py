@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from nanreplay import torch_internals as ti
-from nanreplay.capture import invert
+from nanreplay.capture import invert, plain
 
 
 def implementation(optimizer: torch.optim.Optimizer) -> str:
@@ -68,12 +68,19 @@ def all_finite(groups: list[list[torch.Tensor]]) -> bool:
 
 
 def _plain(v: Any) -> Any:
-    """A hyperparameter as plain data (tensors of one element become numbers); None: not storable."""
+    """A hyperparameter as plain data (tensors of one element become numbers, numpy scalars Python numbers,
+    tuples lists); None: not storable."""
     if isinstance(v, torch.Tensor):
         return float(v.detach().cpu().reshape(())) if v.numel() == 1 else None
+    try:
+        v = plain.data(v, unknown=plain.refuse)
+    except plain.NotData:
+        return None
+    if isinstance(v, torch.Tensor):  # a numpy array
+        return float(v.reshape(())) if v.numel() == 1 else None
     if v is None or isinstance(v, (bool, int, float, str)):
         return v
-    if isinstance(v, (list, tuple)) and len(v) <= 16:
+    if isinstance(v, list) and len(v) <= 16:
         items = [_plain(x) for x in v]
         return items if all(x is not None or y is None for x, y in zip(items, v, strict=True)) else None
     return None
@@ -85,8 +92,15 @@ def hyperparameters(group: dict) -> dict:
 
 
 def _state_copy(state: dict) -> dict:
-    return {k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v) for k, v in state.items()
-            if isinstance(k, str) and (isinstance(v, torch.Tensor) or isinstance(v, (int, float)))}
+    """A parameter's optimizer state: its tensors (CPU copies) and numbers (plain Python ones)."""
+    out = {}
+    for k, v in state.items():
+        if not isinstance(k, str):
+            continue
+        v = plain.data(v, unknown=lambda x: None)
+        if isinstance(v, (torch.Tensor, int, float)):
+            out[k] = v
+    return out
 
 
 class PreStep:

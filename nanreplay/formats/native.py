@@ -6,7 +6,7 @@ next to the tensors it names, each stored once:
     format, version, created, nanreplay_version, trigger, step, micro_batch, rank, world_size,
     loss_value, grad_norm, grad_scale, batch, state (parameters and buffers as the step began),
     parameters, aliases (tied names), model_training, constants, step_program, program_error,
-    model {class, factory, factory_source}, loss_spec, optimizer, rng, autocast, environment,
+    model {class, factory, factory_source, arguments}, loss_spec, optimizer, rng, autocast, environment,
     history, notes, update (trigger "update" only: what a replay of the optimizer step needs,
     formats/update_record.py; the `state` of such a snapshot holds the weights before the update)
 
@@ -50,7 +50,7 @@ _HISTORY_ROW = S.record({"step": S.optional(S.integer()), "micro_batch": S.optio
                          "lr": S.optional(S.number), "scale": S.optional(S.number),
                          "overflow": S.optional(S.boolean)})
 _MODEL = S.record({"class": S.optional(S.string(500)), "factory": S.optional(S.string(500)),
-                   "factory_source": S.optional(S.string(200))})
+                   "factory_source": S.optional(S.string(300)), "arguments": S.optional(S.string(1 << 20))})
 _LOSS_SPEC = S.record({"kind": S.one_of("output", "functional", "module", "callable", "unknown", "step_fn"),
                        "name": S.optional(S.string(100)), "class": S.optional(S.string(100)),
                        "spec": S.optional(S.string(500)), "repr": S.optional(S.string(500)),
@@ -195,12 +195,15 @@ def _factory_model(snap: Snapshot, trust: bool):
                          "or analyze it with --model MODULE:FACTORY")
     why = f" (no step program: {d['program_error']})" if d.get("program_error") else ""
     if not spec:
-        raise ModelError(f"{snap.path}: the snapshot holds no step program{why} and names no factory; "
+        how = f" ({info['factory_source']})" if info.get("factory_source") else ""
+        raise ModelError(f"{snap.path}: the snapshot holds no step program{why} and names no factory{how}; "
                          "pass --model MODULE:FACTORY")
     if not trust:
         raise TrustError(f"{snap.path}: the snapshot names code to rebuild its model ({spec!r}){why}; "
                          "it runs only with --trust, or name the model yourself with --model MODULE:FACTORY")
-    return build_model(spec), f"factory {spec} from the snapshot (--trust){why}"
+    arguments = info.get("arguments")
+    shown = f"{spec}(<{len(arguments)} characters of recorded arguments>)" if arguments else spec
+    return build_model(spec, arguments), f"factory {shown} from the snapshot (--trust){why}"
 
 
 def program_subject(snap: Snapshot, dev: torch.device, max_memory: int | None, common: dict) -> Subject:

@@ -65,6 +65,7 @@ upsample_bilinear2d upsample_linear1d upsample_nearest1d upsample_nearest2d upsa
 upsample_trilinear3d var var_mean view view_as where xlogy xlogy_ zero_ zeros zeros_like _to_copy to
 _log_softmax_backward_data _softmax_backward_data log_sigmoid_backward threshold_backward
 native_layer_norm_backward native_batch_norm_backward convolution_backward embedding_dense_backward
+_weight_norm_interface _ctc_loss
 """.split())
 
 # (op packet, argument) -> allowed values (a frozenset) or a full-match regex.
@@ -83,6 +84,79 @@ STRING_ARGS: dict[tuple[str, str], frozenset[str] | re.Pattern] = {
     ("norm", "p"): frozenset({"fro"}),
     ("linalg_norm", "ord"): frozenset({"fro", "nuc"}),
 }
+
+
+
+
+def _weight_norm_args(a: dict) -> str | None:
+    """weight_norm's fused kernel reads one g per slice of v along dim, trusting g to hold that many."""
+    v, g, dim = a.get("v"), a.get("g"), a.get("dim", 0)
+    if not (isinstance(v, torch.Tensor) and isinstance(g, torch.Tensor) and isinstance(dim, int)):
+        return None  # the schema check has already said what is wrong with them
+    if v.dim() == 0 or dim not in (0, v.dim() - 1, -1):
+        return f"dim {dim} is neither the first nor the last of v's {v.dim()} dimensions"
+    if g.numel() != v.shape[dim]:
+        return f"g holds {g.numel()} values, v has {v.shape[dim]} slices along dim {dim}"
+    return None
+
+
+def _ctc_args(a: dict) -> str | None:
+    """CTC's kernels index log_probs' classes by every target label and trust blank and the lengths."""
+    lp, tg, il, tl, blank = (a.get(k) for k in ("log_probs", "targets", "input_lengths", "target_lengths", "blank"))
+    if not (isinstance(lp, torch.Tensor) and isinstance(tg, torch.Tensor)) or lp.dim() not in (2, 3):
+        return None if not isinstance(lp, torch.Tensor) else f"log_probs has {lp.dim()} dimensions (2 or 3)"
+    t_max, n, classes = lp.shape[0], (lp.shape[1] if lp.dim() == 3 else 1), lp.shape[-1]
+    blank = 0 if blank is None else blank
+    if not (isinstance(blank, int) and 0 <= blank < classes):
+        return f"blank {blank} is not one of the {classes} classes"
+    lengths = {}
+    for name, v in (("input_lengths", il), ("target_lengths", tl)):
+        if isinstance(v, torch.Tensor):
+            if v.device.type == "meta":
+                return None  # values unknown on the meta device: checked again before the kernel runs
+            v = v.reshape(-1).tolist()
+        if not isinstance(v, list) or len(v) != n or not all(isinstance(x, int) for x in v):
+            return f"{name} must hold {n} integers"
+        lengths[name] = v
+    if any(not 0 <= x <= t_max for x in lengths["input_lengths"]):
+        return f"an input length is outside 0..{t_max}"
+    tls = lengths["target_lengths"]
+    two_d = lp.dim() == 3 and tg.dim() == 2  # padded (N, S) targets; else all targets concatenated
+    if tg.dim() > 2 or any(x < 0 for x in tls) or (two_d and (tg.shape[0] != n or any(x > tg.shape[1] for x in tls))) \
+            or (not two_d and sum(tls) > tg.numel()):
+        return "the target lengths address labels the targets do not hold"
+    if tg.device.type == "meta" or tg.numel() == 0:
+        return None
+    if tg.is_floating_point() or tg.is_complex():
+        return "targets must be integer labels"
+    if two_d:
+        used = tg[torch.arange(tg.shape[-1], device=tg.device)[None, :] < torch.tensor(tls, device=tg.device)[:, None]]
+    else:
+        used = tg.reshape(-1)[:sum(tls)]
+    if used.numel() and not (0 <= int(used.min()) and int(used.max()) < classes):
+        return f"a target label is not one of the {classes} classes"
+    return None
+
+
+# op packet -> a check of the call's values against the shapes they address, run before the kernel (on the
+# meta device in the dry run, on the real tensors in the replay): kernels that trust their arguments to index
+# inside their tensors. The function gets the arguments by name and returns why the call is refused, or None.
+VALUE_CHECKS = {
+    "_weight_norm_interface": _weight_norm_args,
+    "_ctc_loss": _ctc_args,
+}
+
+
+def check_values(op, name: str, args: list, kwargs: dict) -> str | None:
+    """Why the call `name(*args, **kwargs)` is refused by its packet's VALUE_CHECKS entry (None: no rule / fine)."""
+    rule = VALUE_CHECKS.get(name.split(".")[1]) if name.count(".") == 2 else None
+    if rule is None:
+        return None
+    schema = getattr(op, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    bound = dict(zip(names, args, strict=False))
+    bound.update(kwargs)
+    return rule(bound)
 
 
 def _overload_ok(name: str, op) -> bool:

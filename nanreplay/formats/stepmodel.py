@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from nanreplay import torch_internals as ti
 from nanreplay.errors import ReplayError, SnapshotError, op_of
+from nanreplay.formats.ops import check_values
 from nanreplay.formats.program import DTYPES, DeviceLiteral, Node, Program, Ref
 from nanreplay.formats.segments import Segment, checkpoint_plan
 from nanreplay.replay.frames import RecordedFrame
@@ -273,6 +274,9 @@ class StepModule(nn.Module):
             scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
             out = torch.ops.aten.mul.Tensor(torch.ops.aten.mul.Tensor(x, mask.to(x.dtype)), scale)
             return out, mask
+        refused = check_values(node.op, node.name, args, kwargs)
+        if refused:
+            raise SnapshotError(f"invalid step program: {node.name}: {refused}")
         if self.policy is not None and node.name in _HALF_TO_FLOAT and len(args) > 2 and args[2]:
             args[2] = args[0].dtype == torch.float16  # half_to_float only applies to half inputs
         out = node.op(*args, **kwargs)
@@ -346,6 +350,9 @@ def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]
             if "device" in names and names.index("device") < len(args):
                 args[names.index("device")] = torch.device("meta")
         out = None
+        refused = check_values(node.op, node.name, args, kwargs)
+        if refused:
+            raise SnapshotError(f"invalid step program: node {i} ({node.name}): {refused}")
         if node.random is None and node.mask is None:
             try:
                 with torch.no_grad():

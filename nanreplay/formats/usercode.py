@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanreplay.errors import ModelError
+from nanreplay.formats.program import parse_json
 
 
 def resolve_callable(spec: str, what: str) -> Callable:
@@ -56,15 +57,39 @@ def make_cwd_importable() -> None:
         sys.path.append(cwd)
 
 
-def build_model(spec: str) -> nn.Module:
+def build_model(spec: str, arguments: str | None = None) -> nn.Module:
+    """`factory()`, or `factory(**arguments)` with the constructor arguments a snapshot recorded (JSON text; a
+    config as {"config_class": "mod:Class", "values": {...}}, rebuilt with the class's `from_dict`)."""
     factory = resolve_callable(spec, "--model")
+    kwargs = _arguments(spec, arguments) if arguments else {}
     try:
-        model = factory()
+        model = factory(**kwargs)
     except Exception as e:  # noqa: BLE001
         raise ModelError(f"--model {spec!r}: the factory raised {type(e).__name__}: {e}") from None
     if not isinstance(model, nn.Module):
         raise ModelError(f"--model {spec!r}: the factory returned a {type(model).__name__}, not an nn.Module")
     return model
+
+
+def _arguments(spec: str, text: str) -> dict:
+    try:
+        args = parse_json(text)
+    except Exception as e:  # noqa: BLE001 - strict JSON or one line
+        raise ModelError(f"{spec}: the snapshot's constructor arguments are not valid JSON ({e})") from None
+    if not isinstance(args, dict):
+        raise ModelError(f"{spec}: the snapshot's constructor arguments are not a mapping")
+    out = {}
+    for name, v in args.items():
+        if isinstance(v, dict) and set(v) == {"config_class", "values"} and isinstance(v["config_class"], str):
+            cls = resolve_callable(v["config_class"], "the snapshot's config class")
+            from_dict = getattr(cls, "from_dict", None)
+            try:
+                v = from_dict(v["values"]) if callable(from_dict) else cls(**v["values"])
+            except Exception as e:  # noqa: BLE001 - user code; one line
+                raise ModelError(f"{spec}: rebuilding its {name} ({v['config_class']}) raised "
+                                 f"{type(e).__name__}: {e}") from None
+        out[str(name)] = v
+    return out
 
 
 def resolve_loss(spec: str) -> Callable:

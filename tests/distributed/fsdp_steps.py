@@ -3,7 +3,8 @@
     python -m torch.distributed.run --standalone --nproc-per-node 2 fsdp_steps.py OUT a b c d
 
 Each scenario trains the same model (FSDP2 units: `dist`, `blocks.0`, `blocks.1`, and the root) under
-`NanGuard(sync_ranks=True)` until step 2 goes non-finite, and writes one sharded snapshot folder to OUT/<s>:
+`NanGuard` — no `sync_ranks=` flag: a sharded model agrees across ranks by itself — until step 2 goes non-finite,
+and writes one sharded snapshot folder to OUT/<s>:
 
   a  a rank-local bad batch: rank 1's batch has a 0 in the feature the model takes the log of
   b  a culprit op in a sharded layer: blocks.1's bias is pushed negative (as by a bad update) under a sqrt,
@@ -92,8 +93,8 @@ def train(scenario, out, rank):
             fully_shard(unit)
         fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    guard = NanGuard(model, opt, loss_fn=F.mse_loss, folder=f"{out}/{scenario}", sync_ranks=True,
-                     sharded=True if scenario == "r" else None)
+    guard = NanGuard(model, opt, loss_fn=F.mse_loss, folder=f"{out}/{scenario}",
+                     sharded=True if scenario == "r" else None)  # no sync_ranks=: on by itself for sharded models
     g = torch.Generator().manual_seed(100 + rank)
     for step in range(4):
         x, y = batch(rank, step, scenario, g)

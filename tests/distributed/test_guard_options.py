@@ -1,9 +1,7 @@
-"""NanGuard's choices for sharded models, in this process (a world of one rank): a folder only with
-sync_ranks=True, `sharded=` to choose, and a one-rank folder analyzes like any other."""
+"""NanGuard's choices for sharded models, in this process (a world of one rank): a folder, rank agreement on by
+itself (refused off at construction), `sharded=` to choose, and a one-rank folder analyzes like any other."""
 
 from __future__ import annotations
-
-import warnings
 
 import pytest
 import torch
@@ -12,6 +10,7 @@ import torch.nn.functional as F
 
 from nanreplay import NanGuard
 from nanreplay.analysis import analyze
+from nanreplay.errors import GuardError
 
 
 @pytest.fixture
@@ -48,14 +47,24 @@ def run(guard, model):
     return guard.step(F.mse_loss(model(x), y))
 
 
-def test_a_sharded_snapshot_needs_sync_ranks(world_of_one, tmp_path):
+def test_a_sharded_model_agrees_across_ranks_without_the_flag(world_of_one, tmp_path):
     model = fsdp_model()
     guard = NanGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=F.mse_loss, folder=tmp_path / "s")
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        assert run(guard, model) is False
-    assert guard.last_snapshot is None and "sync_ranks=True" in (guard.last_error or "")
-    assert any("sync_ranks=True" in str(x.message) for x in w)
+    assert guard.sync_ranks is True  # on by itself: the folder needs every rank at the same step
+    assert run(guard, model) is False
+    assert guard.last_snapshot is not None and guard.last_error is None
+    a = analyze(guard.last_snapshot, verify=False).to_json()
+    assert a["verdict"] == "culprit_found" and a["culprit"]["op"] == "aten.sqrt.default"
+
+
+def test_turning_rank_agreement_off_on_a_sharded_model_fails_at_construction(world_of_one, tmp_path):
+    model = fsdp_model()
+    with pytest.raises(GuardError, match=r"sync_ranks=False\) on a sharded model") as e:
+        NanGuard(model, None, loss_fn=F.mse_loss, folder=tmp_path / "s", sync_ranks=False)
+    assert "\n" not in str(e.value)
+    replicated = nn.Sequential(nn.Linear(3, 4))
+    assert NanGuard(replicated, None, loss_fn=F.mse_loss, folder=tmp_path / "r").sync_ranks is False
+    assert NanGuard(replicated, None, loss_fn=F.mse_loss, folder=tmp_path / "r", sharded=True).sync_ranks is True
 
 
 def test_one_rank_folder(world_of_one, tmp_path):
