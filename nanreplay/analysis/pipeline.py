@@ -134,6 +134,7 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
         result.stats = {"timings": {"load": t_load - t0, "total": time.perf_counter() - t0}}
         return result
 
+    snap.drop_optimizer_state()  # read only by the leaves' diagnosis above and by update analyses
     if step is None:
         step = replay.run_subject(subject)
         subject.model.zero_grad(set_to_none=True)  # the gradient walk is in `step`; the tensors are not needed
