@@ -57,3 +57,20 @@ def test_the_optimizer_state_is_dropped_before_the_replay_and_nothing_changes(tm
         d.pop("stats")
     assert with_state == without
     assert without["verdict"] == "culprit_found" and without["snapshot_info"]["optimizer"]["class"] == "AdamW"
+
+
+def test_progress_tells_each_pass_and_the_culprit_block_is_final_when_told(tmp_path):
+    """`analyze(progress=...)`: the CLI prints the culprit block as soon as the replay has it; what it printed must
+    be what the finished analysis says, so the block is taken at "culprit" and compared with the end."""
+    from nanreplay import report
+    from samples import SAMPLES
+
+    told = []
+    snap = str(SAMPLES / "sqrt_zero.pt")
+    result = analyze(snap, progress=lambda stage, a: told.append((stage, report.culprit_block(a),
+                                                                   bool(a.diagnosis))))
+    assert [s for s, _, _ in told] == ["loaded", "culprit", "diagnosis", "precision"]
+    block = told[1][1]
+    assert told[1][2] is False and told[2][2] is True  # the block came before the diagnosis ran
+    final = report.terminal_lines(result, "r.html")
+    assert final[:len(block)] == block and len(final) > len(block) and "culprit" in block[1]
