@@ -48,8 +48,8 @@ def nanreplay_scan(model, idx, y, names):
 
 
 def measure(fns: dict, repeats: int) -> tuple[dict, dict]:
-    """Best time per variant, and the median over rounds of each variant's time / plain's time
-    in the same round (paired: a slow moment of a shared machine slows both sides)."""
+    """Best CPU time per variant (process_time: a shared machine stretches the wall clock, not the work; run with
+    --threads 1), and the median over rounds of each variant's time / plain's time in the same round (paired)."""
     best = {k: float("inf") for k in fns}
     ratios: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():
@@ -57,9 +57,9 @@ def measure(fns: dict, repeats: int) -> tuple[dict, dict]:
     for _ in range(repeats):
         t = {}
         for k, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             fn()
-            t[k] = time.perf_counter() - t0
+            t[k] = time.process_time() - t0
             best[k] = min(best[k], t[k])
         for k in fns:
             ratios[k].append(t[k] / t["plain"])

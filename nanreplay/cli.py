@@ -91,11 +91,18 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
         outputs.distinct(("-o", report_path), *([("--json", json_dest)] if json_path else []),
                          *([("--markdown", md_dest)] if md_path else []))
         parse_device(device)  # a device this machine lacks: one line now, not a traceback later
+        to_stdout = report_path is None or (json_path is not None and json_dest is None) or \
+            (md_path is not None and md_dest is None)
+        live = _Live(err=to_stdout)
         message = f"nanreplay: error: {one_line(snapshot)}: no result after {timeout:g} s (--timeout)"
         with limits.time_limit(timeout, message):
-            result = analysis_mod.analyze(snapshot, model=model, loss=loss, device=device, trust=trust,
-                                          verify=not no_verify, max_memory=max_memory or limits.default_max_memory(),
-                                          source=list(source) if source else None, nproc=nproc)
+            try:
+                result = analysis_mod.analyze(snapshot, model=model, loss=loss, device=device, trust=trust,
+                                              verify=not no_verify, max_memory=max_memory or limits.default_max_memory(),
+                                              source=list(source) if source else None, nproc=nproc,
+                                              progress=live.progress)
+            finally:
+                live.status("")
             html = report_mod.render_html(result)
             text = json.dumps(result.to_json(), indent=2, allow_nan=False) if json_path else None
             md = report_mod.markdown_summary(result) if md_path else None
@@ -115,10 +122,43 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
         click.echo(text)
     if md is not None and md_dest is None:
         click.echo(md.rstrip("\n"))
-    to_stdout = report_path is None or (json_path is not None and json_dest is None) or \
-        (md_path is not None and md_dest is None)
-    summary = report_mod.terminal_summary(result, report_path or "(stdout)") + _ranks_line(result.distributed)
-    click.echo(summary, err=to_stdout)
+    lines = report_mod.terminal_lines(result, report_path or "(stdout)")
+    if live.shown and lines[:len(live.shown)] == live.shown:
+        lines = lines[len(live.shown):]  # the culprit block is on the terminal already (it cannot have changed)
+    summary = "\n".join(lines) + _ranks_line(result.distributed)
+    click.echo(summary.lstrip("\n"), err=to_stdout)
+
+
+class _Live:
+    """What the terminal shows while an analysis runs: the culprit block as soon as the replay has it, and on a
+    terminal one status line saying which pass is running (rewritten in place, cleared at the end). The JSON and
+    the report are written once, complete, at the end; the rest of the summary follows then."""
+
+    NEXT = {"loaded": "replaying the step", "culprit": "diagnosing and verifying the fix",
+            "diagnosis": "precision probe"}
+
+    def __init__(self, *, err: bool):
+        self.err = err
+        self.stream = sys.stderr if err else sys.stdout
+        self.tty = self.stream.isatty()
+        self.shown: list[str] = []
+        self._status = False
+
+    def status(self, text: str) -> None:
+        if not self.tty or not (text or self._status):
+            return
+        self.stream.write("\r\033[K" + (f"nanreplay: {text}..." if text else ""))
+        self.stream.flush()
+        self._status = bool(text)
+
+    def progress(self, stage: str, result) -> None:
+        from nanreplay import report as report_mod
+
+        if stage == "culprit":
+            self.status("")
+            self.shown = report_mod.culprit_block(result)
+            click.echo("\n".join(self.shown), err=self.err)
+        self.status(self.NEXT.get(stage, ""))
 
 
 def _ranks_line(d: dict | None) -> str:

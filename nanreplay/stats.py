@@ -212,24 +212,33 @@ def grad_stats(name: str, p: torch.Tensor) -> dict:
         row.update(mean=mean, std=std, max_abs=big, nan=0, inf=0, grad_shape=list(g.shape), finite=gd.numel(),
                    finite_mean=mean, finite_std=std, finite_max_abs=big)
         return row
-    gf = gd.double()
-    nan = _count(torch.isnan(gf))
-    inf = _count(torch.isinf(gf))
-    row.update(
-        mean=_num(gf.mean()) if gf.numel() else None,
-        std=_num(gf.std()) if gf.numel() > 1 else None,
-        max_abs=_num(gf.abs().max()) if gf.numel() else 0.0,
-        nan=nan,
-        inf=inf,
-        grad_shape=list(g.shape),
-    )
-    fin = gf[torch.isfinite(gf)] if nan or inf else gf.reshape(-1)
-    row.update(
-        finite=fin.numel(),
-        finite_mean=float(fin.mean()) if fin.numel() else None,
-        finite_std=float(fin.std()) if fin.numel() > 1 else None,
-        finite_max_abs=float(fin.abs().max()) if fin.numel() else None,
-    )
+    # NaN/Inf somewhere (or a sum that overflowed): the whole-tensor mean/std/max follow from the counts (a NaN
+    # makes all three NaN; Inf without NaN makes max |g| Inf, the std NaN, the mean ±Inf or NaN), so only the
+    # finite elements are reduced, once, in float64 (exact, as for any sum over a partial tensor)
+    n = gd.numel()
+    if not gd.is_floating_point():
+        gd = gd.double()
+    ok = torch.isfinite(gd)
+    finite = _count(ok)
+    nan = _count(torch.isnan(gd)) if finite < n else 0
+    inf = n - finite - nan
+    if nan:
+        mean = std = big = "nan"
+    elif inf:
+        pos = _count(gd == math.inf)
+        mean = "inf" if pos == inf else "-inf" if pos == 0 else "nan"
+        std, big = "nan", "inf"
+    row.update(nan=nan, inf=inf, grad_shape=list(g.shape), finite=finite, finite_mean=None, finite_std=None,
+               finite_max_abs=None)
+    if finite:
+        fin = (gd[ok] if finite < n else gd.reshape(-1)).double()
+        lo, hi = (float(v) for v in torch.aminmax(fin))
+        row["finite_max_abs"] = max(abs(lo), abs(hi))
+        row["finite_mean"] = float(fin.mean())
+        row["finite_std"] = float(fin.std()) if finite > 1 else None
+    if not (nan or inf):  # finite after all (a sum of huge values overflowed): the finite figures are the figures
+        mean, std, big = row["finite_mean"], row["finite_std"], row["finite_max_abs"]
+    row.update(mean=mean if n else None, std=std if n > 1 else None, max_abs=big if n else 0.0)
     return row
 
 

@@ -115,7 +115,8 @@ def try_variant(subject: Subject, *, dtype: torch.dtype | None = None, autocast:
     return _replay(variant, None, label or "with the fix", subject.loss_scale)
 
 
-def plain_step(subject: Subject, *, forward_first: bool = False, stop_at: Culprit | None = None) -> dict:
+def plain_step(subject: Subject, *, forward_first: bool = False, stop_at: Culprit | None = None,
+               failure: str | None = None) -> dict:
     """One uninstrumented step: are the loss and the gradients finite?
 
     Stops as soon as the answer is known: a non-finite loss needs no backward
@@ -123,9 +124,14 @@ def plain_step(subject: Subject, *, forward_first: bool = False, stop_at: Culpri
     no_grad first, so a step that is already non-finite there costs one
     activation at a time instead of the whole graph. With `stop_at` (the culprit
     op), the step stops right after that op when it makes NaN/Inf here too: a
-    forward culprit in the forward-alone pass (the loss cannot be finite), a
-    backward culprit in backward (neither can the gradients its value flows
-    into; the rest of backward is not run).
+    forward culprit in the forward-alone pass, a backward culprit in backward
+    (neither can the gradients its value flows into; the rest of backward is not
+    run). What a forward stop means depends on the `failure` of the step as it
+    ran: for a loss failure the loss cannot be finite; for a gradient failure
+    (the culprit's value was masked before the loss and reached the gradients in
+    backward) the gradients cannot be, and the loss was not reached
+    (`loss_finite` None). A forward culprit never stops the full pass: a forward
+    NaN can be masked before the loss, and that pass answers for the loss.
     """
     if subject.prepare is not None:
         subject.prepare()
@@ -142,6 +148,10 @@ def plain_step(subject: Subject, *, forward_first: bool = False, stop_at: Culpri
                 with torch.no_grad(), replay.autocast_from(subject.run_autocast), watch("forward"):
                     loss = subject.loss(subject.forward())
             except _Stopped:
+                if failure == "gradient":
+                    return {"loss": None, "loss_finite": None, "grads_finite": False, "nonfinite_grads": None,
+                            "probe": "stopped after the culprit op, which makes NaN/Inf in this dtype too (in the "
+                                     "step as it ran, its value reached the gradients)"}
                 return {"loss": None, "loss_finite": False, "grads_finite": None,
                         "probe": "stopped after the culprit op, which makes NaN/Inf in this dtype too"}
             if not stats.finite_fast(loss):
@@ -262,10 +272,14 @@ def _probe_one(subject: Subject, dtype, autocast, failure: str | None, culprit: 
     float64 graph twice the step's — so a step program replays checkpointed (the same values, one more
     forward, a fraction of the memory); where that fails, plainly."""
     variant = subject.converted(dtype, autocast)
+    # The forward alone first (under no_grad: one activation at a time) for a loss failure, and for a gradient
+    # failure whose culprit is a forward op: if that op makes NaN/Inf in this dtype too, the answer is known
+    # without the whole step (a float64 graph, or its checkpointed forward twice)
+    forward_first = failure == "loss" or (failure == "gradient" and culprit is not None and culprit.phase == "forward")
     checkpointed = getattr(variant.model, "checkpointed", None)  # a step program's StepModule
     lean = lean and failure != "loss" and checkpointed is not None and checkpointed()
     try:
-        return plain_step(variant, forward_first=failure == "loss", stop_at=culprit)
+        return plain_step(variant, forward_first=forward_first, stop_at=culprit, failure=failure)
     except Exception:  # noqa: BLE001 - retried without checkpointing, which raises what is real
         if not lean:
             raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,13 +36,15 @@ from nanreplay.replay.records import Step
 from nanreplay.replay.subject import Subject, batch_tensors
 from nanreplay.replay.update import run_update
 
+Progress = Callable[[str, Analysis], None]  # (stage, the analysis so far): see analyze()
+
 # ------------------------------------------------------------------ pipeline
 
 
 def analyze(path: str | Path, *, model: str | None = None, loss: str | None = None, device: str | None = None,
             trust: bool = False, verify: bool = True, max_memory: int | None = None,
             source: list[str] | tuple[str, ...] | None = None, only_if_needed: bool = False,
-            nproc: int = 1) -> Analysis:
+            nproc: int = 1, progress: Progress | None = None) -> Analysis:
     """Analyze one snapshot file (or sharded snapshot folder). Raises NanReplayError subclasses for bad input.
 
     `nproc` > 1: a sharded snapshot's ranks replay on that many local processes (analysis/launch.py).
@@ -53,6 +56,9 @@ def analyze(path: str | Path, *, model: str | None = None, loss: str | None = No
     With `only_if_needed` (triage over a mixed folder), `model` and `loss` apply only to a
     snapshot that cannot be rebuilt without them (a plain state-dict snapshot): one that
     carries its own step is replayed as it is.
+    `progress(stage, analysis)` is told as each pass finishes, with the analysis so far: "loaded", "culprit"
+    (the replay has named the culprit, or found none: verdict, culprit, chain and failure are final), "diagnosis"
+    (cause, fix and its verification), "precision". The returned analysis is the complete one.
     """
     if nproc > 1:
         return _analyze_nproc(path, nproc, model=model, loss=loss, device=device, max_memory=max_memory, source=source)
@@ -60,7 +66,7 @@ def analyze(path: str | Path, *, model: str | None = None, loss: str | None = No
     token = replay.SOURCE_ROOTS.set(roots)
     try:
         return _analyze(path, model=model, loss=loss, device=device, trust=trust, verify=verify,
-                        max_memory=max_memory, source=source, only_if_needed=only_if_needed)
+                        max_memory=max_memory, source=source, only_if_needed=only_if_needed, progress=progress)
     finally:
         replay.SOURCE_ROOTS.reset(token)
 
@@ -83,7 +89,8 @@ def _analyze_nproc(path, nproc: int, *, model, loss, device, max_memory, source)
     return result
 
 
-def _analyze(path, *, model, loss, device, trust, verify, max_memory, source, only_if_needed) -> Analysis:
+def _analyze(path, *, model, loss, device, trust, verify, max_memory, source, only_if_needed,
+             progress: Progress | None = None) -> Analysis:
     t0 = time.perf_counter()
     snap = formats.load(path, trust=trust, max_memory=max_memory)
     invocation = {"model": model, "loss": loss, "device": device, "trust": trust,
@@ -114,13 +121,14 @@ def _analyze(path, *, model, loss, device, trust, verify, max_memory, source, on
     else:
         subject = formats.rebuild(snap, model=model, loss=loss, **limits)
     return analyze_subject(snap, subject, path=path, invocation=invocation, verify=verify, t0=t0,
-                           t_load=time.perf_counter())
+                           t_load=time.perf_counter(), progress=progress)
 
 
 def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: bool, t0: float, t_load: float,
-                    step: Step | None = None, probe: bool = True) -> Analysis:
+                    step: Step | None = None, probe: bool = True, progress: Progress | None = None) -> Analysis:
     """The analysis of one rebuilt step: leaves, replay (unless `step` is that replay already), culprit,
-    diagnosis, fix verification (`verify`) and the precision probe (`probe`)."""
+    diagnosis, fix verification (`verify`) and the precision probe (`probe`); `progress`: see `analyze`."""
+    tell = progress or (lambda stage, analysis: None)
     result = Analysis(snapshot=str(path), verdict=Verdict.NOT_REPRODUCED, model=_model_info(subject),
                       environment=_environment(subject.device), snapshot_info=_snapshot_info(snap),
                       invocation=invocation)
@@ -134,6 +142,8 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
         result.stats = {"timings": {"load": t_load - t0, "total": time.perf_counter() - t0}}
         return result
 
+    snap.drop_optimizer_state()  # read only by the leaves' diagnosis above and by update analyses
+    tell("loaded", result)
     if step is None:
         step = replay.run_subject(subject)
         subject.model.zero_grad(set_to_none=True)  # the gradient walk is in `step`; the tensors are not needed
@@ -163,11 +173,13 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
     result.activations = activation_rows(step)
     result.gradient_shapes = [{"module": m, "output_shape": o, "grad_shape": g, "mismatch": g is not None and g != o}
                               for m, o, g in step.grad_shapes]
+    tell("culprit", result)
     result.diagnosis = diagnose.diagnose(result, subject, step, c, chain, verify_fixes=verify)
     if c is not None:
         result.culprit["forward_inputs"] = forward_inputs_json(subject, step, step.events[c])
     release_memory()
     t_diag = time.perf_counter()
+    tell("diagnosis", result)
     if probe and (c is not None or step.failure is not None):
         cev = step.events[c] if c is not None else None
         where = verify_mod.Culprit.of(cev.phase, cev.fwd, str(cev.op), [str(o.op) for o in step.ops]) \
@@ -178,6 +190,7 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
         if note:
             result.diagnosis["explanation"] += " " + note
             result.diagnosis["precision"] = note
+        tell("precision", result)
     t_end = time.perf_counter()
     result.stats = {
         "ops_forward": len(step.ops),

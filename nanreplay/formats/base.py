@@ -42,6 +42,22 @@ class Snapshot:
     def name(self) -> str:
         return Path(self.path).name
 
+    def drop_optimizer_state(self) -> int:
+        """Let go of the optimizer's per-parameter state (Adam's moments: twice the weights) once nothing will
+        read it: only the diagnosis of NaN/Inf weights (the previous update, diagnose/late.py) and an update
+        snapshot's replay read it, both before a step's replay begins. Its class and parameter groups stay (the
+        report's optimizer and learning rate). Returns the bytes let go."""
+        freed = 0
+        for rec in (self.raw.get("optimizer"), *self.raw.values()):  # native: {"class", "state_dict", ...}
+            sd = rec.get("state_dict") if isinstance(rec, dict) and "state_dict" in rec else rec
+            if isinstance(sd, dict) and isinstance(sd.get("state"), dict) and "param_groups" in sd:
+                for st in sd["state"].values():
+                    for v in (st.values() if isinstance(st, dict) else ()):
+                        if isinstance(v, torch.Tensor):
+                            freed += v.numel() * v.element_size()
+                sd["state"] = {}
+        return freed
+
 
 @dataclass(frozen=True)
 class Format:

@@ -14,8 +14,23 @@ from nanreplay.sanitize import one_line
 
 def terminal_summary(a: Analysis | dict, report_path: str | None) -> str:
     """The banner in a few lines, for the terminal."""
+    return "\n".join(terminal_lines(a, report_path))
+
+
+def culprit_block(a: Analysis | dict) -> list[str]:
+    """The summary's first lines — the verdict, the culprit and the failure — which the replay alone decides:
+    printed as soon as it has them, before the diagnosis and the probe have run."""
     d = a.to_json() if isinstance(a, Analysis) else a
-    b = banner(d)
+    return _lines(d, banner(d), None, block_only=True)
+
+
+def terminal_lines(a: Analysis | dict, report_path: str | None) -> list[str]:
+    """The summary's lines: `culprit_block`'s, then the cause, the fix, anomaly mode and where the report is."""
+    d = a.to_json() if isinstance(a, Analysis) else a
+    return _lines(d, banner(d), report_path)
+
+
+def _lines(d: dict, b, report_path: str | None, *, block_only: bool = False) -> list[str]:
     lines = [f"nanreplay: {d.get('snapshot')}: {b.verdict_label}"]
     c = d.get("culprit")
     if c:
@@ -38,6 +53,8 @@ def terminal_summary(a: Analysis | dict, report_path: str | None) -> str:
     fail = failure_text(d)
     if fail:
         lines.append(f"  failure  {fail}")
+    if block_only:
+        return [one_line(ln) for ln in lines]
     if b.cause:
         lines.append(f"  cause    {b.cause}")
     if b.fix:
@@ -53,4 +70,4 @@ def terminal_summary(a: Analysis | dict, report_path: str | None) -> str:
     if report_path:
         lines.append(f"  report   {report_path}")
     # Module names, paths, code and messages come from the snapshot: each line escaped and capped.
-    return "\n".join(one_line(ln) for ln in lines)
+    return [one_line(ln) for ln in lines]

@@ -113,3 +113,39 @@ def test_event_counts_are_exact_for_every_mix_of_nan_and_inf(dtype):
         assert stats.counts(t, (True, True)) == want, values
         assert stats.counts(t) == want, values
         assert stats.counts(t, (True, True), t.sum().item()) == want, values  # the recorder passes the sum
+
+
+def _grad_stats_reference(values: list[float]) -> dict:
+    """grad_stats written the plain way: every figure in float64 over the whole tensor and over its finite part."""
+    import torch
+
+    g = torch.tensor(values, dtype=torch.float64)
+    fin = g[torch.isfinite(g)]
+    return {"nan": int(torch.isnan(g).sum()), "inf": int(torch.isinf(g).sum()), "finite": fin.numel(),
+            "mean": stats._num(g.mean()) if g.numel() else None, "std": stats._num(g.std()) if g.numel() > 1 else None,
+            "max_abs": stats._num(g.abs().max()) if g.numel() else 0.0,
+            "finite_mean": float(fin.mean()) if fin.numel() else None,
+            "finite_std": float(fin.std()) if fin.numel() > 1 else None,
+            "finite_max_abs": float(fin.abs().max()) if fin.numel() else None}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_grad_stats_of_nonfinite_gradients_equal_the_plain_float64_figures(dtype):
+    """grad_stats takes the whole-tensor figures of a non-finite gradient from its counts (a NaN makes mean, std
+    and max |g| NaN; Inf alone makes max |g| Inf, the std NaN and the mean ±Inf, or NaN for both signs) and
+    reduces only the finite part: each mix must give what the plain float64 computation gives."""
+    import torch
+
+    big = torch.finfo(getattr(torch, dtype)).max
+    nan, inf = math.nan, math.inf
+    for values in ([1.0, nan, inf, -inf], [nan] * 3, [1.0, nan], [inf, 2.0], [big, big, nan], [inf, -inf, nan],
+                   [-inf, -3.0, 1.0], [inf, inf], [-inf], [nan], [3.5], [big, big], [-big, -big, 2.0],
+                   [0.25, -inf, nan, 5.0, 7.0]):
+        t = torch.tensor(values).to(getattr(torch, dtype))
+        p = torch.nn.Parameter(torch.zeros_like(t))
+        p.grad = t
+        got = stats.grad_stats("w", p)
+        want = _grad_stats_reference([float(v) for v in t])
+        for k, v in want.items():  # float64 sums in another order: the last bit may differ
+            assert got[k] == (pytest.approx(v, rel=1e-12) if isinstance(v, float) else v), (values, k)
+        assert got["numel"] == len(values) and got["grad_shape"] == [len(values)]

@@ -76,6 +76,7 @@ def test_precision_probe_stops_at_a_backward_culprit_but_never_at_a_masked_forwa
     loss failure runs under no_grad, where autograd's detach of tanh's saved output is not made: the sqrt
     is found by its call number all the same."""
     from nanreplay import verify
+    from nanreplay.analysis.contract import precision_sentence
     from nanreplay.replay.subject import Subject
 
     rows = {r["dtype"]: r for r in analyzed("sqrt_zero", verify=False)["precision"]}
@@ -111,6 +112,22 @@ def test_precision_probe_stops_at_a_backward_culprit_but_never_at_a_masked_forwa
     assert (row["loss_finite"], row["grads_finite"]) == (True, False) and "probe" not in row
     row = verify.plain_step(subject, forward_first=True, stop_at=sqrt)  # as for a loss failure: it stops
     assert row["loss_finite"] is False and row["probe"].startswith("stopped after the culprit op")
+    # the probe of this gradient failure: the forward alone (no graph) stops at the sqrt, NaN in float64 too;
+    # the gradients are not finite, the loss was not reached (not called non-finite), backward never runs
+    (row,) = verify.precision_probe(subject, "float32", failure="gradient", culprit=sqrt)
+    assert (row["dtype"], row["loss"], row["loss_finite"], row["grads_finite"]) == ("float64", None, None, False)
+    assert row["probe"].startswith("stopped after the culprit op") and "reached the gradients" in row["probe"]
+    assert "non-finite in float64 too" in precision_sentence([row], "float32")
+
+    class Clamped(Masked):  # the sqrt never sees a negative: finite here, so the probe runs the whole step
+        def forward(self, x):
+            h = self.fc(x).tanh()
+            return torch.where(h > 0, h.clamp(min=0).sqrt(), torch.zeros_like(h))
+
+    torch.manual_seed(0)
+    fine = Subject(Clamped(), torch.randn(8, 3), None, lambda out: out.sum(), "sum", "test", torch.device("cpu"))
+    (row,) = verify.precision_probe(fine, "float32", failure="gradient", culprit=sqrt)  # not stopped: a whole step
+    assert "probe" not in row and (row["loss_finite"], row["grads_finite"]) == (True, True)
 
 
 @pytest.mark.parametrize("dtype,scale", [("float32", 1.0), ("float16", 1.0), ("bfloat16", 1.0), ("float32", 1e4)])

@@ -28,7 +28,7 @@ def precision_view(d: dict) -> PrecisionView | None:
             continue
         ok = bool(r.get("loss_finite")) and bool(r.get("grads_finite"))
         rows.append([Cell(str(r.get("dtype"))),
-                     Cell(_loss_cell(r), bad=not r.get("loss_finite")),
+                     Cell(_loss_cell(r), bad=r.get("loss_finite") is False),  # None: not reached
                      Cell(_grads_cell(r), bad=not r.get("grads_finite")),
                      Cell("finite" if ok else "non-finite", bad=not ok)])
     return PrecisionView(rows, precision_sentence(d))
