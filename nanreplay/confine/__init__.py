@@ -1,0 +1,244 @@
+"""Analyze an untrusted snapshot in a confined child process; this process only reads its JSON back.
+
+    d = confine.analyze(path, device=..., verify=..., max_memory=..., source=..., timeout=...)  # the --json dict
+    d = confine.analyze(..., fork=True)  # a triage worker: fork (torch imported, no op run yet) instead of a new Python
+
+The child (`python -m nanreplay.confine`, or a fork) holds nothing of the analyst's: an empty private
+working folder that it cannot write to either, a minimal environment, no descriptor but its result pipe and
+a one-page progress memfd (stdin/stdout/stderr are /dev/null), and a new session (Ctrl-C and --timeout in
+this process kill its whole group). It imports torch and the analysis, then confines itself
+(filters.enter: resource limits, Landlock, seccomp) and only then opens the snapshot. Its one message on the
+pipe is strict JSON: the analysis, a NanReplayError (type and message), a memory-limit hit, or a bug's
+traceback. A child killed by a signal is one line: the op and node it was running (progress.py), or the
+limit it hit. What confinement was in force is in the analysis's `environment.confinement`.
+
+Loading, the dry run, the replay, the diagnosis replays and the precision probe all run in the child;
+rendering (report, Markdown, terminal) happens here, from the JSON alone — this process never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+from nanreplay import errors
+from nanreplay.errors import ConfinedCrash, LimitError, ReplayError, TimeLimitError
+
+# Address space for torch itself, beyond --max-memory: measured in the child when it confines itself (what it
+# has mapped after importing torch), plus room for each thread's stack and malloc arena and the analysis's own
+# Python objects.
+HEADROOM = 1 << 30
+PER_THREAD = 80 << 20
+_CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGFPE, signal.SIGBUS, signal.SIGILL, signal.SIGABRT, signal.SIGSYS,
+                  signal.SIGTRAP}
+_REQUIRED = ("schema", "snapshot", "verdict", "diagnosis", "environment", "stats")
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+
+
+def needed(*, trust: bool, model: str | None, loss: str | None) -> bool:
+    """Whether an analysis must be confined: always, unless it runs code the user named (`--trust`, `--model`,
+    a `--loss MODULE:CALLABLE`), which runs as the user anyway."""
+    return not (trust or model or (loss and ":" in loss))
+
+
+def analyze(path: str, *, device: str | None = None, verify: bool = True, max_memory: int | None = None,
+            source: list[str] | None = None, loss: str | None = None, timeout: float | None = None,
+            threads: int | None = None, fork: bool = False) -> dict:
+    """The analysis JSON of `path`, computed in a confined child. Raises the child's NanReplayError (the
+    snapshot's path as given here), ConfinedCrash (a signal), LimitError / TimeLimitError (a limit hit)."""
+    job = {"path": os.path.abspath(path), "shown": str(path), "device": device, "verify": verify,
+           "max_memory": max_memory, "loss": loss, "threads": threads,
+           "source": [os.path.abspath(s) for s in source] if source is not None else None,
+           "cpu_seconds": _cpu_seconds(timeout, threads), "parent": os.getpid()}
+    work = tempfile.mkdtemp(prefix="nanreplay-confined-")
+    os.chmod(work, 0o500)  # empty, and stays so: the child cannot write there either
+    page = os.memfd_create("nanreplay-progress", 0)
+    try:
+        os.ftruncate(page, 4096)
+        status, text = (_fork if fork else _spawn)(job, work, page)
+        return _result(job, status, text, page, timeout, max_memory)
+    finally:
+        os.close(page)
+        os.chmod(work, 0o700)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _cpu_seconds(timeout: float | None, threads: int | None) -> int | None:
+    """RLIMIT_CPU from --timeout: every thread's CPU time counts, so the wall-clock limit times the threads."""
+    if not timeout:
+        return None
+    return int(timeout * (threads or os.cpu_count() or 1)) + 1
+
+
+def minimal_env(work: str) -> dict[str, str]:
+    """What the child may know of the analyst's environment: nothing but where nanreplay is and torch's thread
+    settings."""
+    import nanreplay
+
+    env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": work, "TMPDIR": work,
+           "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(nanreplay.__file__))),
+           "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1"}
+    env.update({k: os.environ[k] for k in _THREAD_VARS if k in os.environ})
+    return env
+
+
+def _spawn(job: dict, work: str, page: int) -> tuple[int, bytes]:
+    r, w = os.pipe()
+    job = {**job, "result_fd": w, "progress_fd": page}
+    try:
+        proc = subprocess.Popen([sys.executable, "-s", "-B", "-m", "nanreplay.confine", json.dumps(job)], cwd=work,
+                                env=minimal_env(work), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, close_fds=True, pass_fds=(w, page), start_new_session=True)
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
+    try:
+        text = _read_all(r)
+        return proc.wait(), text
+    except BaseException:  # --timeout, Ctrl-C: stop the child (and anything it started), then go on unwinding
+        stop_group(proc.pid)
+        proc.wait()
+        raise
+
+
+def _fork(job: dict, work: str, page: int) -> tuple[int, bytes]:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child; coverage cannot follow it
+        code = 1
+        try:
+            os.setsid()
+            os.close(r)
+            _close_fds_except({0, 1, 2, w, page})  # the worker's own pipe to triage's parent included
+            os.chdir(work)
+            os.environ.clear()
+            os.environ.update(minimal_env(work))
+            from nanreplay.confine import child
+
+            child.main({**job, "result_fd": w, "progress_fd": page})
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    try:
+        text = _read_all(r)
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), text
+    except BaseException:
+        stop_group(pid)
+        os.waitpid(pid, 0)
+        raise
+
+
+def _close_fds_except(keep: set[int]) -> None:  # pragma: no cover - runs in the forked child
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    try:
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
+
+
+def stop_group(pid: int) -> None:
+    """SIGKILL a child's whole process group (it leads its own session)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ---------------------------------------------------------------- what came back
+
+
+def _result(job: dict, status: int, text: bytes, page: int, timeout: float | None, max_memory: int | None) -> dict:
+    shown = job["shown"]
+    msg = _message(text)
+    if status < 0 or msg is None:
+        raise _died(shown, status, page, timeout, max_memory)
+    kind, body = next(iter(msg.items()))
+    if kind == "analysis" and isinstance(body, dict) and all(k in body for k in _REQUIRED):
+        body["snapshot"] = shown
+        return body
+    if kind == "error" and isinstance(body, dict):
+        cls = getattr(errors, str(body.get("type")), None)
+        if not (isinstance(cls, type) and issubclass(cls, errors.NanReplayError)):
+            cls = ReplayError
+        raise cls(str(body.get("message")).replace(job["path"], shown))
+    if kind == "memory":
+        raise LimitError(f"{shown}: the analysis ran out of memory under --max-memory {_size(max_memory)} (its "
+                         f"address space was capped there, plus torch's own); nothing was written")
+    if kind == "bug":
+        raise RuntimeError(f"the confined analysis of {shown} failed (a bug in nanreplay, please report):\n{body}")
+    raise ReplayError(f"{shown}: the confined analysis sent back something that is not an analysis")
+
+
+def _message(text: bytes) -> dict | None:
+    """The child's one message, parsed strictly (no NaN/Infinity, no duplicate keys): a dict of one entry."""
+    def no_constant(name: str):
+        raise ValueError(f"non-standard JSON number {name}")
+
+    def no_duplicates(pairs):
+        d = dict(pairs)
+        if len(d) != len(pairs):
+            raise ValueError("duplicate key")
+        return d
+
+    try:
+        d = json.loads(text.decode("utf-8"), parse_constant=no_constant, object_pairs_hook=no_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return d if isinstance(d, dict) and len(d) == 1 else None
+
+
+def _died(shown: str, status: int, page: int, timeout: float | None, max_memory: int | None) -> Exception:
+    from nanreplay.confine import progress
+
+    if status >= 0:
+        return ReplayError(f"{shown}: the confined analysis ended without a result (exit code {status}); nothing "
+                           "was written")
+    sig = -status
+    name = _signal_name(sig)
+    if sig == signal.SIGXCPU:
+        return TimeLimitError(f"{shown}: the analysis used up its CPU time (--timeout {timeout:g} s, times the "
+                              "threads) and was stopped; nothing was written")
+    if sig == signal.SIGKILL:
+        return LimitError(f"{shown}: the analysis was killed (SIGKILL: out of memory, or past its CPU time) under "
+                          f"--max-memory {_size(max_memory)}; nothing was written")
+    where = progress.read(page)
+    if where is not None and where[1] >= 0 and where[2] and sig in _CRASH_SIGNALS:
+        phase, node, op = where
+        return ConfinedCrash(f"{shown}: the snapshot's step crashed torch's `{op}` kernel at node {node} ({name} in "
+                             f"{phase}; a crafted or corrupt snapshot); nothing was written")
+    during = f" in {where[0]}" if where is not None else ""
+    return ConfinedCrash(f"{shown}: the snapshot's step crashed torch ({name}{during}; a crafted or corrupt "
+                         "snapshot); nothing was written")
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def _size(n: int | None) -> str:
+    from nanreplay.limits import format_size
+
+    return format_size(n) if n else "(none)"

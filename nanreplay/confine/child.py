@@ -1,0 +1,78 @@
+"""The confined child's main: import what the analysis needs, confine, analyze, send one JSON message back.
+
+Run by `python -m nanreplay.confine JOB` (a fresh interpreter) or in a fork of a triage worker. The
+message on the result pipe is one JSON object with one key: `analysis` (the --json dict),
+`error` ({type, message} of a NanReplayError), `memory` (the address-space limit was hit) or `bug`
+(any other exception's traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+
+PRELOAD = ("torch", "torch._dynamo", "nanreplay.analysis.pipeline", "nanreplay.diagnose", "nanreplay.verify")
+
+
+def main(job: dict) -> None:
+    fd = job["result_fd"]
+    try:
+        msg = {"analysis": _analyze(job)}
+    except MemoryError:
+        msg = {"memory": True}
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent as data
+        from nanreplay.errors import NanReplayError
+
+        if isinstance(e, NanReplayError):
+            msg = {"error": {"type": type(e).__name__, "message": str(e)}}
+        elif "can't allocate memory" in str(e) or "not enough memory" in str(e):
+            msg = {"memory": True}  # torch's allocator under RLIMIT_AS: a RuntimeError, not a MemoryError
+        else:
+            msg = {"bug": traceback.format_exc()[-4000:]}
+    data = json.dumps(msg, allow_nan=False).encode("utf-8")
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+
+
+def _analyze(job: dict) -> dict:
+    import importlib
+
+    from nanreplay.confine import filters, progress
+
+    filters.die_with_parent(job["parent"])
+    for mod in PRELOAD:  # before the filter: imports read the installation freely; nothing of the snapshot yet
+        importlib.import_module(mod)
+    import torch
+
+    from nanreplay.analysis.pipeline import analyze
+    from nanreplay.formats.rebuild import parse_device
+
+    if job.get("threads"):
+        torch.set_num_threads(job["threads"])
+    dev = parse_device(job.get("device"))
+    gpu = dev.type != "cpu"
+    limit = job.get("max_memory")
+    reads = [job["path"], *(job.get("source") or [])]
+    state = filters.enter(None if gpu else reads, cpu_seconds=job.get("cpu_seconds"),
+                          address_space=None if gpu or not limit else _address_space(limit))
+    if gpu:
+        state["lost"] = (f"--device {job.get('device')}: no file filter and no address-space limit (the GPU driver "
+                         "opens its device files and maps far more address space than it uses)"
+                         + (f"; {state['lost']}" if state["lost"] else ""))
+    progress.attach(job["progress_fd"])
+    a = analyze(job["path"], device=job.get("device"), verify=job.get("verify", True), max_memory=limit,
+                loss=job.get("loss"), source=job.get("source"), only_if_needed=False)
+    a.environment["confinement"] = state
+    return a.to_json()
+
+
+def _address_space(max_memory: int) -> int:
+    """RLIMIT_AS: what this process has mapped now (Python, torch, its libraries), --max-memory, and headroom."""
+    import torch
+
+    from nanreplay.confine import HEADROOM, PER_THREAD
+
+    with open("/proc/self/status") as f:
+        mapped = next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmSize:"))
+    return mapped + max_memory + HEADROOM + PER_THREAD * torch.get_num_threads()
