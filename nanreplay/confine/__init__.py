@@ -52,16 +52,23 @@ def analyze(path: str, *, device: str | None = None, verify: bool = True, max_me
     """The analysis JSON of `path`, computed in a confined child. Raises the child's NanReplayError (the
     snapshot's path as given here), ConfinedCrash (a signal), LimitError / TimeLimitError (a limit hit)."""
     job = {"path": os.path.abspath(path), "shown": str(path), "device": device, "verify": verify,
-           "max_memory": max_memory, "loss": loss, "threads": threads,
+           "max_memory": max_memory, "loss": loss, "threads": threads, "timeout": timeout,
            "source": [os.path.abspath(s) for s in source] if source is not None else None,
-           "cpu_seconds": _cpu_seconds(timeout, threads), "parent": os.getpid()}
+           "cpu_seconds": _cpu_seconds(timeout, threads)}
+    return run(job, fork=fork)
+
+
+def run(job: dict, *, fork: bool = False, entry: str = "nanreplay.confine") -> dict:
+    """Run `job` in a confined child (`python -m ENTRY JOB`, or a fork running child.main) and return what it
+    sent back, checked. Tests give their own `entry` (a script) to run probes in the same sandbox."""
+    job = {**job, "parent": os.getpid()}
     work = tempfile.mkdtemp(prefix="nanreplay-confined-")
     os.chmod(work, 0o500)  # empty, and stays so: the child cannot write there either
-    page = os.memfd_create("nanreplay-progress", 0)
+    page = os.memfd_create("nanreplay-progress") if hasattr(os, "memfd_create") else os.dup(tempfile.TemporaryFile().fileno())
     try:
         os.ftruncate(page, 4096)
-        status, text = (_fork if fork else _spawn)(job, work, page)
-        return _result(job, status, text, page, timeout, max_memory)
+        status, text = _fork(job, work, page) if fork else _spawn(job, work, page, entry)
+        return _result(job, status, text, page, job.get("timeout"), job.get("max_memory"))
     finally:
         os.close(page)
         os.chmod(work, 0o700)
@@ -87,11 +94,11 @@ def minimal_env(work: str) -> dict[str, str]:
     return env
 
 
-def _spawn(job: dict, work: str, page: int) -> tuple[int, bytes]:
+def _spawn(job: dict, work: str, page: int, entry: str) -> tuple[int, bytes]:
     r, w = os.pipe()
     job = {**job, "result_fd": w, "progress_fd": page}
     try:
-        proc = subprocess.Popen([sys.executable, "-s", "-B", "-m", "nanreplay.confine", json.dumps(job)], cwd=work,
+        proc = subprocess.Popen([sys.executable, "-s", "-B", *([entry] if entry.endswith(".py") else ["-m", entry]), json.dumps(job)], cwd=work,
                                 env=minimal_env(work), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, close_fds=True, pass_fds=(w, page), start_new_session=True)
     except BaseException:

@@ -18,9 +18,9 @@ PRELOAD = ("torch", "torch._dynamo", "nanreplay.analysis.pipeline", "nanreplay.d
 def main(job: dict) -> None:
     fd = job["result_fd"]
     try:
-        msg = {"analysis": _analyze(job)}
+        data = _encode({"analysis": _analyze(job)})
     except MemoryError:
-        msg = {"memory": True}
+        data = _encode({"memory": True})
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent as data
         from nanreplay.errors import NanReplayError
 
@@ -30,12 +30,28 @@ def main(job: dict) -> None:
             msg = {"memory": True}  # torch's allocator under RLIMIT_AS: a RuntimeError, not a MemoryError
         else:
             msg = {"bug": traceback.format_exc()[-4000:]}
-    data = json.dumps(msg, allow_nan=False).encode("utf-8")
+        data = _encode(msg)
     with os.fdopen(fd, "wb") as out:
         out.write(data)
 
 
+def _encode(msg: dict) -> bytes:
+    return json.dumps(msg, allow_nan=False).encode("utf-8")
+
+
 def _analyze(job: dict) -> dict:
+    from nanreplay.analysis.pipeline import analyze
+
+    state = confine_self(job)
+    a = analyze(job["path"], device=job.get("device"), verify=job.get("verify", True), max_memory=job.get("max_memory"),
+                loss=job.get("loss"), source=job.get("source"), only_if_needed=False)
+    a.environment["confinement"] = state
+    return a.to_json()
+
+
+def confine_self(job: dict) -> dict:
+    """Everything the child does before it touches the snapshot: die with its parent, import the analysis,
+    then the limits and filters (filters.enter) and the progress page. Returns what is in force."""
     import importlib
 
     from nanreplay.confine import filters, progress
@@ -45,13 +61,11 @@ def _analyze(job: dict) -> dict:
         importlib.import_module(mod)
     import torch
 
-    from nanreplay.analysis.pipeline import analyze
     from nanreplay.formats.rebuild import parse_device
 
     if job.get("threads"):
         torch.set_num_threads(job["threads"])
-    dev = parse_device(job.get("device"))
-    gpu = dev.type != "cpu"
+    gpu = parse_device(job.get("device")).type != "cpu"
     limit = job.get("max_memory")
     reads = [job["path"], *(job.get("source") or [])]
     state = filters.enter(None if gpu else reads, cpu_seconds=job.get("cpu_seconds"),
@@ -61,10 +75,7 @@ def _analyze(job: dict) -> dict:
                          "opens its device files and maps far more address space than it uses)"
                          + (f"; {state['lost']}" if state["lost"] else ""))
     progress.attach(job["progress_fd"])
-    a = analyze(job["path"], device=job.get("device"), verify=job.get("verify", True), max_memory=limit,
-                loss=job.get("loss"), source=job.get("source"), only_if_needed=False)
-    a.environment["confinement"] = state
-    return a.to_json()
+    return state
 
 
 def _address_space(max_memory: int) -> int:

@@ -48,6 +48,8 @@ def set_rlimits(*, address_space: int | None, cpu_seconds: int | None) -> dict:
 
 def die_with_parent(parent: int) -> None:
     """SIGKILL this process when its parent dies (a triage worker killed on --timeout takes its child along)."""
+    if not sys.platform.startswith("linux"):
+        return
     PR_SET_PDEATHSIG = 1
     _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # it died before the prctl: nobody is waiting for us
