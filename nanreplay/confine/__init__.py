@@ -41,9 +41,9 @@ _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "C
 
 
 def needed(*, trust: bool, model: str | None, loss: str | None) -> bool:
-    """Whether an analysis must be confined: always, unless it runs code the user named (`--trust`, `--model`,
-    a `--loss MODULE:CALLABLE`), which runs as the user anyway."""
-    return not (trust or model or (loss and ":" in loss))
+    """Whether an analysis is confined: on Linux always, unless it runs code the user named (`--trust`,
+    `--model`, a `--loss MODULE:CALLABLE`), which runs as the user anyway. (Elsewhere: not yet, docs/trust.md.)"""
+    return sys.platform.startswith("linux") and not (trust or model or (loss and ":" in loss))
 
 
 def analyze(path: str, *, device: str | None = None, verify: bool = True, max_memory: int | None = None,
@@ -64,7 +64,7 @@ def run(job: dict, *, fork: bool = False, entry: str = "nanreplay.confine") -> d
     job = {**job, "parent": os.getpid()}
     work = tempfile.mkdtemp(prefix="nanreplay-confined-")
     os.chmod(work, 0o500)  # empty, and stays so: the child cannot write there either
-    page = os.memfd_create("nanreplay-progress") if hasattr(os, "memfd_create") else os.dup(tempfile.TemporaryFile().fileno())
+    page = os.memfd_create("nanreplay-progress")
     try:
         os.ftruncate(page, 4096)
         status, text = _fork(job, work, page) if fork else _spawn(job, work, page, entry)
@@ -98,8 +98,8 @@ def _spawn(job: dict, work: str, page: int, entry: str) -> tuple[int, bytes]:
     r, w = os.pipe()
     job = {**job, "result_fd": w, "progress_fd": page}
     try:
-        proc = subprocess.Popen([sys.executable, "-s", "-B", *([entry] if entry.endswith(".py") else ["-m", entry]), json.dumps(job)], cwd=work,
-                                env=minimal_env(work), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        cmd = [sys.executable, "-s", "-B", *([entry] if entry.endswith(".py") else ["-m", entry]), json.dumps(job)]
+        proc = subprocess.Popen(cmd, cwd=work, env=minimal_env(work), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, close_fds=True, pass_fds=(w, page), start_new_session=True)
     except BaseException:
         os.close(r)
@@ -182,6 +182,7 @@ def _result(job: dict, status: int, text: bytes, page: int, timeout: float | Non
     kind, body = next(iter(msg.items()))
     if kind == "analysis" and isinstance(body, dict) and all(k in body for k in _REQUIRED):
         body["snapshot"] = shown
+        _local_paths_only_under(body, job.get("source") or [])
         return body
     if kind == "error" and isinstance(body, dict):
         cls = getattr(errors, str(body.get("type")), None)
@@ -194,6 +195,23 @@ def _result(job: dict, status: int, text: bytes, page: int, timeout: float | Non
     if kind == "bug":
         raise RuntimeError(f"the confined analysis of {shown} failed (a bug in nanreplay, please report):\n{body}")
     raise ReplayError(f"{shown}: the confined analysis sent back something that is not an analysis")
+
+
+def _local_paths_only_under(d, roots: list[str]) -> None:
+    """The report reads a source line's `path` from this process: keep only paths under a folder the user named
+    (--source), resolved, so that not even a child taken over by a kernel exploit can make it quote a local file."""
+    real = [os.path.realpath(r) for r in roots]
+    stack = [d]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            p = x.get("path")
+            if isinstance(p, str) and "line" in x and not any(
+                    os.path.commonpath([os.path.realpath(p), r]) == r for r in real if os.path.isabs(p)):
+                x["path"] = None
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
 
 
 def _message(text: bytes) -> dict | None:

@@ -189,3 +189,19 @@ def test_the_parent_never_imports_torch(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False"
     assert json.loads((tmp_path / "a.json").read_text())["verdict"] == "culprit_found"
+
+
+def test_the_parent_reads_local_source_only_under_the_folders_named(tmp_path):
+    """A child taken over by a kernel exploit writes any JSON it likes: the report (in the parent) then reads a
+    local file for a source line only under --source, resolved (no symlink out)."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "model.py").write_text("x = 1\n")
+    (tmp_path / "src" / "out.py").symlink_to(tmp_path / "settings.py")
+    sources = [{"file": "a.py", "line": 1, "path": str(p)} for p in
+               (tmp_path / "src" / "model.py", tmp_path / "settings.py", tmp_path / "src" / "out.py", "rel/x.py")]
+    d = {"culprit": {"source": sources[0]}, "chain": [{"source": s} for s in sources[1:]]}
+    confine._local_paths_only_under(d, [str(tmp_path / "src")])
+    assert d["culprit"]["source"]["path"] == str(tmp_path / "src" / "model.py")
+    assert [e["source"]["path"] for e in d["chain"]] == [None, None, None]
+    confine._local_paths_only_under(d, [])
+    assert d["culprit"]["source"]["path"] is None
