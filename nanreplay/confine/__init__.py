@@ -22,12 +22,13 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 
 from nanreplay import errors
-from nanreplay.errors import ConfinedCrash, LimitError, ReplayError, TimeLimitError
+from nanreplay.errors import ConfinedCrash, LimitError, ReplayError, SnapshotError, TimeLimitError
 
 # Address space for torch itself, beyond --max-memory: measured in the child when it confines itself (what it
 # has mapped after importing torch), plus room for each thread's stack and malloc arena and the analysis's own
@@ -51,11 +52,25 @@ def analyze(path: str, *, device: str | None = None, verify: bool = True, max_me
             threads: int | None = None, fork: bool = False) -> dict:
     """The analysis JSON of `path`, computed in a confined child. Raises the child's NanReplayError (the
     snapshot's path as given here), ConfinedCrash (a signal), LimitError / TimeLimitError (a limit hit)."""
+    _check_kind(path)
     job = {"path": os.path.abspath(path), "shown": str(path), "device": device, "verify": verify,
            "max_memory": max_memory, "loss": loss, "threads": threads, "timeout": timeout,
            "source": [os.path.abspath(s) for s in source] if source is not None else None,
            "cpu_seconds": _cpu_seconds(timeout, threads)}
     return run(job, fork=fork)
+
+
+def _check_kind(path: str) -> None:
+    """A missing path, a FIFO or a device is refused here, by stat alone (nothing is opened), without a child;
+    the child checks again (formats/reading.py) and reads the file."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise SnapshotError(f"{path}: no such file") from None
+    except OSError as e:
+        raise SnapshotError(f"{path}: cannot read: {e.strerror or e}") from None
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        raise SnapshotError(f"{path}: not a regular file, not a snapshot")
 
 
 def run(job: dict, *, fork: bool = False, entry: str = "nanreplay.confine") -> dict:

@@ -12,7 +12,9 @@ import json
 import os
 import traceback
 
-PRELOAD = ("torch", "torch._dynamo", "nanreplay.analysis.pipeline", "nanreplay.diagnose", "nanreplay.verify")
+# Imported before the filter (anything else lazily after it: the installation stays readable). torch._dynamo must
+# be among them: its import asks tempfile for a writable folder, which the filter leaves none of.
+PRELOAD = ("torch", "torch._dynamo", "nanreplay.analysis.pipeline")
 
 
 def main(job: dict) -> None:
