@@ -102,7 +102,7 @@ def minimal_env(work: str) -> dict[str, str]:
     settings."""
     import nanreplay
 
-    env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": work, "TMPDIR": work,
+    env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": work, "TMPDIR": work, "TORCHINDUCTOR_CACHE_DIR": work,
            "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(nanreplay.__file__))),
            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1"}
     env.update({k: os.environ[k] for k in _THREAD_VARS if k in os.environ})
