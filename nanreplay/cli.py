@@ -72,17 +72,23 @@ def main() -> None:
 @click.option("--timeout", type=click.FloatRange(min=0), default=0, metavar="SECONDS",
               help="Give up after SECONDS (exit code 1, no output written) [default: 0, no limit].")
 @click.option("--max-memory", type=Size(), metavar="SIZE", help=_MAX_MEMORY_HELP)
+@click.option("--no-confine", is_flag=True,
+              help="UNSAFE, for debugging nanreplay on a snapshot you trust: run the analysis in this process "
+                   "instead of a confined child (no resource limits, no file or socket filter).")
 @click.option("--nproc", type=click.IntRange(min=1), default=1, metavar="N",
               help="A sharded snapshot folder: replay its ranks on N local processes with torch.distributed.run "
                    "(gloo on the CPU, NCCL with --device cuda), each holding its shard of the weights; N is the "
                    "snapshot's world size [default: 1, every rank replayed on this process].")
 def analyze(snapshot: str, model: str | None, loss: str | None, report: str | None, json_path: str | None,
             md_path: str | None, device: str | None, trust: bool, no_verify: bool, source: tuple[str, ...],
-            timeout: float, max_memory: int | None, nproc: int) -> None:
-    """Replay SNAPSHOT, name the op that broke the step, explain it and suggest a verified fix."""
-    from nanreplay import analysis as analysis_mod
+            timeout: float, max_memory: int | None, no_confine: bool, nproc: int) -> None:
+    """Replay SNAPSHOT, name the op that broke the step, explain it and suggest a verified fix.
+
+    The analysis runs in a confined child process (docs/trust.md) unless it runs code you name
+    (--trust, --model, a --loss MODULE:CALLABLE) or spans ranks (--nproc).
+    """
+    from nanreplay import confine
     from nanreplay import report as report_mod
-    from nanreplay.formats.rebuild import parse_device
 
     try:
         report_path = outputs.output_path(report or f"{Path(snapshot).stem}.nanreplay.html", inputs=[snapshot])
@@ -90,22 +96,27 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
         md_dest = outputs.output_path(md_path, inputs=[snapshot], option="--markdown") if md_path else None
         outputs.distinct(("-o", report_path), *([("--json", json_dest)] if json_path else []),
                          *([("--markdown", md_dest)] if md_path else []))
-        parse_device(device)  # a device this machine lacks: one line now, not a traceback later
+        memory = max_memory or limits.default_max_memory()
+        dirs = list(source) if source else None
         to_stdout = report_path is None or (json_path is not None and json_dest is None) or \
             (md_path is not None and md_dest is None)
         live = _Live(err=to_stdout)
         message = f"nanreplay: error: {one_line(snapshot)}: no result after {timeout:g} s (--timeout)"
         with limits.time_limit(timeout, message):
             try:
-                result = analysis_mod.analyze(snapshot, model=model, loss=loss, device=device, trust=trust,
-                                              verify=not no_verify, max_memory=max_memory or limits.default_max_memory(),
-                                              source=list(source) if source else None, nproc=nproc,
-                                              progress=live.progress)
+                if confine.needed(trust=trust, model=model, loss=loss) and nproc == 1 and not no_confine:
+                    # the child checks --device too; this process never imports torch, it renders the JSON
+                    doc = confine.analyze(snapshot, device=device, verify=not no_verify, max_memory=memory, loss=loss,
+                                          timeout=timeout, source=dirs, progress=live.progress)
+                else:
+                    doc = _analyze_here(snapshot, model=model, loss=loss, device=device, trust=trust,
+                                        verify=not no_verify, max_memory=memory, source=dirs, nproc=nproc,
+                                        progress=live.progress).to_json()
             finally:
                 live.status("")
-            html = report_mod.render_html(result)
-            text = json.dumps(result.to_json(), indent=2, allow_nan=False) if json_path else None
-            md = report_mod.markdown_summary(result) if md_path else None
+            html = report_mod.render_html(doc)  # the renderers read the JSON only
+            text = json.dumps(doc, indent=2, allow_nan=False) if json_path else None
+            md = report_mod.markdown_summary(doc) if md_path else None
         if report_path is not None:
             write_atomic(report_path, html, "the report")
         if text is not None and json_dest is not None:
@@ -122,10 +133,10 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
         click.echo(text)
     if md is not None and md_dest is None:
         click.echo(md.rstrip("\n"))
-    lines = report_mod.terminal_lines(result, report_path or "(stdout)")
+    lines = report_mod.terminal_lines(doc, report_path or "(stdout)")
     if live.shown and lines[:len(live.shown)] == live.shown:
         lines = lines[len(live.shown):]  # the culprit block is on the terminal already (it cannot have changed)
-    summary = "\n".join(lines) + _ranks_line(result.distributed)
+    summary = "\n".join(lines) + _ranks_line(doc.get("distributed"))
     click.echo(summary.lstrip("\n"), err=to_stdout)
 
 
@@ -159,6 +170,15 @@ class _Live:
             self.shown = report_mod.culprit_block(result)
             click.echo("\n".join(self.shown), err=self.err)
         self.status(self.NEXT.get(stage, ""))
+
+
+def _analyze_here(snapshot: str, *, device: str | None, **options):
+    """The analysis in this process: code the user named runs as the user anyway (or --no-confine)."""
+    from nanreplay import analysis as analysis_mod
+    from nanreplay.formats.rebuild import parse_device
+
+    parse_device(device)  # a device this machine lacks: one line now, not a traceback later
+    return analysis_mod.analyze(snapshot, device=device, **options)
 
 
 def _ranks_line(d: dict | None) -> str:

@@ -6,6 +6,7 @@ that escapes is a bug in nanreplay and keeps its traceback.
     NanReplayError                 exit 1
     ├── UsageError                 exit 2: the input or the invocation cannot work
     │   ├── SnapshotError          the file is not a readable, valid snapshot
+    │   │   └── ConfinedCrash      its step crashed torch's kernel in the confined child (a signal)
     │   ├── TrustError             the snapshot names code and --trust was not given
     │   ├── ModelError             the model / loss / state cannot be rebuilt for this snapshot
     │   ├── OutputError            an output path that must not or cannot be written
@@ -35,6 +36,10 @@ class UsageError(NanReplayError):
 
 class SnapshotError(UsageError):
     """The file cannot be read as a snapshot: missing, corrupt, hostile, or outside the format's schema."""
+
+
+class ConfinedCrash(SnapshotError):
+    """The snapshot's step killed the confined child with a signal (SIGSEGV, SIGFPE, ...) inside a torch kernel."""
 
 
 class TrustError(UsageError):

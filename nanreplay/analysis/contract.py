@@ -1,84 +1,17 @@
-"""The analysis as data: `Analysis` and the pieces of the JSON contract (see DESIGN's CLI/JSON contract).
+"""The pieces of the JSON contract built from a replay (see DESIGN's CLI/JSON contract); `Analysis` is in result.py.
 
 Fields are only ever added, never renamed; `tests/analysis/test_contract.py` pins them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from nanreplay import __version__, stats
+from nanreplay import stats
 from nanreplay.analysis.arguments import name_inputs
+from nanreplay.analysis.result import SCHEMA, Analysis, precision_sentence  # noqa: F401 - re-exported
 from nanreplay.replay import Step, frame_json
 from nanreplay.replay.probe import forward_op_inputs
-
-SCHEMA = "nanreplay.analysis/1"
-
-
-@dataclass
-class Analysis:
-    snapshot: str
-    verdict: str
-    culprit: dict | None = None
-    chain: list[dict] = field(default_factory=list)
-    nonfinite_leaves: list[dict] = field(default_factory=list)
-    anomaly_mode: dict = field(default_factory=lambda: {"raises": None, "node": None, "agrees_with_culprit": None})
-    diagnosis: dict = field(default_factory=dict)
-    failure: dict | None = None
-    loss: float | None = None
-    gradients: list[dict] = field(default_factory=list)
-    model: dict = field(default_factory=dict)  # how it was rebuilt
-    environment: dict = field(default_factory=dict)
-    stats: dict = field(default_factory=dict)  # ops, events, timings
-    warnings: list[str] = field(default_factory=list)
-    step: Step | None = field(default=None, repr=False)  # the raw replay, for renderers; not in JSON
-    snapshot_info: dict = field(default_factory=dict)
-    precision: list[dict] = field(default_factory=list)  # the step replayed in other dtypes
-    activations: list[dict] = field(default_factory=list)  # max |output| per module call, forward order
-    gradient_shapes: list[dict] = field(default_factory=list)
-    invocation: dict = field(default_factory=dict)  # model/loss/device/trust exactly as the caller gave them
-    update: dict | None = None  # update snapshots only: the replayed optimizer step (analysis/update.py)
-    distributed: dict | None = None  # sharded snapshots: the ranks together (analysis/ranks.py merge())
-
-    def to_json(self) -> dict:
-        d = {
-            "schema": SCHEMA,
-            "snapshot": self.snapshot,
-            "verdict": self.verdict,
-            "culprit": self.culprit,
-            "chain": self.chain,
-            "nonfinite_leaves": self.nonfinite_leaves,
-            "anomaly_mode": self.anomaly_mode,
-            "diagnosis": self.diagnosis,
-            "failure": self.failure,
-            "loss": self.loss,
-            "gradients": self.gradients,
-            "model": self.model,
-            "snapshot_info": self.snapshot_info,
-            "environment": self.environment,
-            "stats": self.stats,
-            "precision": self.precision,
-            "activations": self.activations,
-            "near_overflow": [a for a in self.activations if a.get("near_overflow")],
-            "gradient_shapes": self.gradient_shapes,
-            "invocation": self.invocation,
-            "warnings": self.warnings,
-            "nanreplay_version": __version__,
-        }
-        if self.update is not None:
-            d["update"] = self.update
-        if self.distributed is not None:  # sharded snapshots only (absent otherwise: the goldens stay as they are)
-            d["distributed"] = self.distributed
-        return stats.jsonable(d)
-
-    @classmethod
-    def from_json(cls, d: dict) -> Analysis:
-        """An analysis read back from its JSON (the N-rank analysis returns it so); `step` stays None."""
-        names = {f for f in cls.__dataclass_fields__ if f != "step"}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
 
 NEAR_OVERFLOW = 0.1  # flag activations above this fraction of the dtype's largest value
 
@@ -174,19 +107,3 @@ def anomaly_json(step: Step, c: int | None) -> dict:
             out["module"] = rec.module
             out["source"] = frame_json(rec.frame)
     return out
-
-
-def precision_sentence(rows: list[dict], ran: str) -> str:
-    """What the precision probe's rows say, in one sentence written from those rows (it cannot contradict them):
-    a precision/range problem (finite in a wider dtype) or a math domain error (non-finite in every dtype)."""
-    rows = [r for r in rows or [] if "error" not in r]
-    ok = [str(r.get("dtype")) for r in rows if r.get("loss_finite") and r.get("grads_finite")]
-    bad = [str(r.get("dtype")) for r in rows if not (r.get("loss_finite") and r.get("grads_finite"))]
-    if ok:
-        also = f" (and not in {', '.join(bad)} either)" if bad else ""
-        return (f"The step is finite when replayed in {', '.join(ok)}, but not in {ran} as it ran{also}: a "
-                "precision/range problem, not a math domain error.")
-    if bad:
-        return (f"The step is non-finite in {', '.join(bad)} too: a math domain error, not a precision problem; a "
-                "wider dtype will not fix it.")
-    return ""

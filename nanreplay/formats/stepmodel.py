@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from nanreplay import torch_internals as ti
+from nanreplay.confine import progress
 from nanreplay.errors import ReplayError, SnapshotError, op_of
 from nanreplay.formats.ops import check_values
 from nanreplay.formats.program import DTYPES, DeviceLiteral, Node, Program, Ref
@@ -149,6 +150,7 @@ class StepModule(nn.Module):
         finally:
             torch.set_grad_enabled(grad_on)
             self._node = None
+            progress.at(progress.AFTER, -1)  # backward, or whatever runs next, is past the program's nodes
         return env[prog.loss]
 
     def _leaves(self, inputs: Any, target: Any, *, params: bool = True) -> dict[int, Any]:
@@ -167,6 +169,7 @@ class StepModule(nn.Module):
         for i in range(a, b):
             node = self.program.nodes[i]
             self._node = i
+            progress.at(progress.REPLAY, i, node.name)  # a crash in the kernel below is then named (confine/)
             # grad mode as the step had it (parts under no_grad stay so), never on under a caller's no_grad:
             # a forward-only pass must not build the graph
             if (node.grad and grad_on) != torch.is_grad_enabled():
@@ -342,6 +345,7 @@ def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]
         inputs += _nbytes(shape, dtype) * (2 if dtype.is_floating_point else 1)
     made = 0
     for i, node in enumerate(program.nodes):
+        progress.at(progress.DRY_RUN, i, node.name)
         args = [_meta_arg(a, env) for a in node.args]
         kwargs = {k: _meta_arg(v, env) for k, v in node.kwargs.items()}
         if _takes_device(node.op):  # a factory op without a device would allocate on the CPU for real

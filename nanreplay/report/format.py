@@ -105,16 +105,15 @@ def kind_text(kind: str | None, out: dict | None = None) -> str:
     return "Inf" if kind == "inf" else (kind or "non-finite")
 
 
+# torch.finfo(dtype).max, written out: rendering needs no torch (a confined analysis is rendered from its JSON)
+_DTYPE_MAX = {"float16": 65504.0, "half": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38,
+              "float": 3.4028234663852886e38, "float64": 1.7976931348623157e308, "double": 1.7976931348623157e308,
+              "float8_e4m3fn": 448.0, "float8_e4m3fnuz": 240.0, "float8_e5m2": 57344.0, "float8_e5m2fnuz": 57344.0}
+
+
 def dtype_max(dtype: str | None) -> float | None:
     """The largest finite value of a floating torch dtype named by its string ('float16'); else None."""
-    if not dtype:
-        return None
-    import torch
-
-    t = getattr(torch, dtype, None)
-    if not isinstance(t, torch.dtype) or not t.is_floating_point:
-        return None
-    return float(torch.finfo(t).max)
+    return _DTYPE_MAX.get(dtype or "")
 
 
 def numel(shape: Any) -> int | None:

@@ -15,7 +15,7 @@ import hashlib
 from pathlib import Path
 
 from nanreplay import atomic
-from nanreplay.analysis.contract import Analysis
+from nanreplay.analysis.result import Analysis
 from nanreplay.errors import OutputError
 from nanreplay.report.format import TEMPLATE_GLOBALS
 from nanreplay.report.page import build_view

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from nanreplay.analysis.contract import Analysis
+from nanreplay.analysis.result import Analysis
 from nanreplay.report.format import Seg
 from nanreplay.report.views.banner import Banner, anomaly_short, banner, failure_text
 from nanreplay.report.views.environment import environment_line

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nanreplay.analysis.contract import Analysis
+from nanreplay.analysis.result import Analysis
 from nanreplay.report.sources import Sources
 from nanreplay.report.views.anomaly import AnomalyView, anomaly_view
 from nanreplay.report.views.banner import Banner, banner

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nanreplay.analysis.contract import Analysis
+from nanreplay.analysis.result import Analysis
 
 SOURCE_CONTEXT = 3  # lines shown above and below the recorded line
 MAX_SOURCE_BYTES = 2_000_000  # never read a bigger "source file" for context

@@ -6,7 +6,7 @@ It quotes only what the analysis recorded and reads no file.
 
 from __future__ import annotations
 
-from nanreplay.analysis.contract import Analysis
+from nanreplay.analysis.result import Analysis
 from nanreplay.report.format import kind_text, module_label, where
 from nanreplay.report.views.banner import anomaly_short, banner, failure_text, loss_source_note
 from nanreplay.sanitize import one_line

@@ -29,13 +29,14 @@ def analyze(p: Plan, *, jobs: int, timeout: float | None = DEFAULT_TIMEOUT, prog
     if not todo:
         return None
     by_name = {it.name: it for it in todo}
-    tasks = [{"path": it.path, "name": it.name, "outdir": str(p.outdir), "model": p.options.model,
-              "loss": p.options.loss, "trust": p.options.trust, "device": p.options.device,
-              "verify": p.options.verify, "max_memory": p.options.max_memory, "hash": it.hash_in_worker}
-             for it in todo]
-    fingerprint = p.options.fingerprint()
     workers = min(jobs, len(todo))
     threads = threads or max(1, _cpu_count() // workers)
+    tasks = [{"path": it.path, "name": it.name, "outdir": str(p.outdir), "model": p.options.model,
+              "loss": p.options.loss, "trust": p.options.trust, "device": p.options.device,
+              "verify": p.options.verify, "max_memory": p.options.max_memory, "hash": it.hash_in_worker,
+              "timeout": timeout, "threads": threads}
+             for it in todo]
+    fingerprint = p.options.fingerprint()
     pool = WorkerPool(analyze_task, jobs=workers, timeout=timeout, init=worker_init, init_args=(threads,),
                       preload=WORKER_PRELOAD)
     saved = time.monotonic()

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from nanreplay import atomic
-from nanreplay.errors import LimitError, NanReplayError, ReplayError, SnapshotError, TrustError
+from nanreplay.errors import ConfinedCrash, LimitError, NanReplayError, ReplayError, SnapshotError, TrustError
 from nanreplay.triage.plan import content_hash, path_stat
 from nanreplay.triage.rows import failed
 
@@ -60,25 +60,32 @@ def _hash_first(task: dict) -> dict:
 
 
 def _analyze(task: dict) -> dict:
-    from nanreplay.analysis import analyze as analyze_one
+    from nanreplay import confine
     from nanreplay.report.html import write_report
 
     t0 = time.perf_counter()
     try:
-        # --model/--loss name the model of plain state-dict snapshots: a snapshot that carries its own step
-        # is replayed as it is, so one folder can hold both kinds
-        a = analyze_one(task["path"], model=task["model"], loss=task["loss"], trust=task["trust"],
-                        device=task.get("device"), verify=task.get("verify", True), max_memory=task.get("max_memory"),
-                        only_if_needed=True)
+        if confine.needed(trust=task["trust"], model=task["model"], loss=task["loss"]):
+            # a fork of this worker (torch imported, no op run) confines itself and analyzes; we render its JSON
+            d = confine.analyze(task["path"], device=task.get("device"), verify=task.get("verify", True),
+                                max_memory=task.get("max_memory"), loss=task["loss"], timeout=task.get("timeout"),
+                                threads=task.get("threads"), fork=True)
+        else:
+            from nanreplay.analysis import analyze as analyze_one
+
+            # --model/--loss name the model of plain state-dict snapshots: a snapshot that carries its own step
+            # is replayed as it is, so one folder can hold both kinds
+            d = analyze_one(task["path"], model=task["model"], loss=task["loss"], trust=task["trust"],
+                            device=task.get("device"), verify=task.get("verify", True),
+                            max_memory=task.get("max_memory"), only_if_needed=True).to_json()
     except NanReplayError as e:
         return failed(_category(e), str(e), path=task["path"])
     seconds = time.perf_counter() - t0
     out = Path(task["outdir"])
     report, js = f"{task['name']}.html", f"{task['name']}.json"
-    d = a.to_json()
     try:
         atomic.write_text(out / js, json.dumps(d, indent=2, allow_nan=False))
-        write_report(a, str(out / report), index="index.html")  # the report links back to the index
+        write_report(d, str(out / report), index="index.html")  # the report links back to the index
     except (OSError, NanReplayError) as e:
         for f in (report, js):
             (out / f).unlink(missing_ok=True)
@@ -90,6 +97,8 @@ def _analyze(task: dict) -> dict:
 
 
 def _category(e: NanReplayError) -> str:
+    if isinstance(e, ConfinedCrash):
+        return "crashed"
     if isinstance(e, TrustError):
         return "refused"
     if isinstance(e, LimitError):

@@ -6,7 +6,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from nanreplay.analysis.contract import precision_sentence as sentence_from_rows
+from nanreplay.analysis.result import precision_sentence as sentence_from_rows
 from nanreplay.report.format import num
 from nanreplay.report.views.elements import Cell, Fact
 

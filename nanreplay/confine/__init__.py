@@ -1,0 +1,309 @@
+"""Analyze an untrusted snapshot in a confined child process; this process only reads its JSON back.
+
+    d = confine.analyze(path, device=..., verify=..., max_memory=..., source=..., timeout=...)  # the --json dict
+    d = confine.analyze(..., fork=True)  # a triage worker: fork (torch imported, no op run yet) instead of a new Python
+
+The child (`python -m nanreplay.confine`, or a fork) holds nothing of the analyst's: an empty private
+working folder that it cannot write to either, a minimal environment, no descriptor but its result pipe and
+a one-page progress memfd (stdin/stdout/stderr are /dev/null), and a new session (Ctrl-C and --timeout in
+this process kill its whole group). It imports torch and the analysis, then confines itself
+(filters.enter: resource limits, Landlock, seccomp) and only then opens the snapshot. Its one message on the
+pipe is strict JSON: the analysis, a NanReplayError (type and message), a memory-limit hit, or a bug's
+traceback. A child killed by a signal is one line: the op and node it was running (progress.py), or the
+limit it hit. What confinement was in force is in the analysis's `environment.confinement`.
+
+Loading, the dry run, the replay, the diagnosis replays and the precision probe all run in the child;
+rendering (report, Markdown, terminal) happens here, from the JSON alone — this process never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+
+from nanreplay import errors
+from nanreplay.errors import ConfinedCrash, LimitError, ReplayError, SnapshotError, TimeLimitError
+
+# Address space for torch itself, beyond --max-memory: measured in the child when it confines itself (what it
+# has mapped after importing torch), plus room for each thread's stack and malloc arena and the analysis's own
+# Python objects.
+HEADROOM = 1 << 30
+PER_THREAD = 80 << 20
+_CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGFPE, signal.SIGBUS, signal.SIGILL, signal.SIGABRT, signal.SIGSYS,
+                  signal.SIGTRAP}
+_REQUIRED = ("schema", "snapshot", "verdict", "diagnosis", "environment", "stats")
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+
+
+def needed(*, trust: bool, model: str | None, loss: str | None) -> bool:
+    """Whether an analysis is confined: on Linux always, unless it runs code the user named (`--trust`,
+    `--model`, a `--loss MODULE:CALLABLE`), which runs as the user anyway. (Elsewhere: not yet, docs/trust.md.)"""
+    return sys.platform.startswith("linux") and not (trust or model or (loss and ":" in loss))
+
+
+def analyze(path: str, *, device: str | None = None, verify: bool = True, max_memory: int | None = None,
+            source: list[str] | None = None, loss: str | None = None, timeout: float | None = None,
+            threads: int | None = None, fork: bool = False, progress=None) -> dict:
+    """The analysis JSON of `path`, computed in a confined child. Raises the child's NanReplayError (the
+    snapshot's path as given here), ConfinedCrash (a signal), LimitError / TimeLimitError (a limit hit)."""
+    _check_kind(path)
+    job = {"path": os.path.abspath(path), "shown": str(path), "device": device, "verify": verify,
+           "max_memory": max_memory, "loss": loss, "threads": threads, "timeout": timeout,
+           "source": [os.path.abspath(s) for s in source] if source is not None else None,
+           "cpu_seconds": _cpu_seconds(timeout, threads), "progress": progress is not None}
+    return run(job, fork=fork, progress=progress)
+
+
+def _check_kind(path: str) -> None:
+    """A missing path, a FIFO or a device is refused here, by stat alone (nothing is opened), without a child;
+    the child checks again (formats/reading.py) and reads the file."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise SnapshotError(f"{path}: no such file") from None
+    except OSError as e:
+        raise SnapshotError(f"{path}: cannot read: {e.strerror or e}") from None
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        raise SnapshotError(f"{path}: not a regular file, not a snapshot")
+
+
+def run(job: dict, *, fork: bool = False, entry: str = "nanreplay.confine", progress=None) -> dict:
+    """Run `job` in a confined child (`python -m ENTRY JOB`, or a fork running child.main) and return what it
+    sent back, checked. Tests give their own `entry` (a script) to run probes in the same sandbox. `progress(stage,
+    doc)` is called for each pass the child reports before its result (analyze(progress=) in the child)."""
+    job = {**job, "parent": os.getpid()}
+    work = tempfile.mkdtemp(prefix="nanreplay-confined-")
+    os.chmod(work, 0o500)  # empty, and stays so: the child cannot write there either
+    page = os.memfd_create("nanreplay-progress")
+    try:
+        os.ftruncate(page, 4096)
+        reader = _Messages(job, progress)
+        status, text = _fork(job, work, page, reader) if fork else _spawn(job, work, page, entry, reader)
+        return _result(job, status, text, page, job.get("timeout"), job.get("max_memory"))
+    finally:
+        os.close(page)
+        os.chmod(work, 0o700)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _cpu_seconds(timeout: float | None, threads: int | None) -> int | None:
+    """RLIMIT_CPU from --timeout: every thread's CPU time counts, so the wall-clock limit times the threads."""
+    if not timeout:
+        return None
+    return int(timeout * (threads or os.cpu_count() or 1)) + 1
+
+
+def minimal_env(work: str) -> dict[str, str]:
+    """What the child may know of the analyst's environment: nothing but where nanreplay is and torch's thread
+    settings."""
+    import nanreplay
+
+    env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": work, "TMPDIR": work, "TORCHINDUCTOR_CACHE_DIR": work,
+           "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(nanreplay.__file__))),
+           "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1"}
+    env.update({k: os.environ[k] for k in _THREAD_VARS if k in os.environ})
+    return env
+
+
+def _spawn(job: dict, work: str, page: int, entry: str, reader: _Messages) -> tuple[int, bytes]:
+    r, w = os.pipe()
+    job = {**job, "result_fd": w, "progress_fd": page}
+    try:
+        cmd = [sys.executable, "-s", "-B", *([entry] if entry.endswith(".py") else ["-m", entry]), json.dumps(job)]
+        proc = subprocess.Popen(cmd, cwd=work, env=minimal_env(work), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, close_fds=True, pass_fds=(w, page), start_new_session=True)
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
+    try:
+        text = reader.read(r)
+        return proc.wait(), text
+    except BaseException:  # --timeout, Ctrl-C: stop the child (and anything it started), then go on unwinding
+        stop_group(proc.pid)
+        proc.wait()
+        raise
+
+
+def _fork(job: dict, work: str, page: int, reader: _Messages) -> tuple[int, bytes]:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child; coverage cannot follow it
+        code = 1
+        try:
+            os.setsid()
+            os.close(r)
+            _close_fds_except({0, 1, 2, w, page})  # the worker's own pipe to triage's parent included
+            os.chdir(work)
+            os.environ.clear()
+            os.environ.update(minimal_env(work))
+            from nanreplay.confine import child
+
+            child.main({**job, "result_fd": w, "progress_fd": page})
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    try:
+        text = reader.read(r)
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), text
+    except BaseException:
+        stop_group(pid)
+        os.waitpid(pid, 0)
+        raise
+
+
+def _close_fds_except(keep: set[int]) -> None:  # pragma: no cover - runs in the forked child
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class _Messages:
+    """The result pipe: newline-separated JSON messages, each a dict of one entry; `progress` messages ({stage,
+    doc}) go to the callback as they arrive, the last message is the child's result."""
+
+    def __init__(self, job: dict, progress):
+        self.job, self.progress = job, progress
+
+    def read(self, fd: int) -> bytes:
+        buf, last = b"", b""
+        try:
+            while chunk := os.read(fd, 1 << 20):
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    if line:
+                        last = line if not self._progress(line) else last
+        finally:
+            os.close(fd)
+        return buf or last
+
+    def _progress(self, line: bytes) -> bool:
+        msg = _message(line)
+        if not msg or "progress" not in msg:
+            return False
+        body = msg["progress"]
+        if self.progress is not None and isinstance(body, dict) and isinstance(body.get("doc"), dict):
+            doc = body["doc"]
+            doc["snapshot"] = self.job["shown"]
+            _local_paths_only_under(doc, self.job.get("source") or [])
+            self.progress(str(body.get("stage")), doc)
+        return True
+
+
+def stop_group(pid: int) -> None:
+    """SIGKILL a child's whole process group (it leads its own session)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ---------------------------------------------------------------- what came back
+
+
+def _result(job: dict, status: int, text: bytes, page: int, timeout: float | None, max_memory: int | None) -> dict:
+    shown = job["shown"]
+    msg = _message(text)
+    if status < 0 or msg is None:
+        raise _died(shown, status, page, timeout, max_memory)
+    kind, body = next(iter(msg.items()))
+    if kind == "analysis" and isinstance(body, dict) and all(k in body for k in _REQUIRED):
+        body["snapshot"] = shown
+        _local_paths_only_under(body, job.get("source") or [])
+        return body
+    if kind == "error" and isinstance(body, dict):
+        cls = getattr(errors, str(body.get("type")), None)
+        if not (isinstance(cls, type) and issubclass(cls, errors.NanReplayError)):
+            cls = ReplayError
+        raise cls(str(body.get("message")).replace(job["path"], shown))
+    if kind == "memory":
+        raise LimitError(f"{shown}: the analysis ran out of memory under --max-memory {_size(max_memory)} (its "
+                         f"address space was capped there, plus torch's own); nothing was written")
+    if kind == "bug":
+        raise RuntimeError(f"the confined analysis of {shown} failed (a bug in nanreplay, please report):\n{body}")
+    raise ReplayError(f"{shown}: the confined analysis sent back something that is not an analysis")
+
+
+def _local_paths_only_under(d, roots: list[str]) -> None:
+    """The report reads a source line's `path` from this process: keep only paths under a folder the user named
+    (--source), resolved, so that not even a child taken over by a kernel exploit can make it quote a local file."""
+    real = [os.path.realpath(r) for r in roots]
+    stack = [d]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            p = x.get("path")
+            if isinstance(p, str) and "line" in x and not any(
+                    os.path.commonpath([os.path.realpath(p), r]) == r for r in real if os.path.isabs(p)):
+                x["path"] = None
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+
+
+def _message(text: bytes) -> dict | None:
+    """The child's one message, parsed strictly (no NaN/Infinity, no duplicate keys): a dict of one entry."""
+    def no_constant(name: str):
+        raise ValueError(f"non-standard JSON number {name}")
+
+    def no_duplicates(pairs):
+        d = dict(pairs)
+        if len(d) != len(pairs):
+            raise ValueError("duplicate key")
+        return d
+
+    try:
+        d = json.loads(text.decode("utf-8"), parse_constant=no_constant, object_pairs_hook=no_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return d if isinstance(d, dict) and len(d) == 1 else None
+
+
+def _died(shown: str, status: int, page: int, timeout: float | None, max_memory: int | None) -> Exception:
+    from nanreplay.confine import progress
+
+    if status >= 0:
+        return ReplayError(f"{shown}: the confined analysis ended without a result (exit code {status}); nothing "
+                           "was written")
+    sig = -status
+    name = _signal_name(sig)
+    if sig == signal.SIGXCPU:
+        return TimeLimitError(f"{shown}: the analysis used up its CPU time (--timeout {timeout:g} s, times the "
+                              "threads) and was stopped; nothing was written")
+    if sig == signal.SIGKILL:
+        return LimitError(f"{shown}: the analysis was killed (SIGKILL: out of memory, or past its CPU time) under "
+                          f"--max-memory {_size(max_memory)}; nothing was written")
+    where = progress.read(page)
+    if where is not None and where[1] >= 0 and where[2] and sig in _CRASH_SIGNALS:
+        phase, node, op = where
+        return ConfinedCrash(f"{shown}: the snapshot's step crashed torch's `{op}` kernel at node {node} ({name} in "
+                             f"{phase}; a crafted or corrupt snapshot); nothing was written")
+    during = f" in {where[0]}" if where is not None else ""
+    return ConfinedCrash(f"{shown}: the snapshot's step crashed torch ({name}{during}; a crafted or corrupt "
+                         "snapshot); nothing was written")
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def _size(n: int | None) -> str:
+    from nanreplay.limits import format_size
+
+    return format_size(n) if n else "(none)"

@@ -1,0 +1,223 @@
+"""The confined child's side: what a process does to itself before it reads an untrusted snapshot.
+
+    enter(reads, limits) -> the confinement now in force, as the JSON's `environment.confinement`
+
+In order: resource limits (address space, CPU seconds, no core file, no file growth), then an OS
+filter where the kernel has one — Landlock (Linux >= 5.13) limits opening files to *reading* the
+snapshot, the Python/torch installation and a few system files (nothing can be created, written,
+removed or renamed anywhere; with Landlock ABI >= 4 no TCP bind/connect, >= 6 no abstract UNIX
+socket and no signal to a process outside the sandbox), and a seccomp filter makes `socket()`
+(every address family), `io_uring_setup` and every non-native-ABI syscall fail with EPERM.
+Both are inherited by any process the child might start and cannot be lifted. Both are made with
+raw syscalls through ctypes: no dependency, nothing to install (docs/trust.md says why).
+
+Linux only; elsewhere (or on a kernel without them) `enter` applies what exists and says what was lost.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import platform
+import resource
+import signal
+import struct
+import sys
+
+# ---------------------------------------------------------------- resource limits
+
+CPU_GRACE = 5  # seconds between SIGXCPU (soft) and SIGKILL (hard)
+
+
+def set_rlimits(*, address_space: int | None, cpu_seconds: int | None) -> dict:
+    """No core file, no file growth (a write to a regular file fails with EFBIG; the result channel is a pipe),
+    and where given an address-space and a CPU-time limit. Returns what was set."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death: a write is an error, not a crash
+    done: dict = {"core": 0, "fsize": 0}
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+    if address_space:
+        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+        done["as"] = address_space
+    if cpu_seconds:
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + CPU_GRACE))
+        done["cpu"] = cpu_seconds
+    return done
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent dies (a triage worker killed on --timeout takes its child along)."""
+    if not sys.platform.startswith("linux"):
+        return
+    PR_SET_PDEATHSIG = 1
+    _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the prctl: nobody is waiting for us
+        os._exit(1)
+
+
+# ---------------------------------------------------------------- Landlock
+
+_SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446  # the same on every Linux architecture
+_RULE_PATH_BENEATH = 1
+_VERSION = 1 << 0  # landlock_create_ruleset flag: return the ABI version
+
+EXECUTE, WRITE_FILE, READ_FILE, READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+_FS_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 5: (1 << 16) - 1}  # all rights each ABI knows
+_NET_ALL = 0b11  # ABI >= 4: bind and connect TCP
+_SCOPE_ALL = 0b11  # ABI >= 6: abstract UNIX sockets, signals
+
+# Read-only everywhere Python and torch come from; these exist on every Linux (missing ones are skipped).
+SYSTEM_READS = ("/usr", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache", "/etc/localtime", "/proc/cpuinfo",
+                "/proc/meminfo", "/proc/self", "/sys/devices/system/cpu", "/sys/fs/cgroup", "/dev/null",
+                "/dev/urandom")
+
+
+def landlock_abi() -> int | None:
+    """The kernel's Landlock ABI version, or None (not Linux, an old kernel, Landlock disabled)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = _libc()
+    v = libc.syscall(_SYS_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(_VERSION))
+    return v if v > 0 else None
+
+
+def landlock(reads: list[str]) -> int | None:
+    """Allow only reading (files, folders, executing libraries) under `reads`; deny every other file access this
+    ABI can name, TCP (ABI >= 4), abstract UNIX sockets and signals out of the sandbox (ABI >= 6). The ABI, or
+    None when the kernel has no Landlock."""
+    abi = landlock_abi()
+    if abi is None:
+        return None
+    libc = _libc()
+    fs = _FS_BY_ABI[max(k for k in _FS_BY_ABI if k <= abi)]
+    fields = [fs] + ([_NET_ALL] if abi >= 4 else []) + ([_SCOPE_ALL] if abi >= 6 else [])
+    attr = struct.pack(f"<{len(fields)}Q", *fields)
+    ruleset = libc.syscall(_SYS_CREATE_RULESET, attr, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), f"landlock_create_ruleset: {os.strerror(ctypes.get_errno())}")
+    try:
+        for path in dict.fromkeys(reads):  # each once, in order
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue  # not on this machine: nothing to allow
+            try:
+                is_dir = os.path.isdir(f"/proc/self/fd/{fd}")
+                allowed = (EXECUTE | READ_FILE | READ_DIR) if is_dir else (EXECUTE | READ_FILE)
+                rule = struct.pack("<Qi", allowed & fs, fd)  # struct landlock_path_beneath_attr (packed)
+                if libc.syscall(_SYS_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(_RULE_PATH_BENEATH), rule,
+                                ctypes.c_uint32(0)) < 0:
+                    raise OSError(ctypes.get_errno(), f"landlock_add_rule {path}: {os.strerror(ctypes.get_errno())}")
+            finally:
+                os.close(fd)
+        _no_new_privs()
+        if libc.syscall(_SYS_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)) < 0:
+            raise OSError(ctypes.get_errno(), f"landlock_restrict_self: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(ruleset)
+    return abi
+
+
+# ---------------------------------------------------------------- seccomp
+
+# (AUDIT_ARCH, socket, io_uring_setup, x32 bit) per machine; elsewhere there is no seccomp filter
+_ARCHES = {"x86_64": (0xC000003E, 41, 425, 0x40000000), "aarch64": (0xC00000B7, 198, 425, 0)}
+_EPERM = 0x00050000 | errno.EPERM  # SECCOMP_RET_ERRNO | EPERM
+_ALLOW = 0x7FFF0000  # SECCOMP_RET_ALLOW
+
+
+def _bpf(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+    return struct.pack("<HBBI", code, jt, jf, k)
+
+
+def seccomp_no_sockets() -> bool:
+    """Make socket(), io_uring_setup (which could open sockets behind seccomp's back) and any syscall of another
+    ABI (32-bit or x32 entry points) fail with EPERM. False where this machine has no filter for it."""
+    arch = _ARCHES.get(platform.machine())
+    if arch is None or not sys.platform.startswith("linux"):
+        return False
+    audit, nr_socket, nr_uring, x32 = arch
+    LD_W_ABS, JEQ_K, JGE_K, RET_K = 0x20, 0x15, 0x35, 0x06
+    prog = [
+        _bpf(LD_W_ABS, 4),  # seccomp_data.arch
+        _bpf(JEQ_K, audit, 1, 0),
+        _bpf(RET_K, _EPERM),  # another ABI: nothing a Python process makes
+        _bpf(LD_W_ABS, 0),  # seccomp_data.nr
+        _bpf(JGE_K, x32, 0, 1) if x32 else _bpf(JEQ_K, 0xFFFFFFFF, 0, 1),  # x32 syscalls on x86_64
+        _bpf(RET_K, _EPERM),
+        _bpf(JEQ_K, nr_socket, 2, 0),
+        _bpf(JEQ_K, nr_uring, 1, 0),
+        _bpf(RET_K, _ALLOW),
+        _bpf(RET_K, _EPERM),
+    ]
+    code = b"".join(prog)
+    buf = ctypes.create_string_buffer(code, len(code))
+    fprog = struct.pack("<HxxxxxxQ", len(prog), ctypes.addressof(buf))  # struct sock_fprog
+    PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+    _no_new_privs()
+    fbuf = ctypes.create_string_buffer(fprog, len(fprog))
+    if _libc().prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(fbuf), 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"seccomp: {os.strerror(ctypes.get_errno())}")
+    return True
+
+
+# ---------------------------------------------------------------- all together
+
+
+def enter(reads: list[str] | None, *, address_space: int | None, cpu_seconds: int | None) -> dict:
+    """Confine this process: the limits, then Landlock (reads only under `reads` + SYSTEM_READS + this Python;
+    None: no file filter), then seccomp. Returns what is in force (`environment.confinement` of the JSON)."""
+    state: dict = {"process": True, "rlimits": set_rlimits(address_space=address_space, cpu_seconds=cpu_seconds),
+                   "landlock": None}
+    lost = []
+    try:
+        if reads is not None:
+            abi = landlock([*reads, *python_reads(), *SYSTEM_READS])
+            state["landlock"] = f"abi {abi}" if abi else None
+    except OSError as e:
+        lost.append(f"landlock failed: {e}")
+    if state["landlock"] is None and not lost and reads is not None:
+        lost.append("no Landlock on this kernel: files are not filtered (only the limits and the empty, private "
+                    "working folder hold)")
+    try:
+        state["seccomp"] = seccomp_no_sockets()
+    except OSError as e:
+        state["seccomp"] = False
+        lost.append(f"seccomp failed: {e}")
+    if not state["seccomp"] and not lost:
+        lost.append(f"no seccomp filter for {platform.machine()}: sockets are not denied")
+    state["lost"] = "; ".join(lost) or None
+    return state
+
+
+def python_reads() -> list[str]:
+    """Where this Python and its packages (torch, nanreplay) are installed — never the current folder."""
+    import sysconfig
+
+    import nanreplay
+
+    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+             os.path.dirname(os.path.abspath(nanreplay.__file__))]
+    paths += [p for k, p in sysconfig.get_paths().items() if k in ("stdlib", "platstdlib", "purelib", "platlib")]
+    for name in ("torch", "numpy", "typing_extensions", "sympy", "jinja2", "markupsafe", "filelock", "fsspec",
+                 "networkx", "mpmath"):
+        mod = sys.modules.get(name)
+        f = getattr(mod, "__file__", None)
+        if f:
+            paths.append(os.path.dirname(os.path.dirname(os.path.abspath(f))))  # its site-packages
+    return [p for p in paths if p and os.path.isabs(p) and p != "/"]
+
+
+def _no_new_privs() -> None:
+    PR_SET_NO_NEW_PRIVS = 38
+    if _libc().prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+
+
+def _libc():
+    lib = ctypes.CDLL(None, use_errno=True)
+    lib.syscall.restype = ctypes.c_long
+    lib.prctl.restype = ctypes.c_int
+    lib.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    return lib

@@ -1,0 +1,44 @@
+"""Which step-program node the confined child is running, kept where its parent can read it after a crash.
+
+The child maps one small shared page (a memfd the parent made) and the two node loops — the dry run
+and the replay — write the node about to run: `at(DRY_RUN, i, node.name)`. A kernel that kills the
+process (SIGSEGV, SIGFPE) leaves the page as it was, and the parent names the op and the node in its
+one line. Outside a confined child `at` is one global lookup and a return.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+
+DRY_RUN, REPLAY, AFTER = 1, 2, 3  # AFTER: past the program's nodes (e.g. in backward)
+PHASES = {DRY_RUN: "the dry run", REPLAY: "the replay", AFTER: "the replay (after the step program's nodes)"}
+SIZE = 4096
+_HEAD = struct.Struct("<qHH")  # node index, phase, length of the op name (then the name, UTF-8)
+_MAX_NAME = SIZE - _HEAD.size
+
+_page: mmap.mmap | None = None
+
+
+def attach(fd: int) -> None:
+    """In the child: write progress into the page of `fd` from now on."""
+    global _page
+    _page = mmap.mmap(fd, SIZE)
+
+
+def at(phase: int, node: int, name: str = "") -> None:
+    page = _page
+    if page is None:
+        return
+    raw = name.encode("utf-8", "replace")[:_MAX_NAME]
+    _HEAD.pack_into(page, 0, node, phase, len(raw))
+    page[_HEAD.size:_HEAD.size + len(raw)] = raw
+
+
+def read(fd: int) -> tuple[str, int, str] | None:
+    """In the parent: (phase, node index, op name) as the child last wrote it, or None."""
+    with mmap.mmap(fd, SIZE, access=mmap.ACCESS_READ) as page:
+        node, phase, n = _HEAD.unpack_from(page, 0)
+        if phase not in PHASES:
+            return None
+        return PHASES[phase], node, bytes(page[_HEAD.size:_HEAD.size + min(n, _MAX_NAME)]).decode("utf-8", "replace")
