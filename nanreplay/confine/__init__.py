@@ -53,7 +53,7 @@ def analyze(path: str, *, device: str | None = None, verify: bool = True, max_me
     """The analysis JSON of `path`, computed in a confined child. Raises the child's NanReplayError (the
     snapshot's path as given here), ConfinedCrash (a signal), LimitError / TimeLimitError (a limit hit)."""
     _check_kind(path)
-    job = {"path": os.path.abspath(path), "shown": str(path), "device": device, "verify": verify,
+    job = {"path": os.path.abspath(path), "shown": str(path), "cwd": os.getcwd(), "device": device, "verify": verify,
            "max_memory": max_memory, "loss": loss, "threads": threads, "timeout": timeout,
            "source": [os.path.abspath(s) for s in source] if source is not None else None,
            "cpu_seconds": _cpu_seconds(timeout, threads), "progress": progress is not None}

@@ -52,7 +52,10 @@ def _analyze(job: dict, out) -> dict:
         out.write(_encode({"progress": {"stage": stage, "doc": doc}}) + b"\n")
         out.flush()
 
+    from nanreplay.replay.frames import show_relative_to
+
     state = confine_self(job)
+    show_relative_to(job.get("cwd"))
     a = analyze(job["path"], device=job.get("device"), verify=job.get("verify", True), max_memory=job.get("max_memory"),
                 loss=job.get("loss"), source=job.get("source"), only_if_needed=False,
                 progress=progress if job.get("progress") else None)

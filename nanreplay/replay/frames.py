@@ -119,9 +119,19 @@ def _match_under(root: str, recorded: str, line: int, code: str) -> str | None:
     return None
 
 
+# Paths are shown relative to the folder the user ran nanreplay in: a confined child runs in an empty folder of its
+# own, and is told the user's (show_relative_to); a pure string operation, nothing is read there.
+_SHOWN_FROM: str | None = None
+
+
+def show_relative_to(folder: str | None) -> None:
+    global _SHOWN_FROM
+    _SHOWN_FROM = folder
+
+
 def _shown(path: str) -> str:
     try:
-        rel = os.path.relpath(path)
+        rel = os.path.relpath(path, _SHOWN_FROM or os.curdir)
         if not rel.startswith(".."):
             return rel
     except ValueError:
