@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from nanreplay.analysis import analyze
-from tolerance import same, unrounded
 from samples import ROOT, SAMPLES, flags, names
+from tolerance import same, unrounded
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 UPDATE = os.environ.get("NANREPLAY_UPDATE_GOLDEN") == "1"

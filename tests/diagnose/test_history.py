@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import causes
-from nanreplay import NanGuard
+from nanreplay import NanGuard, stats
 from nanreplay.analysis import analyze
 from nanreplay.diagnose.divergence import clip_value
 
@@ -145,4 +145,4 @@ def test_a_finite_rerun_of_the_same_state_is_a_likely_transient_fault(runs):
     assert diag["title"] == "likely transient fault (hardware or nondeterminism)"
     ev = " ".join(diag["evidence"])
     assert "same batch, weights and random state" in ev and "no torch.compile" in ev and "no collective" in ev
-    assert "the run's loss was nan" in ev and f"loss {d['loss']:.6g}" in ev
+    assert "the run's loss was NaN" in ev and f"loss {stats.num(d['loss'])}" in ev  # as prose writes numbers

@@ -18,6 +18,8 @@ import pytest
 from chromium import Chromium, find, pdf_text
 from nanreplay import __version__, report
 from nanreplay.analysis import analyze
+from nanreplay.report.html import jinja_env
+from nanreplay.report.views.environment import reproduce_view
 from nanreplay.triage.groups import build_groups
 from nanreplay.triage.index import render_index
 from nanreplay.triage.rows import Item, failed, make_row
@@ -183,41 +185,31 @@ def test_printed_pdf_has_every_code_line_whole(browser, pages):
     assert not clipped, clipped
 
 
-# Each argument's first and last character: where a line broke inside one, they lie on different lines.
+# Per code block: the pieces a line broke inside (a piece never may) and how many lines the block took.
 WORDS_WHOLE = """
 Array.from(document.querySelectorAll('pre.code')).map(function (pre) {
-  var words = [], lines = new Set(), word = [];
-  pre.childNodes.forEach(function (n) {
-    if (n.nodeType === 1 && n.classList.contains('word')) { word.push(n); return; }
-    if (n.nodeType === 3 && /\\s/.test(n.textContent)) { if (word.length) { words.push(word); } word = []; }
+  var tops = new Set(), broken = [];
+  pre.querySelectorAll('.word').forEach(function (s) {
+    var rects = Array.from(s.getClientRects());
+    if (rects.length !== 1) { broken.push(s.textContent); }
+    rects.forEach(function (r) { tops.add(Math.round(r.top)); });
   });
-  if (word.length) { words.push(word); }
-  var broken = [];
-  words.forEach(function (w) {
-    var rects = [].concat.apply([], w.map(function (s) { return Array.from(s.getClientRects()); }));
-    if (w.length === 1 && rects.length > 1) { broken.push(w[0].textContent); }
-    rects.forEach(function (r) { lines.add(Math.round(r.top)); });
-  });
-  return {broken: broken, lines: lines.size};
+  return {broken: broken, lines: tops.size};
 })
 """
 
 
-def test_the_reproduce_command_wraps_only_between_its_arguments(browser, tmp_path):
+def test_the_reproduce_command_wraps_only_between_its_arguments(browser, pages, tmp_path):
     """Snapshot paths of every length up to two printed lines (with spaces and hyphens, as real paths have)
     bring each option of the command to a line's end once: on screen and on paper the command wraps only
     between arguments (a path also after a "/"), so `--json` never prints as `--` and `json`."""
-    from nanreplay.report.html import jinja_env
-    from nanreplay.report.views.environment import reproduce_view
-
     wrapped = jinja_env().get_template("code.j2").module.wrapped
-    d = analyze(SAMPLES / "zero_norm.pt").to_json()
-    html = report.render_html(d)
-    folder = "/srv/a very-long path-name for checking/that nothing-depends/on where the checkout lives/" * 3
-    commands = []
-    for n in range(40, 240):
-        d["snapshot"] = folder[:n].rstrip() + "/zero_norm.pt"
-        commands.append(reproduce_view(d).command)
+    folder, _ = pages
+    html = (folder / "zero_norm.html").read_text(encoding="utf-8")
+    long = "/srv/a very-long path-name for checking/that nothing-depends/on where the checkout lives/" * 3
+    d = {"verdict": "culprit_found", "invocation": {"model": "sample_snapshots.models:triplet", "trust": True,
+                                                    "loss": "mse_loss"}}
+    commands = [reproduce_view({**d, "snapshot": long[:n].rstrip() + "/zero_norm.pt"}).command for n in range(40, 240)]
     start, end = html.index('<section id="reproduce">'), html.index("</section>", html.index('<section id="reproduce">'))
     blocks = "".join(f'<pre class="code">{wrapped(c)}</pre>\n' for c in commands)
     page_file = tmp_path / "commands.html"
