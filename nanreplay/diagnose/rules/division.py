@@ -13,7 +13,7 @@ import torch
 from nanreplay.diagnose import codefix
 from nanreplay.diagnose.fixes import choose_eps, clamp_eps, edge_fix, fmt, operand_fn, plus_eps, replace_arg
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
-from nanreplay.diagnose.prose import count
+from nanreplay.diagnose.prose import count, count_in
 from nanreplay.diagnose.site import Site, finite_float, packet
 from nanreplay.enums import FixKind
 
@@ -230,7 +230,7 @@ def _normalize(s: Site) -> Diagnosis | None:
     what = ("(x - mean) / std with a constant feature or group (std = 0 and x - mean = 0)" if is_std
             else "x / x.norm() with an all-zero vector (norm = 0)")
     return Diagnosis("normalize_zero_norm", f"division by a zero {label}",
-                     f"{what}: {count(d['zeros'], 'zero denominator')} at {s.where}, giving 0/0 = NaN.", fixes)
+                     f"{what}: {count_in(d['zeros'], 'zero denominator', d)} at {s.where}, giving 0/0 = NaN.", fixes)
 
 
 @rule("division_by_zero", aten.div, aten.reciprocal, priority=70)
@@ -264,6 +264,6 @@ def _div_zero(s: Site) -> Diagnosis | None:
                      code, change, generic, which=which, arg=idx, floor=floor, floor_why=floor_why,
                      data_eps=d.get("absmin_nonzero"))
     return Diagnosis("division_by_zero", "0/0" if zero_zero else "division by zero",
-                     f"the denominator held {count(d['zeros'], 'exact zero')} (range {d.get('min')} .. {d.get('max')}) at "
+                     f"the denominator held {count_in(d['zeros'], 'exact zero', d)} (range {d.get('min')} .. {d.get('max')}) at "
                      f"{s.where}: {'0/0 = NaN' if zero_zero else 'x/0 = Inf'}. Keep the denominator away from 0, or "
                      "mask the rows where it is 0.", fixes)
