@@ -19,7 +19,7 @@ from pathlib import Path  # noqa: E402
 import click  # noqa: E402
 
 from nanreplay import __version__, atomic, inputs, limits, outputs  # noqa: E402
-from nanreplay.errors import NanReplayError, OutputError  # noqa: E402
+from nanreplay.errors import NanReplayError, OutputError, TimeLimitError  # noqa: E402
 from nanreplay.sanitize import one_line  # noqa: E402
 
 
@@ -124,6 +124,8 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
                 write_atomic(json_dest, text, "the JSON")
             if md is not None and md_dest is not None:
                 write_atomic(md_dest, md, "the Markdown summary")
+    except limits.DeadlineExceeded:  # only in-process (click's test runner): the command stops in interrupt.py
+        _fail(TimeLimitError(message.removeprefix("nanreplay: error: ")))
     except NanReplayError as e:
         _fail(e)
     if report_path is None:

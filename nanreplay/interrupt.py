@@ -86,8 +86,9 @@ def stop(line: str, code: int) -> None:
         sys.stdout.flush()
     except BaseException:  # noqa: BLE001, S110 - stdout may be a closed pipe
         pass
+    start = "\n" if _isatty(2) else ""  # off the line that a progress bar or the terminal's ^C left open
     try:
-        os.write(2, (" ".join(text.split()) + "\n").encode("utf-8", "replace"))
+        os.write(2, (start + " ".join(text.split()) + "\n").encode("utf-8", "replace"))
     finally:
         os._exit(code)
 
@@ -135,10 +136,17 @@ def deadline(seconds: float | None, line: str, *, grace: float = 2.0) -> Iterato
 
     SIGALRM stops at the next bytecode; one long call into C delays that, so a watchdog thread
     stops the process `grace` seconds later if it still runs. The limit starts when the block does:
-    enter it first, and the imports count too.
+    enter it first, and the imports count too. Without `install()` (the command driven in-process, by
+    click's test runner) it is `limits.time_limit`: DeadlineExceeded is raised for the caller to report.
     """
     if not seconds or seconds <= 0:
         yield
+        return
+    if not installed():
+        from nanreplay.limits import time_limit
+
+        with time_limit(seconds, line):
+            yield
         return
     use_alarm = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
     old = None
@@ -155,6 +163,13 @@ def deadline(seconds: float | None, line: str, *, grace: float = 2.0) -> Iterato
         if use_alarm:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old if old is not None else signal.SIG_DFL)
+
+
+def _isatty(fd: int) -> bool:
+    try:
+        return os.isatty(fd)
+    except OSError:
+        return False
 
 
 def _remove(items: list, fn) -> None:

@@ -214,7 +214,9 @@ def breakable(text: object, *, at: str = CODE_BREAKS):
     printed value."""
     from markupsafe import Markup, escape
 
-    s = str(text)
+    from nanreplay.sanitize import cap, html_visible
+
+    s = cap(html_visible(str(text)))  # what every other printed value gets (html.py's finalize skips markup)
     out, pos = [], 0
     for m in _SCI.finditer(s):
         out.append(_wbr(s[pos:m.start()], at))
