@@ -5,8 +5,9 @@ viewport, no console error, no Content-Security-Policy violation, chart text rea
 not cut at the chart's edge.
 Printed to PDF: every code line is in the PDF's text whole (nothing clipped at a box edge),
 and screen-only instructions are not; on A4 and on Letter the verdict box starts on page 1 and is
-not split, and file names, code and options wrap only where a reader expects (never mid-word). Select with `-m browser`; skipped, saying why, where
-Chromium (or poppler's pdftotext, for the print check) is not installed.
+not split, and file names, code and options wrap only where a reader expects (never mid-word).
+Select with `-m browser`; skipped, saying why, where Chromium (or poppler's pdftotext, for the print
+check) is not installed.
 """
 
 from __future__ import annotations

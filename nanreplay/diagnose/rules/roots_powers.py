@@ -201,7 +201,8 @@ def _pow_negative(s: Site) -> Diagnosis | None:
                      floor=(abs(a) / s.finfo.max) ** (1 / (1 - a)) if a < 1 else None,
                      floor_why=f"the gradient {a:g} * eps ** {a - 1:g}", scalars=[a])
     return Diagnosis("pow_of_negative", f"fractional power ({a:g}) of a negative number",
-                     f"x ** {a:g} is NaN for x < 0 ({count_in(x['negatives'], 'such value', x)}, min {x.get('min')}) at {s.where}. "
+                     f"x ** {a:g} is NaN for x < 0 ({count_in(x['negatives'], 'such value', x)}, min {x.get('min')}) "
+                     f"at {s.where}. "
                      "A fractional power is only defined for x ≥ 0: clamp the base (or use "
                      f"x.sign() * x.abs() ** {a:g} if negative inputs are meaningful).", fixes)
 
