@@ -46,7 +46,7 @@ def _kind(kind: str) -> str:
 def _outcome(step: replay.Step) -> Outcome:
     if step.failure is None:
         if step.loss is not None and all(g["nan"] == 0 and g["inf"] == 0 for g in step.grads):
-            return Outcome(True, f"replayed with the fix: loss {step.loss:.6g}, every parameter gradient finite")
+            return Outcome(True, f"replayed with the fix: loss {stats.num(step.loss)}, every parameter gradient finite")
         return Outcome(False, "replayed with the fix, but the step did not complete")
     ch = culprit_mod.chain(step.events, step.failure.event)
     c = culprit_mod.culprit(step.events, ch)
@@ -84,7 +84,7 @@ def _replay(copy: Subject, intercepts: dict[int, Callable] | None, label: str, s
         return Outcome(False, f"replaying {label} raised {raised(e)}")
     if quick is not None:
         loss, norms = quick
-        out = Outcome(True, f"replayed {label}: loss {loss:.6g}, every parameter gradient finite", loss=loss / k)
+        out = Outcome(True, f"replayed {label}: loss {stats.num(loss)}, every parameter gradient finite", loss=loss / k)
         out.grad_norms = {n: v / k for n, v in norms.items()}
         out.grad_norm = math.sqrt(sum(v * v for v in out.grad_norms.values()))
         return out

@@ -62,17 +62,17 @@ def diagnose_finite(result, subject, step: replay.Step | None, info: dict) -> di
 
 def _replayed(result) -> str:
     loss = finite_float(getattr(result, "loss", None))
-    return f"loss {loss:.6g}, every parameter gradient finite" if loss is not None else "every value finite"
+    return f"loss {stats.num(loss)}, every parameter gradient finite" if loss is not None else "every value finite"
 
 
 def _recorded(info: dict) -> str:
     trig = info.get("trigger")
     if trig == "loss":
         v = info.get("loss_value")
-        return f"the run's loss was {v}" if v is not None else "the run's loss was non-finite"
+        return f"the run's loss was {stats.num(v)}" if v is not None else "the run's loss was non-finite"
     if trig in GRADIENT_TRIGGERS:
         v = info.get("grad_norm")
-        return f"the run's gradient norm was {v}" if v is not None else "the run's gradients were non-finite"
+        return f"the run's gradient norm was {stats.num(v)}" if v is not None else "the run's gradients were non-finite"
     return "the run failed"
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_NONFINITE_TEXT = {"nan": "NaN", "inf": "+Inf", "-inf": "−Inf"}
+from nanreplay.stats import NONFINITE_TEXT, num  # noqa: F401 - the views import num from here
 
 
 def to_float(x: Any) -> float | None:
@@ -22,30 +22,9 @@ def to_float(x: Any) -> float | None:
         return None
     if isinstance(x, (int, float)):
         return float(x)
-    if isinstance(x, str) and x in _NONFINITE_TEXT:
+    if isinstance(x, str) and x in NONFINITE_TEXT:
         return float(x)
     return None
-
-
-def num(x: Any, digits: int = 4) -> str:
-    """A number for people: 4 significant digits, NaN/+Inf/−Inf spelled out, '—' for none."""
-    if x is None:
-        return "—"
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    if isinstance(x, str):
-        return _NONFINITE_TEXT.get(x, x)
-    if isinstance(x, int):
-        return str(x)
-    if isinstance(x, float):
-        if math.isnan(x):
-            return "NaN"
-        if math.isinf(x):
-            return "+Inf" if x > 0 else "−Inf"
-        if x == 0:
-            return "0"
-        return f"{x:.{digits}g}"
-    return str(x)
 
 
 def sort_key(x: Any, *, missing: float = -math.inf) -> str:
@@ -240,4 +219,36 @@ def _wbr(part: str, at: str):
     return Markup("<wbr>").join(escape(p) for p in _break_after(at).split(part))
 
 
-TEMPLATE_GLOBALS: dict[str, Any] = {"num": num, "fmt_shape": fmt_shape, "breakable": breakable}
+
+MAX_PIECE = 40  # characters: a longer run without a "/" (a 200-character folder name) still wraps, in pieces of this
+
+
+def code_words(line: str) -> list[list[str]]:
+    """A line of a command or of code as the words it may wrap between, each word as its unbreakable pieces.
+
+    Words are split at spaces outside quotes, so an argument never wraps inside (`--json`, a quoted path
+    with spaces): a browser would otherwise break after the hyphens of `--json`, and a printed `--`/`json`
+    reads as two arguments. A word breaks further only after a `/` (a long path), and a run longer than
+    `MAX_PIECE` in pieces of that length. The words joined with single spaces, their pieces with nothing,
+    give the line back.
+    """
+    words, word, quote = [], "", ""
+    for ch in line:
+        if ch == " " and not quote:
+            words.append(word)
+            word = ""
+            continue
+        word += ch
+        if ch in "'\"" and quote in ("", ch):
+            quote = "" if quote else ch
+    words.append(word)
+    return [_pieces(w) for w in words]
+
+
+def _pieces(word: str) -> list[str]:
+    parts = [p for p in re.split(r"(?<=/)", word) if p] or [""]
+    return [p[i:i + MAX_PIECE] for p in parts for i in range(0, max(len(p), 1), MAX_PIECE)]
+
+
+TEMPLATE_GLOBALS: dict[str, Any] = {"num": num, "fmt_shape": fmt_shape, "code_words": code_words,
+                                    "breakable": breakable}

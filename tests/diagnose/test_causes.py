@@ -22,6 +22,7 @@ import causes
 import nanmodels
 from nanreplay import analysis, formats, verify
 from nanreplay.diagnose import RULES, choose_eps
+from tolerance import unrounded
 
 # std over one element warns, in the user's model as in torch: that is the case under test.
 pytestmark = pytest.mark.filterwarnings(r"ignore:std\(\):UserWarning")
@@ -58,6 +59,7 @@ def test_cause_fix_and_verification(run_case, name):
         assert diag["fix"]["replay"]["plausible"] is not False, diag["fix"]["replay"]
     assert diag["cause"] in {r.cause for r in RULES}
     json.dumps(d, allow_nan=False)  # strict JSON
+    assert not unrounded(d), f"prose writes a raw float repr (format it with stats.num): {unrounded(d)}"
 
 
 # Fixes shown without a rewrite of the user's line, and why.

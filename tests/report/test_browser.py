@@ -264,3 +264,59 @@ def test_a_number_with_a_minus_never_wraps_at_its_minus_on_a_phone(browser, page
         if any(found):
             broken[stem] = [f for f in found if f]
     assert seen and not broken, broken
+
+
+# Each argument's first and last character: where a line broke inside one, they lie on different lines.
+WORDS_WHOLE = """
+Array.from(document.querySelectorAll('pre.code')).map(function (pre) {
+  var words = [], lines = new Set(), word = [];
+  pre.childNodes.forEach(function (n) {
+    if (n.nodeType === 1 && n.classList.contains('word')) { word.push(n); return; }
+    if (n.nodeType === 3 && /\\s/.test(n.textContent)) { if (word.length) { words.push(word); } word = []; }
+  });
+  if (word.length) { words.push(word); }
+  var broken = [];
+  words.forEach(function (w) {
+    var rects = [].concat.apply([], w.map(function (s) { return Array.from(s.getClientRects()); }));
+    if (w.length === 1 && rects.length > 1) { broken.push(w[0].textContent); }
+    rects.forEach(function (r) { lines.add(Math.round(r.top)); });
+  });
+  return {broken: broken, lines: lines.size};
+})
+"""
+
+
+def test_the_reproduce_command_wraps_only_between_its_arguments(browser, tmp_path):
+    """Snapshot paths of every length up to two printed lines (with spaces and hyphens, as real paths have)
+    bring each option of the command to a line's end once: on screen and on paper the command wraps only
+    between arguments (a path also after a "/"), so `--json` never prints as `--` and `json`."""
+    from nanreplay.report.html import jinja_env
+    from nanreplay.report.views.environment import reproduce_view
+
+    wrapped = jinja_env().get_template("code.j2").module.wrapped
+    d = analyze(SAMPLES / "zero_norm.pt").to_json()
+    html = report.render_html(d)
+    folder = "/srv/a very-long path-name for checking/that nothing-depends/on where the checkout lives/" * 3
+    commands = []
+    for n in range(40, 240):
+        d["snapshot"] = folder[:n].rstrip() + "/zero_norm.pt"
+        commands.append(reproduce_view(d).command)
+    start, end = html.index('<section id="reproduce">'), html.index("</section>", html.index('<section id="reproduce">'))
+    blocks = "".join(f'<pre class="code">{wrapped(c)}</pre>\n' for c in commands)
+    page_file = tmp_path / "commands.html"
+    page_file.write_text(html[:start] + '<section id="reproduce">' + blocks + html[end:], encoding="utf-8")
+    for width in WIDTHS:
+        page = browser.open(page_file, width=width)
+        try:
+            seen = page.eval(WORDS_WHOLE)
+            text = pdf_text(page.pdf()) if width == WIDTHS[-1] and shutil.which("pdftotext") else None
+        finally:
+            page.close()
+        assert not any(s["broken"] for s in seen), [s["broken"] for s in seen if s["broken"]][:3]
+        assert sum(s["lines"] > 1 for s in seen) > len(commands) // 2, "the sweep should wrap most commands"
+    if text is None:
+        pytest.skip("pdftotext (poppler-utils) not found on PATH: the print half of this check needs it")
+    printed = re.sub(r"\s+", "", text).split("nanreplayanalyze")[-len(commands):]
+    torn = [c for c, p in zip(commands, printed, strict=True)
+            if not p.startswith(re.sub(r"\s+", "", c)[len("nanreplayanalyze"):])]
+    assert not torn, torn[:3]

@@ -13,6 +13,7 @@ from nanreplay.analysis import analyze
 from nanreplay.cli import main
 from nanreplay.report.markdown import block, code, escape
 from samples import SAMPLES
+from tolerance import same_text
 
 _cache: dict[str, dict] = {}
 
@@ -125,6 +126,7 @@ def test_the_readme_shows_what_the_command_prints(monkeypatch):
     def body(md: str) -> list[str]:
         return [ln for ln in md.splitlines() if not ln.startswith("*Environment*")]
 
-
-    assert body(shown) == body(actual)
+    # its numbers (the loss) are computed: another machine may round their last digit shown the other way
+    assert len(body(shown)) == len(body(actual)) and all(map(same_text, body(shown), body(actual))), \
+        (body(shown), body(actual))
     assert (ROOT / "docs" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the screenshot it shows

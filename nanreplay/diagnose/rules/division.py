@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from nanreplay import stats  # stats.num: `num` is a local name (the numerator) in several rules here
 from nanreplay.diagnose import codefix
 from nanreplay.diagnose.fixes import choose_eps, clamp_eps, edge_fix, fmt, operand_fn, plus_eps, replace_arg
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
@@ -264,6 +265,7 @@ def _div_zero(s: Site) -> Diagnosis | None:
                      code, change, generic, which=which, arg=idx, floor=floor, floor_why=floor_why,
                      data_eps=d.get("absmin_nonzero"))
     return Diagnosis("division_by_zero", "0/0" if zero_zero else "division by zero",
-                     f"the denominator held {count_in(d['zeros'], 'exact zero', d)} (range {d.get('min')} .. {d.get('max')}) at "
-                     f"{s.where}: {'0/0 = NaN' if zero_zero else 'x/0 = Inf'}. Keep the denominator away from 0, or "
+                     f"the denominator held {count_in(d['zeros'], 'exact zero', d)} (range {stats.num(d.get('min'))} "
+                     f".. {stats.num(d.get('max'))}) at {s.where}: {'0/0 = NaN' if zero_zero else 'x/0 = Inf'}. Keep "
+                     "the denominator away from 0, or "
                      "mask the rows where it is 0.", fixes)

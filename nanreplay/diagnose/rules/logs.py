@@ -30,6 +30,7 @@ from nanreplay.diagnose.prose import count_in
 from nanreplay.diagnose.site import Site, packet
 from nanreplay.enums import FixKind
 from nanreplay.replay import OpRecord, frame_json
+from nanreplay.stats import num
 
 aten = torch.ops.aten
 
@@ -268,5 +269,5 @@ def _log_negative(s: Site) -> Diagnosis | None:
                      clamp_eps, lambda t, e: t.clamp_min(e), lambda e: f"clamp log's input to at least {fmt(e)}",
                      floor=1 / s.finfo.max, floor_why="the gradient 1/eps", data_eps=x.get("absmin_nonzero"))
     return Diagnosis("log_of_negative", "log of a negative number",
-                     f"log received {count_in(x['negatives'], 'negative value', x)} (min {x.get('min')}) at {s.where}: "
+                     f"log received {count_in(x['negatives'], 'negative value', x)} (min {num(x.get('min'))}) at {s.where}: "
                      "log(x<0) = NaN. Check why the input can be negative; clamp it if that is expected.", fixes)

@@ -15,6 +15,7 @@ from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.prose import count, count_in
 from nanreplay.diagnose.site import Site, finite_float, packet
 from nanreplay.enums import FixKind
+from nanreplay.stats import num
 
 aten = torch.ops.aten
 
@@ -49,7 +50,8 @@ def _sqrt_cancel(s: Site) -> Diagnosis | None:
                       lambda t, e: f"{codefix.paren(t)}.clamp_min(0) + {fmt(e)}",
                       lambda t, e: t.clamp_min(0) + e, lambda e: f"clamp the variance at 0 and add {fmt(e)} before sqrt")
     return Diagnosis("sqrt_cancellation", "sqrt of a variance computed as E[x²] − E[x]²",
-                     f"sqrt's input is a difference with {count_in(x['negatives'], 'negative value', x)} (min {x.get('min')}): "
+                     f"sqrt's input is a difference with {count_in(x['negatives'], 'negative value', x)} "
+                     f"(min {num(x.get('min'))}): "
                      f"computed as E[x²] − E[x]², a zero variance (a constant feature) cancels to rounding noise of "
                      f"about {s.dtype}'s eps × E[x²] (here E[x²] is of order {terms:.2g}), which can be negative "
                      f"— more negative than any eps added to it — and sqrt of a negative is NaN at {s.where}. Compute "
@@ -156,7 +158,7 @@ def _sqrt_negative(s: Site) -> Diagnosis | None:
                      lambda t, e: f"{codefix.paren(t)}.clamp_min(0) + {fmt(e)}",
                      lambda t, e: t.clamp_min(0) + e, lambda e: f"clamp sqrt's input at 0 and add {fmt(e)}")
     return Diagnosis("sqrt_of_negative", "sqrt of a negative number",
-                     f"sqrt received {count_in(x['negatives'], 'negative value', x)} (min {x.get('min')}) at {s.where}: "
+                     f"sqrt received {count_in(x['negatives'], 'negative value', x)} (min {num(x.get('min'))}) at {s.where}: "
                      "sqrt(x<0) = NaN in forward.", fixes)  # what anomaly mode would do: its own section says
 
 
@@ -201,7 +203,7 @@ def _pow_negative(s: Site) -> Diagnosis | None:
                      floor=(abs(a) / s.finfo.max) ** (1 / (1 - a)) if a < 1 else None,
                      floor_why=f"the gradient {a:g} * eps ** {a - 1:g}", scalars=[a])
     return Diagnosis("pow_of_negative", f"fractional power ({a:g}) of a negative number",
-                     f"x ** {a:g} is NaN for x < 0 ({count_in(x['negatives'], 'such value', x)}, min {x.get('min')}) "
+                     f"x ** {a:g} is NaN for x < 0 ({count_in(x['negatives'], 'such value', x)}, min {num(x.get('min'))}) "
                      f"at {s.where}. "
                      "A fractional power is only defined for x ≥ 0: clamp the base (or use "
                      f"x.sign() * x.abs() ** {a:g} if negative inputs are meaningful).", fixes)
@@ -259,8 +261,8 @@ def _acos(s: Site) -> Diagnosis | None:
                                    f"{s.dtype} tells 1 - {fmt(e)} apart from 1 (its spacing below 1 is "
                                    f"{s.finfo.eps / 2:.1e}), so the clamped input keeps value and gradient finite"))
     if s.forward:
-        expl = (f"{name} received {s.event.out.get('nan', 0)} values outside [-1, 1] (x range seen: {x.get('min')} .. "
-                f"{x.get('max')}) at {s.where}, so it is NaN there — typically a cosine computed by hand that rounding "
+        expl = (f"{name} received {s.event.out.get('nan', 0)} values outside [-1, 1] (x range seen: {num(x.get('min'))} .. "
+                f"{num(x.get('max'))}) at {s.where}, so it is NaN there — typically a cosine computed by hand that rounding "
                 "pushed to 1.0000001.")
     else:
         expl = (f"{name}'s input was exactly ±1 at {s.where}: {name}(±1) is finite, but its derivative "

@@ -14,6 +14,7 @@ from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.site import Site, packet
 from nanreplay.enums import FixKind
 from nanreplay.replay import OpRecord, frame_json
+from nanreplay.stats import num
 
 aten = torch.ops.aten
 
@@ -104,7 +105,7 @@ def _handwritten_softmax(s: Site) -> Diagnosis | None:
         title, stable = "hand-written softmax overflowed", "torch.softmax"
         then = "then the normalisation made Inf/Inf = NaN"
     return Diagnosis("handwritten_softmax", title,
-                     f"exp overflowed to Inf for inputs above {lim:.1f} ({s.dtype}; max seen {x.get('max')}) at "
+                     f"exp overflowed to Inf for inputs above {lim:.1f} ({s.dtype}; max seen {num(x.get('max'))}) at "
                      f"{s.where}, {then}. Subtracting the maximum over the summed dim first (what torch.softmax and "
                      f"torch.logsumexp do) keeps exp ≤ 1 and changes nothing mathematically.",
                      [Fix(FixKind.MAX_SUBTRACTION, "", rewrite=rw, guidance=code,
@@ -125,7 +126,7 @@ def _exp_overflow(s: Site) -> Diagnosis | None:
                      patch=s.at_calls(replace_arg(0, fn), rewrite=rw),
                      reasoning=f"exp(x) overflows {s.dtype} above x ≈ {math.log(s.finfo.max):.1f}"))
     return Diagnosis("exp_overflow", "exp overflow",
-                     f"exp received values up to {x.get('max')} at {s.where}; in {s.dtype} exp overflows above "
+                     f"exp received values up to {num(x.get('max'))} at {s.where}; in {s.dtype} exp overflows above "
                      f"{math.log(s.finfo.max):.1f}. If this is a softmax or logsumexp, use the library function; "
                      "otherwise clamp the input or work in log space.", fixes)
 
