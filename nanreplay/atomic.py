@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from nanreplay import interrupt
+
 TEMP_SUFFIX = ".tmp"
 STALE_AFTER = 3600.0  # seconds: a temp file this old belongs to no live write
 
@@ -74,23 +76,28 @@ def write_with(path: str | os.PathLike, write: Callable[[IO[bytes]], None], *, o
     if overwrite:
         check_replaceable(p)
     fd, tmp = _temp_file(p.parent if str(p.parent) else Path("."), p.name)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        if overwrite:
-            check_replaceable(p)  # again: it may have changed while we wrote
-            os.replace(tmp, p)
-        else:
-            os.link(tmp, p)  # fails if p exists: never clobbers another file
-            os.unlink(tmp)
-    except BaseException:
+    with interrupt.cleanup(lambda: _unlink(tmp)):  # Ctrl-C ends the command without unwinding: see interrupt.py
         try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+            with os.fdopen(fd, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+            if overwrite:
+                check_replaceable(p)  # again: it may have changed while we wrote
+                os.replace(tmp, p)
+            else:
+                os.link(tmp, p)  # fails if p exists: never clobbers another file
+                os.unlink(tmp)
+        except BaseException:
+            _unlink(tmp)
+            raise
+
+
+def _unlink(tmp: str) -> None:
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

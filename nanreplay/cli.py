@@ -6,15 +6,21 @@ anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
-import click
+from nanreplay import interrupt  # first: Ctrl-C stops the command cleanly from here on (interrupt.py)
 
-from nanreplay import __version__, atomic, limits, outputs
-from nanreplay.errors import NanReplayError, OutputError, TimeLimitError
-from nanreplay.sanitize import one_line
+if __name__ == "__main__" or sys.argv[0].rsplit("/", 1)[-1] in ("nanreplay", "nanreplay.exe"):
+    interrupt.install()  # the `nanreplay` command (not a test importing this module): before click, torch, ...
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import click  # noqa: E402
+
+from nanreplay import __version__, atomic, inputs, limits, outputs  # noqa: E402
+from nanreplay.errors import NanReplayError, OutputError, TimeLimitError  # noqa: E402
+from nanreplay.sanitize import one_line  # noqa: E402
 
 
 def _fail(e: NanReplayError) -> None:
@@ -41,7 +47,15 @@ _MAX_MEMORY_HELP = ("Refuse a snapshot whose data or replay would need more memo
                     "[default: 60% of the memory available now]")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Command(click.Group):
+    """The `nanreplay` command: called as a program (not through click's test runner), it handles Ctrl-C."""
+
+    def __call__(self, *args, **kwargs):
+        interrupt.install()
+        return super().__call__(*args, **kwargs)
+
+
+@click.group(cls=_Command, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="nanreplay")
 def main() -> None:
     """Find the op that made a PyTorch training step NaN or Inf, and how to fix it."""
@@ -70,7 +84,8 @@ def main() -> None:
               help="Folder whose .py files may be read to show and rewrite the lines a snapshot recorded (only "
                    "where the file's line matches the recorded code) [default: the current folder]. Repeatable.")
 @click.option("--timeout", type=click.FloatRange(min=0), default=0, metavar="SECONDS",
-              help="Give up after SECONDS (exit code 1, no output written) [default: 0, no limit].")
+              help="Give up after SECONDS, counted from the start of the command (imports, loading, replays and "
+                   "rendering; exit code 1, no output written) [default: 0, no limit].")
 @click.option("--max-memory", type=Size(), metavar="SIZE", help=_MAX_MEMORY_HELP)
 @click.option("--no-confine", is_flag=True,
               help="UNSAFE, for debugging nanreplay on a snapshot you trust: run the analysis in this process "
@@ -87,22 +102,25 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
     The analysis runs in a confined child process (docs/trust.md) unless it runs code you name
     (--trust, --model, a --loss MODULE:CALLABLE) or spans ranks (--nproc).
     """
-    from nanreplay import confine
-    from nanreplay import report as report_mod
-
+    message = (f"nanreplay: error: {one_line(snapshot)}: no result after {timeout:g} s (--timeout counts from the "
+               "start of the command); nothing was written")
     try:
-        report_path = outputs.output_path(report or f"{Path(snapshot).stem}.nanreplay.html", inputs=[snapshot])
-        json_dest = outputs.output_path(json_path, inputs=[snapshot], option="--json") if json_path else None
-        md_dest = outputs.output_path(md_path, inputs=[snapshot], option="--markdown") if md_path else None
-        outputs.distinct(("-o", report_path), *([("--json", json_dest)] if json_path else []),
-                         *([("--markdown", md_dest)] if md_path else []))
-        memory = max_memory or limits.default_max_memory()
-        dirs = list(source) if source else None
-        to_stdout = report_path is None or (json_path is not None and json_dest is None) or \
-            (md_path is not None and md_dest is None)
-        live = _Live(err=to_stdout)
-        message = f"nanreplay: error: {one_line(snapshot)}: no result after {timeout:g} s (--timeout)"
-        with limits.time_limit(timeout, message):
+        with interrupt.deadline(timeout, message):
+            # usage errors first, in a fraction of a second: nothing below needs torch until the analysis
+            dests = _analyze_outputs(snapshot, report, json_path, md_path)
+            report_path, json_dest, md_dest = dests
+            inputs.snapshot_path(snapshot)
+            for option, spec in (("--model", model), ("--loss", loss)):
+                if spec and (option == "--model" or ":" in spec):
+                    inputs.code_spec(spec, option)
+            from nanreplay import confine
+            from nanreplay import report as report_mod
+
+            memory = max_memory or limits.default_max_memory()
+            dirs = list(source) if source else None
+            to_stdout = report_path is None or (json_path is not None and json_dest is None) or \
+                (md_path is not None and md_dest is None)
+            live = _Live(err=to_stdout)
             try:
                 if confine.needed(trust=trust, model=model, loss=loss) and nproc == 1 and not no_confine:
                     # the child checks --device too; this process never imports torch, it renders the JSON
@@ -117,14 +135,15 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
             html = report_mod.render_html(doc)  # the renderers read the JSON only
             text = json.dumps(doc, indent=2, allow_nan=False) if json_path else None
             md = report_mod.markdown_summary(doc) if md_path else None
-        if report_path is not None:
-            write_atomic(report_path, html, "the report")
-        if text is not None and json_dest is not None:
-            write_atomic(json_dest, text, "the JSON")
-        if md is not None and md_dest is not None:
-            write_atomic(md_dest, md, "the Markdown summary")
-    except limits.DeadlineExceeded:
-        _fail(TimeLimitError(f"{snapshot}: no result after {timeout:g} s (--timeout); nothing was written"))
+        with interrupt.deferred():  # all of them or none: Ctrl-C here waits until the last one is written
+            if report_path is not None:
+                write_atomic(report_path, html, "the report")
+            if text is not None and json_dest is not None:
+                write_atomic(json_dest, text, "the JSON")
+            if md is not None and md_dest is not None:
+                write_atomic(md_dest, md, "the Markdown summary")
+    except limits.DeadlineExceeded:  # only in-process (click's test runner): the command stops in interrupt.py
+        _fail(TimeLimitError(message.removeprefix("nanreplay: error: ")))
     except NanReplayError as e:
         _fail(e)
     if report_path is None:
@@ -179,6 +198,17 @@ def _analyze_here(snapshot: str, *, device: str | None, **options):
 
     parse_device(device)  # a device this machine lacks: one line now, not a traceback later
     return analysis_mod.analyze(snapshot, device=device, **options)
+
+
+def _analyze_outputs(snapshot: str, report: str | None, json_path: str | None,
+                     md_path: str | None) -> tuple[str | None, str | None, str | None]:
+    """The report, JSON and Markdown destinations, checked (None: stdout, or not asked for the last two)."""
+    report_path = outputs.output_path(report or f"{Path(snapshot).stem}.nanreplay.html", inputs=[snapshot])
+    json_dest = outputs.output_path(json_path, inputs=[snapshot], option="--json") if json_path else None
+    md_dest = outputs.output_path(md_path, inputs=[snapshot], option="--markdown") if md_path else None
+    outputs.distinct(("-o", report_path), *([("--json", json_dest)] if json_path else []),
+                     *([("--markdown", md_dest)] if md_path else []))
+    return report_path, json_dest, md_dest
 
 
 def _ranks_line(d: dict | None) -> str:

@@ -21,6 +21,8 @@ that escapes is a bug in nanreplay and keeps its traceback.
 
 from __future__ import annotations
 
+import re
+
 
 class NanReplayError(Exception):
     """Base class: the message is the whole story, shown as one line."""
@@ -99,9 +101,27 @@ class PoolError(NanReplayError, RuntimeError):
 
 
 def first_line(e: BaseException | str, limit: int = 200) -> str:
-    """The first line of an exception's message (or any text): what a one-line error can carry."""
+    """The first line of an exception's message (or any text): what a one-line error can carry. A line cut at
+    `limit` ends at a word, with an ellipsis: a message never seems to end mid-sentence."""
     text = str(e).strip()
-    return text.splitlines()[0][:limit] if text else ""
+    line = text.splitlines()[0] if text else ""
+    if len(line) <= limit:
+        return line
+    cut = line[:limit - 1]
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut).rstrip(" ,;:") + "…"
+
+
+def first_sentences(e: BaseException | str, limit: int = 200) -> str:
+    """The whole sentences of a message's first line that fit in `limit` (at least the first, cut as
+    `first_line` cuts): for quoting a library's long explanation in a line that must end cleanly."""
+    line = first_line(e, 10_000)
+    parts = re.split(r"(?<=[.!?])\s+", line)
+    out = parts[0]
+    for p in parts[1:]:
+        if len(out) + 1 + len(p) > limit:
+            break
+        out = f"{out} {p}"
+    return first_line(out, limit)
 
 
 def raised(e: BaseException) -> str:

@@ -9,7 +9,7 @@ page gets a fresh tab.
         page = browser.open(path, width=420)
         page.overflowing()          # elements that stick out of the viewport horizontally
         page.problems()             # console errors, exceptions, CSP violations
-        page.pdf_text()             # what the printed page says (pdftotext)
+        pdf_pages(page.pdf("letter"))  # what each printed page says (pdftotext)
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+PAPER = {"a4": (8.27, 11.69), "letter": (8.5, 11.0)}  # inches
+PDF_MARGIN = 0.4  # inches: Page.printToPDF's default margin on every side
 
 CANDIDATES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
@@ -91,6 +94,28 @@ CHART_CLIPPED = """
   });
   return out;
 })()
+"""
+
+
+# Every word (a run without spaces, up to a <wbr> or a tag) of the elements `selector` matches that is drawn on more
+# than one line: a file name, code or an option cut where no reader would cut it.
+SPLIT_WORDS = """
+(function (selector) {
+  var out = [];
+  document.querySelectorAll(selector).forEach(function (el) {
+    var walker = document.createTreeWalker(el, NodeFilter.SHOW_TEXT), n;
+    while ((n = walker.nextNode())) {
+      var re = /\\S+/g, m;
+      while ((m = re.exec(n.data))) {
+        var r = document.createRange(); r.setStart(n, m.index); r.setEnd(n, m.index + m[0].length);
+        var tops = new Set(Array.from(r.getClientRects()).filter(function (x) { return x.width > 0; })
+                           .map(function (x) { return Math.round(x.top); }));
+        if (tops.size > 1) { out.push(m[0]); }
+      }
+    }
+  });
+  return out;
+})
 """
 
 
@@ -246,11 +271,23 @@ class Page:
                                  clip={"x": 0, "y": 0, "width": width, "height": height, "scale": 1})
         Path(out).write_bytes(base64.b64decode(shot["data"]))
 
-    def pdf(self) -> bytes:
-        """The page printed (A4, backgrounds on), as Chromium's print-to-PDF makes it."""
-        r = self.browser.send("Page.printToPDF", self.session, printBackground=True, paperWidth=8.27,
-                              paperHeight=11.69)
+    def pdf(self, paper: str = "a4") -> bytes:
+        """The page printed (A4 or Letter, backgrounds on), as Chromium's print-to-PDF makes it."""
+        width, height = PAPER[paper]
+        r = self.browser.send("Page.printToPDF", self.session, printBackground=True, paperWidth=width,
+                              paperHeight=height)
         return base64.b64decode(r["data"])
+
+    def split_words(self, selector: str) -> list[str]:
+        """The words inside `selector` that the current layout draws across a line break (see SPLIT_WORDS)."""
+        return self.eval(f"{SPLIT_WORDS}({json.dumps(selector)})")
+
+    def emulate_print(self, paper: str) -> None:
+        """Lay the page out as printed on `paper`: print media, as wide as the paper inside print-to-PDF's margins."""
+        width = round((PAPER[paper][0] - 2 * PDF_MARGIN) * 96)
+        self.browser.send("Emulation.setDeviceMetricsOverride", self.session, width=width, height=1000,
+                          deviceScaleFactor=1, mobile=False)
+        self.browser.send("Emulation.setEmulatedMedia", self.session, media="print")
 
     def close(self) -> None:
         self.browser.send("Target.closeTarget", targetId=self.target)
@@ -259,3 +296,8 @@ class Page:
 def pdf_text(pdf: bytes) -> str:
     """The text of a PDF, as poppler's pdftotext reads it."""
     return subprocess.run(["pdftotext", "-enc", "UTF-8", "-", "-"], input=pdf, capture_output=True, check=True).stdout.decode()
+
+
+def pdf_pages(pdf: bytes) -> list[str]:
+    """The text of each page of a PDF (pdftotext ends every page with a form feed)."""
+    return pdf_text(pdf).split("\f")[:-1]

@@ -6,7 +6,7 @@
 temporary folder (also their working folder); this process reads it back and removes the folder. A rank's own error (a damaged
 snapshot, a limit) comes back as the same one-line error; anything else as a ReplayError with the last
 lines the launcher printed. The launcher runs in its own process group: on --timeout or Ctrl-C the whole
-group (launcher and ranks) is stopped, never left behind. Scale beyond one host: docs/sharded.md.
+group (launcher and ranks) is stopped, never left behind (interrupt.cleanup). Scale beyond one host: docs/sharded.md.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from nanreplay import errors
+from nanreplay import errors, interrupt
 from nanreplay.errors import ReplayError, first_line
 
 
@@ -59,11 +59,13 @@ def _run(cmd: list[str], cwd: str) -> tuple[int, str]:
     # cwd: `python -m` puts the working folder first on sys.path; ours is the private temp folder, so no file
     # where the user happens to stand can shadow a module in the ranks
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
-    try:
-        log, _ = proc.communicate()
-    except BaseException:  # --timeout, Ctrl-C: stop the launcher and every rank it started
-        _stop(proc)
-        raise
+    # the command's Ctrl-C and --timeout end it without unwinding (interrupt.py): this cleanup stops the group then
+    with interrupt.cleanup(lambda: (_stop(proc), shutil.rmtree(cwd, ignore_errors=True))):
+        try:
+            log, _ = proc.communicate()
+        except BaseException:  # Ctrl-C in a library caller: stop the launcher and every rank it started
+            _stop(proc)
+            raise
     return proc.returncode, log.decode("utf-8", "replace")
 
 

@@ -59,9 +59,16 @@ def choose_eps(dtype: str, scale: float | None, what: str, *, floor: float | Non
     return eps, reasoning
 
 
-def eps_candidates(eps: float) -> list[float]:
-    """The chosen epsilon first, then larger ones in case the first does not verify."""
-    return [eps, eps * 1e2, eps * 1e4]
+def eps_candidates(eps: float, why: str) -> list[tuple[float, str]]:
+    """(epsilon, its reasoning): the chosen one first (`why` explains it), then larger ones in case the first
+    does not verify, each with its own reason — never the chosen one's."""
+    out = [(eps, why)]
+    for factor in (1e2, 1e4):
+        e = float(f"{eps * factor:.0e}")
+        out.append((e, f"eps = {fmt(e)}: {factor:g}× the eps chosen for this dtype and scale ({fmt(eps)}), tried "
+                       f"in case that one does not verify: a wider margin from the edge, at the cost of moving "
+                       f"values near it by up to {fmt(e)}"))
+    return out
 
 
 def fmt(x: float) -> str:
@@ -187,7 +194,7 @@ def edge_fix(s: Site, kind: FixKind, scale: float | None, what: str, change_code
     eps, why = choose_eps(s.dtype, scale, what, floor=floor, floor_why=floor_why)
     call = s.call if call is None else call
     fixes = []
-    cands = [(e, why) for e in eps_candidates(eps)]
+    cands = eps_candidates(eps, why)
     d = finite_float(data_eps)
     if d and d > 0:
         d = float(f"{10.0 ** math.floor(math.log10(d)):.0e}")

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import math
+
 from nanreplay.diagnose.site import Site
 
 
 def count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def count_in(n: int, noun: str, tensor: dict) -> str:
+    """`count` out of the elements of an input summary: "63 negative values of 256" (a count alone says little)."""
+    shape = tensor.get("shape")
+    total = math.prod(shape) if isinstance(shape, (list, tuple)) and all(isinstance(d, int) for d in shape) else None
+    return count(n, noun) + (f" of {total}" if total is not None else "")
 
 
 def anomaly_sentence(anomaly: dict, site: Site | None) -> str:

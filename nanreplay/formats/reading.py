@@ -12,21 +12,16 @@ that would inflate to many times its size is refused).
 
 from __future__ import annotations
 
-import os
 import re
-import stat
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from nanreplay.errors import LimitError, SnapshotError, TrustError, first_line
+from nanreplay.errors import LimitError, SnapshotError, TrustError, first_line, first_sentences
+from nanreplay.inputs import snapshot_file
 from nanreplay.limits import format_size
-
-_ZIP_MAGIC = b"PK\x03\x04"
-# torch.save's legacy (pre-1.6) format starts with a protocol-2 pickle of this magic number.
-_LEGACY_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."
 
 # torch.save stores its entries uncompressed: what they declare fits in the file (plus this slack).
 _ZIP_SLACK = 1 << 20
@@ -38,26 +33,7 @@ def read_file(path: str | Path, *, trust: bool = False, max_memory: int | None =
     `max_memory` (bytes): refuse a file whose data would need more (LimitError).
     """
     p = Path(path)
-    try:
-        st = os.stat(p)
-        if stat.S_ISDIR(st.st_mode):
-            raise IsADirectoryError
-        if not stat.S_ISREG(st.st_mode):  # a FIFO would block forever, a device never end
-            raise SnapshotError(f"{path}: not a regular file, not a snapshot")
-        with p.open("rb") as f:
-            head = f.read(len(_LEGACY_MAGIC))
-    except FileNotFoundError:
-        raise SnapshotError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise SnapshotError(f"{path}: is a directory (use `nanreplay triage DIR` for a folder)") from None
-    except OSError as e:
-        raise SnapshotError(f"{path}: cannot read: {e.strerror or e}") from None
-    if not head:
-        raise SnapshotError(f"{path}: empty file, not a snapshot")
-    is_zip = head.startswith(_ZIP_MAGIC)
-    if not is_zip and not head.startswith(_LEGACY_MAGIC):
-        kind = "a plain pickle" if head[:1] == b"\x80" else "not a torch.save file"
-        raise SnapshotError(f"{path}: not a snapshot ({kind}; expected a file written by torch.save)")
+    st, is_zip = snapshot_file(p)
     check_size(path, st.st_size, is_zip=is_zip, max_memory=max_memory)
     try:
         return torch.load(p, map_location="cpu", weights_only=True, mmap=False)
@@ -67,8 +43,9 @@ def read_file(path: str | Path, *, trust: bool = False, max_memory: int | None =
             # the file was opened and its header read: an OSError from torch's reader (a seek past the end of a
             # cut-off zip) is the file's damage, not the disk's
             if "zip archive" in msg or isinstance(e, (EOFError, OSError)):
-                why = first_line(msg) or "unexpected end of file"
-                raise SnapshotError(f"{path}: corrupt or truncated snapshot ({why})") from None
+                why = first_sentences(msg, 120) or "unexpected end of file"
+                raise SnapshotError(f"{path}: corrupt or truncated snapshot: the file is cut short or damaged "
+                                    f"(torch.load: {why}); copy it again from where it was written") from None
             raise SnapshotError(f"{path}: cannot load snapshot: {type(e).__name__}: {first_line(msg)}") from None
         what = _needed_global(msg)
         if not trust:

@@ -34,13 +34,14 @@ from nanreplay.formats.base import Format, Snapshot
 from nanreplay.formats.native import _AUTOCAST, _ENV, _LOSS_SPEC, _MODEL, program_subject, replay_options
 from nanreplay.formats.program import DTYPES, parse_json
 from nanreplay.formats.rebuild import parse_device
+from nanreplay.inputs import SHARDED_CONTENTS, folder_is_sharded
 from nanreplay.limits import format_size
 from nanreplay.replay.subject import Subject
 
 FORMAT = "nanreplay.sharded"
 RANK_FORMAT = FORMAT + ".rank"
 VERSION = 1  # bump on an incompatible change and say why: 1 — the first sharded folder (nanreplay 0.2)
-CONTENTS = "nanreplay.json"
+CONTENTS = SHARDED_CONTENTS
 MAX_JSON = 256 << 20  # nanreplay.json of a model with 100k tensors on 1000 ranks stays far below this
 _KEY = re.compile(r"[^\x00-\x1f]{1,2000}")
 
@@ -80,9 +81,7 @@ def read_folder(path: str | Path, max_memory: int | None = None) -> dict:
     """What `formats.load` hands the formats for a folder: its nanreplay.json (a dict, or refused). Parsed
     JSON takes several times its size in memory: a file over a quarter of `max_memory` is refused."""
     p = Path(path)
-    if not (p / CONTENTS).exists() and not (p / CONTENTS).is_symlink():
-        raise SnapshotError(f"{path}: is a folder without {CONTENTS}: not a sharded snapshot, or one whose writing "
-                            "did not finish (use `nanreplay triage DIR` for a folder of snapshots)")
+    folder_is_sharded(p)
     limit = min(MAX_JSON, max_memory // 4) if max_memory else MAX_JSON
     obj = read_json(p / CONTENTS, "the snapshot's table of contents", limit,
                     " (a quarter of --max-memory: parsed JSON takes several times its size)" if limit < MAX_JSON else "")

@@ -10,6 +10,7 @@ are recognised: `inputs`/`targets`/`model_state_dict`, `batch` as `(x, y)` or a 
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,11 @@ def parse(path: str, d: dict) -> Snapshot:
         inputs, target, k_t = _split_batch(d[k_batch])
         if k_t:
             keys["target"] = f"{k_batch}{k_t}"
+    elif _is_bare_state_dict(d):
+        raise SnapshotError(
+            f"{path}: holds only a model's weights (a bare state_dict of {len(d)} tensors), not the batch that broke "
+            "the step, and the replay needs both: write snapshots with nanreplay.NanGuard, or save a plain dict: "
+            "torch.save({'x': x, 'y': y, 'state': model.state_dict()}, path)")
     else:
         raise SnapshotError(
             f"{path}: not a recognised snapshot: found keys {sorted(map(str, d))[:12]}; expected "
@@ -73,6 +79,12 @@ def parse(path: str, d: dict) -> Snapshot:
     rank = d.get("rank") if isinstance(d.get("rank"), int) else _number_in_name(path, "rank")
     return Snapshot(path=path, format="state_dict", inputs=inputs, target=target, state=state, module=module,
                     keys=keys, raw=d, step=step, rank=rank)
+
+
+def _is_bare_state_dict(d: dict) -> bool:
+    """`torch.save(model.state_dict(), path)`: only tensors, named like parameters (`fc.weight`, `bias`)."""
+    return bool(d) and all(isinstance(v, torch.Tensor) for v in d.values()) and \
+        any(isinstance(k, str) and ("." in k or k in ("weight", "bias")) for k in d)
 
 
 def _split_batch(batch: Any) -> tuple[Any, Any, str | None]:
@@ -110,10 +122,37 @@ def rebuild(snap: Snapshot, *, model: str | None, loss: str | None, device: str 
     else:
         raise ModelError(f"{snap.path}: a plain state-dict snapshot holds only weights; say which model they belong to "
                          "with --model MODULE:FACTORY (a zero-argument callable returning the nn.Module)")
+    _check_arguments(snap, m)
     return eager_subject(snap, m, how, resolve_loss(loss) if loss else None, loss, dev,
                          input_label=snap.keys.get("inputs", "inputs"),
                          target_label=snap.keys.get("target", "target"))
 
+
+def _check_arguments(snap: Snapshot, model: torch.nn.Module) -> None:
+    """The batch must fill forward's parameters: a plain dict's `x` is passed as model(x), a tuple or list as
+    model(*x), a dict as model(**x). One tensor for a two-argument forward is said here, with how to save it."""
+    if isinstance(snap.inputs, dict):
+        return
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p.name for p in positional if p.default is p.empty]
+    varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
+    given = len(snap.inputs) if isinstance(snap.inputs, (tuple, list)) else 1
+    if len(required) <= given and (varargs or given <= len(positional)):
+        return
+    key = snap.keys.get("inputs", "x")
+    if isinstance(snap.inputs, (tuple, list)):
+        held = f"a {type(snap.inputs).__name__} of {given}, passed as model(*{key})"
+    else:
+        held = f"one tensor, passed as model({key})"
+    names = ", ".join(p.name for p in positional)
+    need = f"{len(required)} argument{'s' if len(required) != 1 else ''}"
+    raise ModelError(f"{snap.path}: '{key}' holds {held}, but {type(model).__name__}.forward takes {need} ({names}); "
+                     f"save one input per argument as a tuple or list, which is passed as model(*{key}): "
+                     f"{{'{key}': ({names}), ...}}")
 
 
 def describe(snap: Snapshot) -> dict:

@@ -364,6 +364,10 @@ def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]
             except (NotImplementedError, RuntimeError, TypeError, ValueError, IndexError) as e:
                 if _is_missing_meta(e):
                     out = None  # no meta kernel: trust the declared shapes, checked again during the replay
+                elif isinstance(e, RecursionError):  # a RuntimeError, but torch's own state, not the shapes
+                    raise ReplayError(f"the dry run of node {i} ({node.name}) hit a RecursionError inside torch: "
+                                      "that says nothing about the snapshot (a damaged torch install, or a "
+                                      "nanreplay bug: please report it)") from None
                 else:
                     raise SnapshotError(f"invalid step program: node {i} ({node.name}) cannot run on the declared "
                                         f"shapes: {type(e).__name__}: {str(e).splitlines()[0][:160]}") from None

@@ -18,13 +18,12 @@ import torch.nn.functional as F
 
 from nanreplay.errors import ModelError
 from nanreplay.formats.program import parse_json
+from nanreplay.inputs import code_spec
 
 
 def resolve_callable(spec: str, what: str) -> Callable:
     """`pkg.mod:attr` -> the object, with one clear line for each way it can fail."""
-    mod_name, sep, attr = spec.partition(":")
-    if not sep or not mod_name or not attr:
-        raise ModelError(f"{what} {spec!r}: expected MODULE:NAME, e.g. mypkg.models:build")
+    mod_name, attr = code_spec(spec, what)
     make_cwd_importable()
     try:
         obj: Any = importlib.import_module(mod_name)

@@ -6,6 +6,7 @@ terminal summary. The few a template may call sit in one dict, `TEMPLATE_GLOBALS
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -179,6 +180,45 @@ def first_sentence(text: str) -> tuple[str, str]:
     return text[:m.start() + 1], text[m.end():].strip()
 
 
+# A number with a minus sign in it (1e-10, -2.5): a browser may break a line after the '-'; it must stay whole.
+_SCI = re.compile(r"(?<![\w.])(?:-\d+(?:\.\d+)?(?:[eE][-+]?\d+)?|\d+(?:\.\d+)?[eE]-\d+)\b")
+CODE_BREAKS = "/_.,(="  # where a code line may wrap: after one of these, never inside a word
+PATH_BREAKS = "/_"  # a file name: after a folder or between words, not before its extension
+
+
+def breakable(text: object, *, at: str = CODE_BREAKS):
+    """`text` as markup that wraps where a reader expects: after a character of `at` (a `<wbr>`, which copying
+    ignores; "" for prose) and never inside a number like `1e-10` (kept on one line). Escaped like every
+    printed value."""
+    from markupsafe import Markup, escape
+
+    from nanreplay.sanitize import cap, html_visible
+
+    s = cap(html_visible(str(text)))  # what every other printed value gets (html.py's finalize skips markup)
+    out, pos = [], 0
+    for m in _SCI.finditer(s):
+        out.append(_wbr(s[pos:m.start()], at))
+        out.append(Markup('<span class="nobr">') + escape(m.group()) + Markup("</span>"))
+        pos = m.end()
+    out.append(_wbr(s[pos:], at))
+    return Markup("").join(out)
+
+
+@functools.lru_cache(maxsize=8)
+def _break_after(at: str) -> re.Pattern:
+    chars = re.escape(at)
+    return re.compile(f"(?<=[{chars}])(?=[^\\s{chars})\\d])")
+
+
+def _wbr(part: str, at: str):
+    from markupsafe import Markup, escape
+
+    if not at:
+        return escape(part)
+    return Markup("<wbr>").join(escape(p) for p in _break_after(at).split(part))
+
+
+
 MAX_PIECE = 40  # characters: a longer run without a "/" (a 200-character folder name) still wraps, in pieces of this
 
 
@@ -209,4 +249,5 @@ def _pieces(word: str) -> list[str]:
     return [p[i:i + MAX_PIECE] for p in parts for i in range(0, max(len(p), 1), MAX_PIECE)]
 
 
-TEMPLATE_GLOBALS: dict[str, Any] = {"num": num, "fmt_shape": fmt_shape, "code_words": code_words}
+TEMPLATE_GLOBALS: dict[str, Any] = {"num": num, "fmt_shape": fmt_shape, "code_words": code_words,
+                                    "breakable": breakable}

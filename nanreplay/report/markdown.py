@@ -13,6 +13,7 @@ cannot add links, images, HTML or formatting to the ticket.
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 
 from nanreplay.analysis.result import Analysis
@@ -51,6 +52,25 @@ def block(text: str, lang: str = "") -> str:
     return f"{fence}{lang}\n{text}\n{fence}"
 
 
+WIDTH = 88  # a GitHub comment shows about this many characters of a code block before it scrolls
+
+
+def wrap_comments(code: str, width: int = WIDTH) -> str:
+    """Code whose long comment lines (a fix given as advice: `# run the step in bfloat16 ...`) are wrapped into
+    several comment lines, so a ticket shows them without scrolling. Code itself is never re-wrapped."""
+    out = []
+    for line in code.splitlines():
+        stripped = line.lstrip()
+        if stripped.startswith("#") and len(line) > width:
+            indent = line[:len(line) - len(stripped)]
+            prefix = indent + "# "
+            out += textwrap.wrap(stripped.lstrip("#").strip(), width=width, initial_indent=prefix,
+                                 subsequent_indent=prefix, break_long_words=False, break_on_hyphens=False)
+        else:
+            out.append(line)
+    return "\n".join(out)
+
+
 def prose(segs: list[Seg]) -> str:
     return "".join(code(s.text) if s.code else escape(s.text) for s in segs)
 
@@ -64,7 +84,7 @@ def _fix_lines(b: Banner) -> list[str]:
     if f.diff:
         out.append(block("\n".join(f"{'-' if dl.sign == '-' else '+'} {dl.text}" for dl in f.diff), "diff"))
     elif f.code:
-        out.append(block(f.code, "python"))
+        out.append(block(wrap_comments(f.code), "python"))
     if f.badge.tone != "ok" and f.verification:
         out.append(f"({escape(f.verification)})")
     return out

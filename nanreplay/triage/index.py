@@ -61,7 +61,9 @@ def _group_row(n: int, g: dict) -> GroupRow:
     if g.get("op"):
         culprit, op = culprit_sentence({"op": g["op"], "phase": g.get("phase"), "kind": g.get("kind"),
                                         "forward_op": g.get("forward_op"), "backward_node": g.get("backward_node"),
-                                        "module": g.get("module")})
+                                        "module": g.get("module"),
+                                        "output": {"posinf": "+" in (g.get("inf_sign") or ""),
+                                                   "neginf": "-" in (g.get("inf_sign") or "")}})
     if fix["verified"]:
         verified, tone = f"✓ verified in {fix['verified']} of {fix['of']}", "ok"
     elif fix["not_verified"]:

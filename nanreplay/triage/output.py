@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nanreplay import __version__, atomic
+from nanreplay import __version__, atomic, interrupt
 from nanreplay.errors import UsageError
 from nanreplay.triage.cache import save_cache
 from nanreplay.triage.groups import build_groups, build_ranks
@@ -49,6 +49,12 @@ def write(p: Plan) -> Result:
               "cached": sum(bool(r["cached"]) for r in rows), "groups": len(groups), "ignored": len(p.ignored),
               "failures": dict(Counter(f["failure"] for f in failures))}
     summary = summary_line(counts, groups)
+    with interrupt.deferred():  # Ctrl-C from here waits: the old index and its files, or a whole new set
+        return _write(p, rows, groups, failures, ranks, counts, summary)
+
+
+def _write(p: Plan, rows: list[dict], groups: list[dict], failures: list[dict], ranks: dict | None, counts: dict,
+           summary: str) -> Result:
     _remove_stale_outputs(p)
     p.old_cache = {}  # cleaned up: the cache now holds only what this run has
     save_cache(p.outdir, p.items, p.old_cache, p.dir)

@@ -7,6 +7,7 @@ import re
 import time
 from pathlib import Path
 
+from nanreplay import interrupt
 from nanreplay.errors import PoolError
 from nanreplay.triage.cache import save_cache
 from nanreplay.triage.plan import Plan, cache_key
@@ -39,6 +40,21 @@ def analyze(p: Plan, *, jobs: int, timeout: float | None = DEFAULT_TIMEOUT, prog
     fingerprint = p.options.fingerprint()
     pool = WorkerPool(analyze_task, jobs=workers, timeout=timeout, init=worker_init, init_args=(threads,),
                       preload=WORKER_PRELOAD)
+    done = [0]
+
+    def finished() -> str:  # Ctrl-C: what this run leaves behind, in the line that says it was interrupted
+        return (f"{done[0]} of {len(todo)} snapshots were analyzed (their results are cached: the same command "
+                f"continues from there); {p.outdir / 'index.html'} is as it was")
+
+    with interrupt.note(finished), interrupt.cleanup(lambda: save_cache(p.outdir, p.items, p.old_cache, p.dir)):
+        _collect(p, pool, tasks, by_name, fingerprint, progress, done)
+    p.stats = pool.stats
+    return pool.stats
+
+
+def _collect(p: Plan, pool: WorkerPool, tasks: list[dict], by_name: dict, fingerprint: str, progress,
+             done: list[int]) -> None:
+    """Turn each outcome into its row as it comes in, saving the cache every 10 s and on the way out."""
     saved = time.monotonic()
     try:
         for task, outcome in pool.map(tasks):
@@ -50,6 +66,7 @@ def analyze(p: Plan, *, jobs: int, timeout: float | None = DEFAULT_TIMEOUT, prog
             it.row = make_row(it, fields)
             if outcome.status in ("timeout", "crashed"):
                 _remove_debris(p.outdir, it.name)
+            done[0] += 1
             if progress is not None:
                 progress(1)
             if time.monotonic() - saved > 10:
@@ -59,8 +76,6 @@ def analyze(p: Plan, *, jobs: int, timeout: float | None = DEFAULT_TIMEOUT, prog
         raise PoolError(f"cannot run the analysis workers: {e}") from None
     finally:
         save_cache(p.outdir, p.items, p.old_cache, p.dir)
-    p.stats = pool.stats
-    return pool.stats
 
 
 def _cpu_count() -> int:

@@ -16,6 +16,7 @@ from pathlib import Path, PurePosixPath
 
 from nanreplay import __version__
 from nanreplay.errors import UsageError
+from nanreplay.inputs import code_spec
 from nanreplay.triage.cache import cache_entries, read_cache
 from nanreplay.triage.lock import OutdirLock
 from nanreplay.triage.rows import Item, failed, make_row
@@ -76,8 +77,8 @@ def plan(directory: str, outdir: str, *, options: Options, recursive: bool = Fal
     d, out = Path(directory), Path(outdir)
     for opt, spec in (("--model", options.model), ("--loss", options.loss)):
         # Only the spelling is checked here: importing user code is the workers' job.
-        if spec and (":" in spec or opt == "--model") and not _SPEC.fullmatch(spec):
-            raise UsageError(f"{opt} {spec!r}: expected MODULE:NAME, e.g. mypkg.models:build")
+        if spec and (":" in spec or opt == "--model"):
+            code_spec(spec, opt)
     if not d.exists():
         raise UsageError(f"{directory}: no such folder")
     if not d.is_dir():
@@ -158,7 +159,6 @@ def discover(d: Path, out: Path, *, recursive: bool) -> tuple[list[str], list[st
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
-_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 
 def _base_name(rel: str) -> str:

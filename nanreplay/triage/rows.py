@@ -25,7 +25,7 @@ FAILURES = {
 RETRY = frozenset({"timeout", "crashed", "internal_error", "output_error", "over_limit"})
 
 COLUMNS = ["file", "name", "status", "group", "verdict", "cause", "title", "op", "forward_op", "backward_node",
-           "phase", "kind", "module", "source", "source_path", "source_line", "code", "fix_kind", "fix_code",
+           "phase", "kind", "inf_sign", "module", "source", "source_path", "source_line", "code", "fix_kind", "fix_code",
            "fix_verified", "step", "rank", "world_size", "created", "format", "trigger", "failure", "reason",
            "duplicate_of", "cached", "seconds", "write_seconds", "sha256", "report", "json"]
 # Every other column is text (or empty). A value of another type — a snapshot whose `step` is a string,

@@ -110,6 +110,15 @@ def _category(e: NanReplayError) -> str:
     return "not_replayable"
 
 
+def _inf_sign(c: dict) -> str | None:
+    """An Inf culprit's sign as its output counts say: "+", "-" or "+-" (what the summaries need to keep −Inf)."""
+    out = c.get("output") or {}
+    if c.get("kind") != "inf":
+        return None
+    sign = ("+" if out.get("posinf") else "") + ("-" if out.get("neginf") else "")
+    return sign or None
+
+
 def analysis_fields(d: dict) -> dict:
     """The summary-row fields of one analysis (its contract JSON)."""
     c = d.get("culprit") or {}
@@ -121,7 +130,7 @@ def analysis_fields(d: dict) -> dict:
     return {
         "status": "analyzed", "verdict": d.get("verdict"), "cause": diag.get("cause"), "title": diag.get("title"),
         "op": c.get("op"), "forward_op": c.get("forward_op"), "backward_node": c.get("backward_node"),
-        "phase": c.get("phase"), "kind": c.get("kind"), "module": c.get("module"),
+        "phase": c.get("phase"), "kind": c.get("kind"), "inf_sign": _inf_sign(c), "module": c.get("module"),
         "source": f"{src['file']}:{src['line']}" if src.get("file") else None,
         "source_path": src.get("path") or src.get("file"), "source_line": src.get("line"), "code": src.get("code"),
         "fix_kind": fix.get("kind"), "fix_code": code, "fix_verified": fix.get("verified"),

@@ -23,10 +23,12 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
 
+from nanreplay import interrupt
 from nanreplay.errors import PoolError
 
 
@@ -174,6 +176,8 @@ class WorkerPool:
             return
         self.stats.started = time.perf_counter()
         start_failures = 0
+        stack = ExitStack()
+        stack.enter_context(interrupt.cleanup(self.kill))  # Ctrl-C: no worker goes on writing reports
         try:
             for _ in range(min(self.jobs, len(pending))):
                 self._start_worker()
@@ -210,7 +214,14 @@ class WorkerPool:
                                                                 "(the worker was killed)")
             self.stats.finished = time.perf_counter()
         finally:
+            stack.close()
             self.close()
+
+    def kill(self) -> None:
+        """Stop every worker at once (SIGKILL), whatever it is doing."""
+        for w in self._workers:
+            if w.proc.is_alive():
+                w.proc.kill()
 
     def _replace_if_needed(self, pending: deque) -> None:
         if pending and len(self._workers) < min(self.jobs, len(pending) + self._busy()):

@@ -4,8 +4,10 @@ At a phone's width (420 px) and a desktop's (1280 px): no element sticks out of 
 viewport, no console error, no Content-Security-Policy violation, chart text readable and
 not cut at the chart's edge.
 Printed to PDF: every code line is in the PDF's text whole (nothing clipped at a box edge),
-and screen-only instructions are not. Select with `-m browser`; skipped, saying why, where
-Chromium (or poppler's pdftotext, for the print check) is not installed.
+and screen-only instructions are not; on A4 and on Letter the verdict box starts on page 1 and is
+not split, and file names, code and options wrap only where a reader expects (never mid-word).
+Select with `-m browser`; skipped, saying why, where Chromium (or poppler's pdftotext, for the print
+check) is not installed.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import shutil
 
 import pytest
 
-from chromium import Chromium, find, pdf_text
+from chromium import PAPER, Chromium, find, pdf_pages, pdf_text
 from nanreplay import __version__, report
 from nanreplay.analysis import analyze
 from nanreplay.report.html import jinja_env
@@ -186,6 +188,88 @@ def test_printed_pdf_has_every_code_line_whole(browser, pages):
 
 
 # Per code block: the pieces a line broke inside (a piece never may) and how many lines the block took.
+# The verdict box's own text, without what print hides (the screen-only parts).
+CORE = """
+(function () {
+  var core = document.querySelector('#verdict .core').cloneNode(true);
+  core.querySelectorAll('.screen').forEach(function (e) { e.remove(); });
+  return core.textContent;
+})()
+"""
+# What must never be cut mid-word in print: file names, code and options.
+INDEX_WORDS = "ul.reports a, table.failures code, table.groups pre, table.groups code, .opt"
+REPORT_WORDS = "pre.code, .src .line, .banner .where"
+
+
+@pytest.mark.parametrize("paper", sorted(PAPER))
+def test_printed_verdict_starts_on_page_one_and_is_not_split(browser, pages, paper):
+    folder, stems = pages
+    trouble = {}
+    for stem in stems:
+        if stem == "index":
+            continue
+        page = browser.open(folder / f"{stem}.html", width=1280)
+        try:
+            core = page.eval(CORE)
+            printed = pdf_pages(page.pdf(paper))
+        finally:
+            page.close()
+        flat = re.sub(r"\s+", "", core).lower()  # lower: the verdict label is upper-cased by CSS
+        if flat not in re.sub(r"\s+", "", printed[0]).lower():
+            first = re.sub(r"\s+", " ", printed[0]).strip()[:120]
+            trouble[stem] = f"page 1 of {len(printed)} holds only: {first!r}"
+    assert not trouble, trouble
+
+
+@pytest.mark.parametrize("paper", sorted(PAPER))
+def test_printed_file_names_code_and_options_wrap_only_between_words(browser, pages, paper):
+    """Laid out for paper: a file name wraps after a '/' or '_', code at a space or separator, never mid-word."""
+    folder, stems = pages
+    split = {}
+    for stem in stems:
+        page = browser.open(folder / f"{stem}.html", width=1280)
+        try:
+            page.emulate_print(paper)
+            if stem == "index":
+                assert page.eval("document.querySelectorAll('ul.reports a').length") > 0
+            words = page.split_words(INDEX_WORDS if stem == "index" else REPORT_WORDS)
+        finally:
+            page.close()
+        if words:
+            split[stem] = words[:8]
+    assert not split, split
+
+
+def test_a_number_with_a_minus_never_wraps_at_its_minus_on_a_phone(browser, pages):
+    """1e-10 used to break as "1e-" / "10" at 420 px: every such number is drawn on one line."""
+    folder, stems = pages
+    broken, seen = {}, 0
+    for stem in stems:
+        page = browser.open(folder / f"{stem}.html", width=420)
+        try:
+            found = page.eval(r"""
+(function () {
+  var out = [], walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT), n;
+  while ((n = walker.nextNode())) {
+    var re = /\d(?:\.\d+)?e-\d+/g, m;
+    while ((m = re.exec(n.data))) {
+      var r = document.createRange(); r.setStart(n, m.index); r.setEnd(n, m.index + m[0].length);
+      var rects = Array.from(r.getClientRects()).filter(function (x) { return x.width > 0; });
+      var tops = rects.map(function (x) { return Math.round(x.top); });
+      out.push(new Set(tops).size > 1 ? m[0] : '');
+    }
+  }
+  return out;
+})()""")
+        finally:
+            page.close()
+        seen += len(found)
+        if any(found):
+            broken[stem] = [f for f in found if f]
+    assert seen and not broken, broken
+
+
+# Each argument's first and last character: where a line broke inside one, they lie on different lines.
 WORDS_WHOLE = """
 Array.from(document.querySelectorAll('pre.code')).map(function (pre) {
   var tops = new Set(), broken = [];

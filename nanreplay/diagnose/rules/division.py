@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from nanreplay import stats
+from nanreplay import stats  # stats.num: `num` is a local name (the numerator) in several rules here
 from nanreplay.diagnose import codefix
 from nanreplay.diagnose.fixes import choose_eps, clamp_eps, edge_fix, fmt, operand_fn, plus_eps, replace_arg
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
-from nanreplay.diagnose.prose import count
+from nanreplay.diagnose.prose import count, count_in
 from nanreplay.diagnose.site import Site, finite_float, packet
 from nanreplay.enums import FixKind
 
@@ -231,7 +231,7 @@ def _normalize(s: Site) -> Diagnosis | None:
     what = ("(x - mean) / std with a constant feature or group (std = 0 and x - mean = 0)" if is_std
             else "x / x.norm() with an all-zero vector (norm = 0)")
     return Diagnosis("normalize_zero_norm", f"division by a zero {label}",
-                     f"{what}: {count(d['zeros'], 'zero denominator')} at {s.where}, giving 0/0 = NaN.", fixes)
+                     f"{what}: {count_in(d['zeros'], 'zero denominator', d)} at {s.where}, giving 0/0 = NaN.", fixes)
 
 
 @rule("division_by_zero", aten.div, aten.reciprocal, priority=70)
@@ -265,7 +265,7 @@ def _div_zero(s: Site) -> Diagnosis | None:
                      code, change, generic, which=which, arg=idx, floor=floor, floor_why=floor_why,
                      data_eps=d.get("absmin_nonzero"))
     return Diagnosis("division_by_zero", "0/0" if zero_zero else "division by zero",
-                     f"the denominator held {count(d['zeros'], 'exact zero')} (range {stats.num(d.get('min'))} .. "
-                     f"{stats.num(d.get('max'))}) at {s.where}: {'0/0 = NaN' if zero_zero else 'x/0 = Inf'}. Keep the "
-                     "denominator away from 0, or "
+                     f"the denominator held {count_in(d['zeros'], 'exact zero', d)} (range {stats.num(d.get('min'))} "
+                     f".. {stats.num(d.get('max'))}) at {s.where}: {'0/0 = NaN' if zero_zero else 'x/0 = Inf'}. Keep "
+                     "the denominator away from 0, or "
                      "mask the rows where it is 0.", fixes)

@@ -26,7 +26,7 @@ from nanreplay.diagnose.fixes import (
     stable_log_patch,
 )
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
-from nanreplay.diagnose.prose import count
+from nanreplay.diagnose.prose import count_in
 from nanreplay.diagnose.site import Site, packet
 from nanreplay.enums import FixKind
 from nanreplay.replay import OpRecord, frame_json
@@ -214,13 +214,13 @@ def _zero_log_zero(s: Site) -> Diagnosis | None:
                          guidance=f"compute p * log(p) as torch.special.xlogy(p, p) at {s.where}: it is 0 where p == 0",
                          reasoning="xlogy(x, y) = x*log(y) with 0 where x == 0 — but its gradient with respect "
                                    "to y is x/y, still 0/0 = NaN at p == 0"))
-    for e in eps_candidates(eps):
+    for e, why_e in eps_candidates(eps, why):
         rw = s.rewrite(codefix.with_operand("input", lambda t, e=e: f"{codefix.paren(t)}.clamp_min({fmt(e)})"))
         fn = operand_fn(rw) or (lambda t, e=e: t.clamp_min(e))
         fixes.append(Fix(FixKind.CLAMP, "", epsilon=e, rewrite=rw,
                          guidance=f"clamp log's input to at least {fmt(e)} inside p * log(p) at {s.where}",
                          patch=s.at_calls(replace_arg(0, fn), rewrite=rw),
-                         reasoning=f"clamping inside the log keeps p*log(p) = 0 at p = 0 with finite gradients; {why}"))
+                         reasoning=f"clamping inside the log keeps p*log(p) = 0 at p = 0 with finite gradients; {why_e}"))
     return Diagnosis(
         "zero_times_log_zero", "0 * log(0): an entropy-style term p*log(p) at p = 0",
         f"p held exact zeros, log(p) = -inf at {s.where}, and the product 0 * -inf is NaN. "
@@ -256,7 +256,7 @@ def _log_zero(s: Site) -> Diagnosis | None:
                      floor=1 / s.finfo.max, floor_why="the gradient 1/(x + eps)", data_eps=x.get("absmin_nonzero"))
     what = "-inf in forward" if s.forward else "0/0 = NaN in its backward (grad / x with x = 0)"
     return Diagnosis("log_of_zero", "log of zero",
-                     f"log received {count(x.get('zeros', 0), 'exact zero')} at {s.where}: log(0) = -inf, "
+                     f"log received {count_in(x.get('zeros', 0), 'exact zero', x)} at {s.where}: log(0) = -inf, "
                      f"and here that became {what}.", fixes)
 
 
@@ -269,5 +269,5 @@ def _log_negative(s: Site) -> Diagnosis | None:
                      clamp_eps, lambda t, e: t.clamp_min(e), lambda e: f"clamp log's input to at least {fmt(e)}",
                      floor=1 / s.finfo.max, floor_why="the gradient 1/eps", data_eps=x.get("absmin_nonzero"))
     return Diagnosis("log_of_negative", "log of a negative number",
-                     f"log received {count(x['negatives'], 'negative value')} (min {num(x.get('min'))}) at {s.where}: log(x<0) = "
-                     "NaN. Check why the input can be negative; clamp it if that is expected.", fixes)
+                     f"log received {count_in(x['negatives'], 'negative value', x)} (min {num(x.get('min'))}) at {s.where}: "
+                     "log(x<0) = NaN. Check why the input can be negative; clamp it if that is expected.", fixes)

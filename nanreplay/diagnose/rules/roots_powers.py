@@ -12,7 +12,7 @@ from nanreplay import replay
 from nanreplay.diagnose import codefix
 from nanreplay.diagnose.fixes import clamp_eps, edge_fix, fmt, operand_fn, plus_eps, replace_arg
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
-from nanreplay.diagnose.prose import count
+from nanreplay.diagnose.prose import count, count_in
 from nanreplay.diagnose.site import Site, finite_float, packet
 from nanreplay.enums import FixKind
 from nanreplay.stats import num
@@ -50,7 +50,8 @@ def _sqrt_cancel(s: Site) -> Diagnosis | None:
                       lambda t, e: f"{codefix.paren(t)}.clamp_min(0) + {fmt(e)}",
                       lambda t, e: t.clamp_min(0) + e, lambda e: f"clamp the variance at 0 and add {fmt(e)} before sqrt")
     return Diagnosis("sqrt_cancellation", "sqrt of a variance computed as E[x²] − E[x]²",
-                     f"sqrt's input is a difference with {count(x['negatives'], 'negative value')} (min {num(x.get('min'))}): "
+                     f"sqrt's input is a difference with {count_in(x['negatives'], 'negative value', x)} "
+                     f"(min {num(x.get('min'))}): "
                      f"computed as E[x²] − E[x]², a zero variance (a constant feature) cancels to rounding noise of "
                      f"about {s.dtype}'s eps × E[x²] (here E[x²] is of order {terms:.2g}), which can be negative "
                      f"— more negative than any eps added to it — and sqrt of a negative is NaN at {s.where}. Compute "
@@ -157,8 +158,8 @@ def _sqrt_negative(s: Site) -> Diagnosis | None:
                      lambda t, e: f"{codefix.paren(t)}.clamp_min(0) + {fmt(e)}",
                      lambda t, e: t.clamp_min(0) + e, lambda e: f"clamp sqrt's input at 0 and add {fmt(e)}")
     return Diagnosis("sqrt_of_negative", "sqrt of a negative number",
-                     f"sqrt received {count(x['negatives'], 'negative value')} (min {num(x.get('min'))}) at {s.where}: "
-                     "sqrt(x<0) = NaN in forward, and anomaly mode would flag its backward.", fixes)
+                     f"sqrt received {count_in(x['negatives'], 'negative value', x)} (min {num(x.get('min'))}) at {s.where}: "
+                     "sqrt(x<0) = NaN in forward.", fixes)  # what anomaly mode would do: its own section says
 
 
 @rule("sqrt_at_zero", aten.sqrt, priority=140)
@@ -202,7 +203,7 @@ def _pow_negative(s: Site) -> Diagnosis | None:
                      floor=(abs(a) / s.finfo.max) ** (1 / (1 - a)) if a < 1 else None,
                      floor_why=f"the gradient {a:g} * eps ** {a - 1:g}", scalars=[a])
     return Diagnosis("pow_of_negative", f"fractional power ({a:g}) of a negative number",
-                     f"x ** {a:g} is NaN for x < 0 ({count(x['negatives'], 'such value')}, min {num(x.get('min'))}) "
+                     f"x ** {a:g} is NaN for x < 0 ({count_in(x['negatives'], 'such value', x)}, min {num(x.get('min'))}) "
                      f"at {s.where}. "
                      "A fractional power is only defined for x ≥ 0: clamp the base (or use "
                      f"x.sign() * x.abs() ** {a:g} if negative inputs are meaningful).", fixes)

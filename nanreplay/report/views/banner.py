@@ -151,7 +151,8 @@ def culprit_sentence(c: dict) -> tuple[str, str]:
         sub = f"{c.get('op')} in {c.get('backward_node') or 'backward'}, the gradient of {c['forward_op']}"
     else:
         head = f"{op_base(c.get('op'))} made {kind} in {c.get('phase')}"
-        sub = f"{c.get('op')}" + (f", called as {c['call']}" if c.get("call") else "")
+        call = c.get("user_call") or c.get("call")  # what the user wrote (torch.log), not the aten packet
+        sub = f"{c.get('op')}" + (f", called as {call}" if call else "")
     if c.get("module") == "<loss>":
         head += ", inside the loss function"
     return head, sub

@@ -1,0 +1,179 @@
+"""Ctrl-C and `--timeout` for the command: one line, one exit code, no output touched or half-written.
+
+A KeyboardInterrupt raised at a random bytecode is not safe to unwind: it can land inside
+torch's own imports (which then leave half-initialised modules behind, and a later op fails
+with a RecursionError that gets blamed on the snapshot), inside a library's `except
+BaseException`, or inside a write. So the command never raises it. `install()` (the first
+thing the `nanreplay` entry point does, before any heavy import) replaces the SIGINT handler
+with one that stops the process: it runs the cleanups registered at that moment (kill the
+worker processes, remove a write's temp file, save triage's cache), writes
+`nanreplay: interrupted` (and the notes registered, e.g. what a triage finished) as one line
+on stderr and exits with code 130. `deadline()` stops the same way, with exit code 1.
+
+    install()                               # in the entry point only, never on import
+    with cleanup(pool.kill): ...            # run if the process is stopped inside the block
+    with note(lambda: "3 of 8 analyzed"):   # appended to the line if stopped inside the block
+    with deferred(): write the outputs      # a stop that arrives here waits until the block ends
+
+Library use (`nanreplay.analyze()` from Python) is unchanged: without `install()` Ctrl-C
+raises KeyboardInterrupt as usual and the registrations cost nothing.
+
+Standard library only: it is imported before anything else.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+INTERRUPTED = 130  # the shell's code for a process ended by SIGINT (128 + 2)
+
+_cleanups: list[Callable[[], object]] = []
+_notes: list[Callable[[], str]] = []
+_lock = threading.RLock()
+_state = {"installed": False, "deferring": 0, "pending": None, "stopping": False}
+
+
+def install() -> None:
+    """Make SIGINT stop the process cleanly (see the module docstring). Only the command's entry point calls it."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGINT, _on_sigint)
+    _state["installed"] = True
+
+
+def installed() -> bool:
+    return bool(_state["installed"])
+
+
+def _on_sigint(signum, frame) -> None:
+    request("nanreplay: interrupted", INTERRUPTED)
+
+
+def request(line: str, code: int) -> None:
+    """Stop now with `line` and `code`, or at the end of the current `deferred()` block."""
+    with _lock:
+        if _state["deferring"]:
+            if _state["pending"] is None:
+                _state["pending"] = (line, code)
+            return
+    stop(line, code)
+
+
+def stop(line: str, code: int) -> None:
+    """Run the registered cleanups (newest first), write `line` plus the notes on stderr, exit with `code`."""
+    with _lock:
+        if _state["stopping"]:  # a second Ctrl-C while cleaning up: the first one's exit is on its way
+            return
+        _state["stopping"] = True
+    for fn in reversed(list(_cleanups)):
+        try:
+            fn()
+        except BaseException:  # noqa: BLE001, S110 - a cleanup that fails must not keep the process alive
+            pass
+    notes = []
+    for fn in list(_notes):
+        try:
+            notes.append(str(fn()))
+        except BaseException:  # noqa: BLE001, S112
+            continue
+    text = line + "".join(f"; {n}" for n in notes if n)
+    try:
+        sys.stdout.flush()
+    except BaseException:  # noqa: BLE001, S110 - stdout may be a closed pipe
+        pass
+    start = "\n" if _isatty(2) else ""  # off the line that a progress bar or the terminal's ^C left open
+    try:
+        os.write(2, (start + " ".join(text.split()) + "\n").encode("utf-8", "replace"))
+    finally:
+        os._exit(code)
+
+
+@contextmanager
+def cleanup(fn: Callable[[], object]) -> Iterator[None]:
+    """Run `fn()` if the process is stopped while the block runs."""
+    _cleanups.append(fn)
+    try:
+        yield
+    finally:
+        _remove(_cleanups, fn)
+
+
+@contextmanager
+def note(fn: Callable[[], str]) -> Iterator[None]:
+    """Append `fn()` to the stop line if the process is stopped while the block runs."""
+    _notes.append(fn)
+    try:
+        yield
+    finally:
+        _remove(_notes, fn)
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """Hold a stop that arrives while the block runs until it ends (a set of outputs written all or not at all)."""
+    with _lock:
+        _state["deferring"] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _state["deferring"] -= 1
+            pending = _state["pending"] if not _state["deferring"] else None
+            if pending is not None:
+                _state["pending"] = None
+        if pending is not None:
+            stop(*pending)
+
+
+@contextmanager
+def deadline(seconds: float | None, line: str, *, grace: float = 2.0) -> Iterator[None]:
+    """Stop with `line` and exit code 1 once `seconds` have passed (None or 0: no limit).
+
+    SIGALRM stops at the next bytecode; one long call into C delays that, so a watchdog thread
+    stops the process `grace` seconds later if it still runs. The limit starts when the block does:
+    enter it first, and the imports count too. Without `install()` (the command driven in-process, by
+    click's test runner) it is `limits.time_limit`: DeadlineExceeded is raised for the caller to report.
+    """
+    if not seconds or seconds <= 0:
+        yield
+        return
+    if not installed():
+        from nanreplay.limits import time_limit
+
+        with time_limit(seconds, line):
+            yield
+        return
+    use_alarm = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+    old = None
+    if use_alarm:
+        old = signal.signal(signal.SIGALRM, lambda signum, frame: request(line, 1))
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+    watchdog = threading.Timer(seconds + (grace if use_alarm else 0), request, args=(line, 1))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        yield
+    finally:
+        watchdog.cancel()
+        if use_alarm:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old if old is not None else signal.SIG_DFL)
+
+
+def _isatty(fd: int) -> bool:
+    try:
+        return os.isatty(fd)
+    except OSError:
+        return False
+
+
+def _remove(items: list, fn) -> None:
+    for i in range(len(items) - 1, -1, -1):
+        if items[i] is fn:
+            del items[i]
+            return
