@@ -94,7 +94,8 @@ def write_with(path: str | os.PathLike, write: Callable[[IO[bytes]], None], *, o
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
-    write_with(path, lambda f: f.write(text.encode("utf-8")))
+    # a lone surrogate (a path of undecodable bytes, as Python spells it) is written as U+FFFD, never a traceback
+    write_with(path, lambda f: f.write(text.encode("utf-8", "replace")))
 
 
 def clean_stale_temps(folder: str | os.PathLike, prefix: str, *, older_than: float = STALE_AFTER) -> list[str]:

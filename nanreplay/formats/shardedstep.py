@@ -23,7 +23,8 @@ import torch.nn as nn
 from nanreplay.errors import SnapshotError
 from nanreplay.formats.program import DTYPES, Program, node_inputs
 from nanreplay.formats.segments import Segment, plan
-from nanreplay.formats.stepmodel import StepModule, _container, dry_run
+from nanreplay.formats.dryrun import dry_run
+from nanreplay.formats.stepmodel import StepModule, _container
 
 
 class _Unit(nn.Module):
