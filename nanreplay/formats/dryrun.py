@@ -57,9 +57,9 @@ def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]
         upper = _data_dependent_bytes(node.name, args)
         need = inputs + 2 * (made + (0 if view else max(declared, upper or 0))) + TENSOR_BYTES * len(node.meta)
         if max_memory is not None and need > max_memory:
-            raise LimitError(f"replaying this step needs more than {format_size(max_memory)} (--max-memory) by "
-                             f"{what}, bounded from the step program's shapes before it was built; raise the "
-                             "limit if this machine has the memory")
+            raise LimitError(f"replaying this step needs about {format_size(need)} by {what} (bounded from the "
+                             f"step program's shapes before it is built), more than --max-memory "
+                             f"{format_size(max_memory)}; raise the limit if this machine has the memory")
         if _takes_device(node.op):  # a factory op without a device would allocate on the CPU for real
             kwargs["device"] = torch.device("meta")
             names = _arg_names(node.op)

@@ -223,7 +223,7 @@ def program_subject(snap: Snapshot, dev: torch.device, max_memory: int | None, c
     step_fn = "batch" in d["batch"]
     batch = {"batch": snap.inputs} if step_fn else {"inputs": snap.inputs, "target": snap.target}
     module = StepModule(program, snap.state, d["parameters"], d.get("aliases") or {}, constants, step_fn=step_fn)
-    leaf_meta = {}
+    leaf_meta, values = {}, {}
     for lf in program.leaves:
         try:
             t = module.leaf_tensor(lf, batch)
@@ -234,7 +234,14 @@ def program_subject(snap: Snapshot, dev: torch.device, max_memory: int | None, c
             raise SnapshotError(f"{snap.path}: invalid step program: {lf.kind} {lf.name!r} is "
                                 f"{list(t.shape)} {t.dtype}, the program says {lf.shape} {lf.dtype}")
         leaf_meta[lf.ref] = (lf.shape, t.dtype)
-    bound = dry_run(program, leaf_meta)
+        if not (t.is_floating_point() or t.is_complex()):
+            values[lf.ref] = t  # stored indices: checked against what they index before any kernel runs
+    try:
+        bound = dry_run(program, leaf_meta, values=values, max_memory=max_memory)
+    except SnapshotError as e:
+        raise SnapshotError(f"{snap.path}: {e}") from None
+    except LimitError as e:
+        raise LimitError(f"{snap.path}: {e}") from None
     if max_memory is not None and bound > max_memory:
         raise LimitError(f"{snap.path}: replaying this step needs about {_gb(bound)} (bounded from the step "
                          f"program's shapes), more than --max-memory {_gb(max_memory)}; raise the limit if this "

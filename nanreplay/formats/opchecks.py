@@ -105,7 +105,7 @@ def _dim(call: Call, arg: str, t: Any) -> int:
     d = call[arg]
     n = max(len(_shape(t)), 1)
     if not isinstance(d, int) or not -n <= d < n:
-        raise Refused(f"{arg} {d} is outside the {len(_shape(t))} dimensions of its tensor")
+        raise Refused(f"{arg} is outside the {len(_shape(t))} dimensions of its tensor")
     return d % n
 
 
@@ -150,7 +150,7 @@ for _p in REDUCTION_PACKETS:
 def _enum_check(packet: str, arg: str, allowed: frozenset) -> Check:
     def fn(call: Call) -> None:
         if arg in call.a and call[arg] not in allowed:
-            raise Refused(f"{arg} {call[arg]!r} is not one of the codes the op knows")
+            raise Refused(f"{arg} is not one of the codes the op knows ({', '.join(map(str, sorted(allowed, key=str)))})")
     return fn
 
 
@@ -167,7 +167,7 @@ def _embedding(call: Call) -> None:
     n = _size(w, 0)
     pad = call["padding_idx"]
     if isinstance(pad, int) and pad != -1 and not -n <= pad < n:
-        raise Refused(f"padding_idx {pad} is outside the {n} rows of the weight")
+        raise Refused(f"padding_idx is outside the {n} rows of the weight")
     _in_range(call, idx, 0, n, "indices")
 
 
@@ -175,10 +175,10 @@ def _embedding(call: Call) -> None:
 def _embedding_dense_backward(call: Call) -> None:
     g, idx, n = call["grad_output"], call["indices"], call["num_weights"]
     if not isinstance(n, int) or not 0 <= n < 2**31:
-        raise Refused(f"num_weights {n} is not a row count")
+        raise Refused("num_weights is not a row count")
     pad = call["padding_idx"]
     if not isinstance(pad, int) or not -1 <= pad < max(n, 1):
-        raise Refused(f"padding_idx {pad} is outside the {n} rows")
+        raise Refused(f"padding_idx is outside the {n} rows")
     gs, ishape = _shape(g), _shape(idx)
     if not gs or math.prod(gs[:-1]) != math.prod(ishape):
         raise Refused("grad_output does not hold one row per index")
@@ -196,7 +196,7 @@ def _embedding_bag(call: Call) -> None:
         raise Refused("indices and offsets must be vectors")
     pad = call["padding_idx"]
     if isinstance(pad, int) and pad != -1 and not -n <= pad < n:
-        raise Refused(f"padding_idx {pad} is outside the {n} rows of the weight")
+        raise Refused(f"padding_idx is outside the {n} rows of the weight")
     psw = call["per_sample_weights"]
     if isinstance(psw, torch.Tensor) and _shape(psw) != ishape:
         raise Refused("per_sample_weights must hold one weight per index")
@@ -261,7 +261,7 @@ def _index(call: Call) -> None:
 # ------------------------------------------------------------------ splits and lists of outputs
 
 
-@rule("split_with_sizes", "unsafe_split_with_sizes", "split")
+@rule("split_with_sizes", "unsafe_split_with_sizes", "split", "unsafe_split")
 def _split_sizes(call: Call) -> None:
     x = call["self"]
     sizes = call["split_sizes"] if "split_sizes" in call.a else call["split_size"]
@@ -273,16 +273,10 @@ def _split_sizes(call: Call) -> None:
         count = len(sizes)
     else:
         if not isinstance(sizes, int) or sizes < 0 or (sizes == 0 and n > 0):
-            raise Refused(f"split size {sizes} cannot split {n}")
+            raise Refused(f"the split size cannot split {n}")
         count = max(1, -(-n // sizes)) if sizes else 1
     if count > MAX_LIST_OUTPUTS:
         raise Refused(f"it would make {count} tensors (at most {MAX_LIST_OUTPUTS})")
-
-
-@rule("unsafe_split")
-def _unsafe_split(call: Call) -> None:
-    call.a.setdefault("split_size", None)
-    _split_sizes(call)
 
 
 @rule("unbind")
@@ -316,11 +310,11 @@ def _mkldnn_rnn_layer(call: Call) -> None:
         want |= {"weight2": (gates * h,), "weight3": (gates * h,)}
     for name, shape in want.items():
         if _shape(call[name]) != shape:
-            raise Refused(f"{name} is {list(_shape(call[name]))}, hidden_size {h} needs {list(shape)}")
+            raise Refused(f"{name} is {list(_shape(call[name]))}, which does not fit hidden_size")
     for name in ("hx_", "cx_"):
         s = _shape(call[name])
         if s[-1:] != (h,) or math.prod(s) != batch * h:
-            raise Refused(f"{name} is {list(s)}, the layer needs [{batch}, {h}]")
+            raise Refused(f"{name} is {list(s)}, which does not fit the batch and hidden_size")
     if call["batch_sizes"]:
         raise Refused("packed sequences (batch_sizes) are not replayed")
 
@@ -328,13 +322,13 @@ def _mkldnn_rnn_layer(call: Call) -> None:
 # ------------------------------------------------------------------ integer division
 
 
-_INT_DIVISION = ("div", "div_", "floor_divide", "remainder", "fmod", "true_divide")
+_INT_DIVISION = ("div", "div_", "floor_divide", "remainder", "fmod")
 
 
 @rule(*_INT_DIVISION)
 def _integer_division(call: Call) -> None:
     """An integer quotient or remainder: no zero divisor, and no INT_MIN / -1 (it traps)."""
-    if call.name.startswith(("aten.div.", "aten.div_.", "aten.true_divide.")) and call["rounding_mode"] is None:
+    if call.name.startswith(("aten.div.", "aten.div_.")) and call["rounding_mode"] is None:
         return  # true division: the result is floating point
     a, b = call["self"], call["other"]
     dt = _result_dtype(a, b)
@@ -365,9 +359,12 @@ def _any(v: Any, x: int) -> bool:
 
 
 def _result_dtype(a: Any, b: Any) -> torch.dtype | None:
+    """The dtype the op computes in; two plain numbers (which a Tensor argument may be) wrap as 0-d tensors."""
     try:
-        return torch.result_type(a, b) if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else None
-    except (RuntimeError, TypeError):
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return torch.result_type(a, b)
+        return torch.result_type(torch.tensor(a), torch.tensor(b))
+    except (RuntimeError, TypeError, OverflowError):
         return None
 
 
@@ -403,7 +400,7 @@ def _group_norm(call: Call) -> None:
     if not all(isinstance(v, int) and v >= 0 for v in (n, c, hw)) or not isinstance(g, int) or g <= 0:
         raise Refused("N, C, HxW and group must be sizes")
     if len(xs) < 2 or xs[0] != n or xs[1] != c or math.prod(xs) != n * c * hw or c % g:
-        raise Refused(f"N={n}, C={c}, HxW={hw}, group={g} do not describe the input {list(xs)}")
+        raise Refused(f"N, C, HxW and group do not describe the input {list(xs)}")
     for name in ("weight", "bias"):
         t = call[name]
         if isinstance(t, torch.Tensor) and _shape(t) != (c,):

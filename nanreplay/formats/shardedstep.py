@@ -123,7 +123,7 @@ def check_program(program: Program, shapes: dict[str, tuple[list[int], torch.dty
                   where: str) -> int:
     """Every leaf against what the snapshot holds (parameters by their whole shape), then the meta dry run;
     returns the replay's memory bound (bytes)."""
-    meta = {}
+    meta, values = {}, {}
     for lf in program.leaves:
         try:
             if lf.kind == "param":
@@ -132,6 +132,8 @@ def check_program(program: Program, shapes: dict[str, tuple[list[int], torch.dty
                 t = buffers[lf.name] if lf.kind == "buffer" else constants[lf.name] if lf.kind == "constant" \
                     else _batch_leaf(batch, lf.path)
                 shape, dtype = list(t.shape), t.dtype
+                if not (t.is_floating_point() or t.is_complex()):
+                    values[lf.ref] = t
         except (KeyError, IndexError, TypeError) as e:
             raise SnapshotError(f"{where}: invalid step program: {lf.kind} {lf.name!r} is not in the snapshot "
                                 f"({type(e).__name__})") from None
@@ -139,7 +141,7 @@ def check_program(program: Program, shapes: dict[str, tuple[list[int], torch.dty
             raise SnapshotError(f"{where}: invalid step program: {lf.kind} {lf.name!r} is {list(shape)} {dtype}, "
                                 f"the program says {lf.shape} {lf.dtype}")
         meta[lf.ref] = (lf.shape, dtype)
-    return dry_run(program, meta)
+    return dry_run(program, meta, values=values)
 
 
 def _batch_leaf(batch: dict, path: list | None) -> torch.Tensor:
