@@ -72,7 +72,8 @@ def integer(lo: int = -(2**62), hi: int = 2**62) -> Checker:
         if not isinstance(v, int) or isinstance(v, bool):
             raise SchemaError(f"{where} must be an integer, not {_what(v)}")
         if not lo <= v <= hi:
-            raise SchemaError(f"{where} = {v} is out of range [{lo}, {hi}]")
+            shown = v if abs(v) < 10**30 else f"an integer of {_digits(v)} digits"
+            raise SchemaError(f"{where} = {shown} is out of range [{lo}, {hi}]")
         return v
     return fn
 
@@ -83,8 +84,7 @@ def number(v: Any, where: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise SchemaError(f"{where} must be a number, not {_what(v)}")
     if isinstance(v, int) and not -MAX_INT <= v <= MAX_INT:
-        raise SchemaError(f"{where} is an integer of {len(str(abs(v))) if abs(v) < 10**4000 else 'thousands of'} "
-                          "digits, not a number a step records")
+        raise SchemaError(f"{where} is an integer of {_digits(v)} digits, not a number a step records")
     return float(v)
 
 
@@ -93,6 +93,11 @@ def finite_number(v: Any, where: str) -> float:
     if not math.isfinite(x):
         raise SchemaError(f"{where} must be finite")
     return x
+
+
+def _digits(v: int) -> str:
+    """How many digits an integer has, without printing it (str() of a huge int is slow, and refused by Python)."""
+    return str(len(str(abs(v)))) if abs(v) < 10**4000 else "thousands of"
 
 
 def boolean(v: Any, where: str) -> bool:
