@@ -35,13 +35,13 @@ def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]
     `TENSOR_BYTES` per tensor made. Past `max_memory`, LimitError before the node that would pass it.
     """
     env: dict[int, torch.Tensor] = {}
-    known: dict[int, torch.Tensor] = {}
+    known: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta leaf) -> (the meta leaf, its values)
     inputs = 0
     for ref, (shape, dtype) in leaf_meta.items():
         env[ref] = torch.empty(shape, dtype=dtype, device="meta")
         inputs += _nbytes(shape, dtype) * (2 if dtype.is_floating_point else 1) + TENSOR_BYTES
         if values is not None and ref in values:
-            known[id(env[ref])] = values[ref]
+            known[id(env[ref])] = (env[ref], values[ref])
     made = 0
     dead = program.dead_after()
     for i, node in enumerate(program.nodes):
@@ -49,7 +49,7 @@ def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]
         args = [_meta_arg(a, env) for a in node.args]
         kwargs = with_output_size(node, {k: _meta_arg(v, env) for k, v in node.kwargs.items()})
         try:
-            opchecks.check(node.op, node.name.split(".")[1], args, kwargs, lambda t: known.get(id(t)))
+            opchecks.check(node.op, node.name.split(".")[1], args, kwargs, lambda t: _known(known, t))
         except opchecks.Refused as e:
             raise SnapshotError(f"invalid step program: {what}: {e}") from None
         view = ti.op_is_view(node.op)
@@ -120,6 +120,11 @@ def with_output_size(node, kwargs: dict) -> dict:
                      else None)
     d = 0 if dim is None or not shape else dim % len(shape)
     return {**kwargs, "output_size": shape[d] if shape else 0}
+
+
+def _known(known: dict, t: Any) -> torch.Tensor | None:
+    hit = known.get(id(t))
+    return hit[1] if hit is not None and hit[0] is t else None  # (an id is reused once its tensor is gone)
 
 
 # ---- ops whose output size depends on the data: their most, from the inputs' sizes

@@ -111,17 +111,22 @@ def check_size(path: str | Path, size: int, *, is_zip: bool, max_memory: int | N
 def check_tensors(obj: Any, path: str | Path, max_memory: int | None) -> None:
     """The tensors a file holds, at the size they take once copied (a replay clones its buffers and constants):
     a 1 KB storage viewed as 10**9 elements by a stride of 0 counts as 10**9 elements, before anything copies it."""
-    total = 0
-    stack, seen = [(obj, 0)], 0
+    storages: dict[int, int] = {}
+    extra = 0
+    stack = [(obj, 0)]
     while stack:
         v, depth = stack.pop()
-        seen += 1
         if isinstance(v, torch.Tensor):
-            total += v.numel() * v.element_size() + v.untyped_storage().nbytes() if v.device.type == "cpu" else 0
+            if v.device.type != "cpu":
+                continue  # refused by the schema, with its own line
+            held = v.untyped_storage().nbytes()
+            storages[v.untyped_storage().data_ptr()] = held
+            extra += max(0, v.numel() * v.element_size() - held)  # what a copy adds beyond the stored bytes
         elif depth < 16 and isinstance(v, dict):
             stack.extend((x, depth + 1) for x in v.values())
         elif depth < 16 and isinstance(v, (list, tuple)):
             stack.extend((x, depth + 1) for x in v)
+    total = sum(storages.values()) + extra
     if max_memory and total > max_memory:
         raise LimitError(f"{path}: its tensors take {format_size(total)} once copied (sizes and strides, not the "
                          f"file's bytes), more than the memory limit of {format_size(max_memory)} (raise it with "

@@ -222,3 +222,14 @@ def test_empty_replays_as_zeros_that_no_mode_sees_uninitialised(valid, tmp_path)
             subject.model(subject.inputs, subject.target)
     assert "empty seen" not in seen
     assert seen and all(bool((s == 1).all()) for s in seen)
+
+
+def test_a_report_of_a_context_that_misses_its_line_shows_the_line_alone(valid):
+    """The schema refuses such a snapshot; an analysis JSON that says so anyway still renders (no KeyError)."""
+    from nanreplay import report
+    from nanreplay.analysis import analyze
+
+    d = analyze(valid[0], verify=False).to_json()
+    d["culprit"]["source"]["context"] = {"start": d["culprit"]["source"]["line"] + 40, "lines": ["x = 1", "y = 2"]}
+    page = report.render_html(d)
+    assert "x = 1" not in page and d["culprit"]["source"]["code"].split("(")[0] in page
