@@ -19,6 +19,7 @@ import torch
 from nanreplay import torch_internals as ti
 from nanreplay.errors import LimitError, SnapshotError, kernel_message
 from nanreplay.formats import opchecks
+from nanreplay.formats.ops import check_values
 from nanreplay.formats.program import DTYPES, DeviceLiteral, Program, Ref
 from nanreplay.limits import format_size
 
@@ -52,6 +53,9 @@ def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]
             opchecks.check(node.op, node.name.split(".")[1], args, kwargs, lambda t: _known(known, t))
         except opchecks.Refused as e:
             raise SnapshotError(f"invalid step program: {what}: {e}") from None
+        refused = check_values(node.op, node.name, args, kwargs)  # formats/ops.py's value rules (CTC, weight norm)
+        if refused:
+            raise SnapshotError(f"invalid step program: {what}: {refused}")
         view = ti.op_is_view(node.op)
         declared = sum(_nbytes(s, DTYPES[d]) for s, d in node.meta)
         upper = _data_dependent_bytes(node.name, args)
