@@ -101,7 +101,8 @@ def _unlink(tmp: str) -> None:
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
-    write_with(path, lambda f: f.write(text.encode("utf-8")))
+    # a lone surrogate (a path of undecodable bytes, as Python spells it) is written as U+FFFD, never a traceback
+    write_with(path, lambda f: f.write(text.encode("utf-8", "replace")))
 
 
 def clean_stale_temps(folder: str | os.PathLike, prefix: str, *, older_than: float = STALE_AFTER) -> list[str]:

@@ -124,11 +124,24 @@ def first_sentences(e: BaseException | str, limit: int = 200) -> str:
     return first_line(out, limit)
 
 
+def kernel_message(e: BaseException | str) -> str:
+    """The first line of a kernel's message with its numbers taken out: a kernel given a crafted step program
+    can quote memory in its message (`Index -4099 of input takes value 2322203970491129888`); what remains
+    still says what went wrong (`Index # of input takes value # which is not in the valid range`)."""
+    return _NUMBER.sub("#", first_line(e))
+
+
+_NUMBER = re.compile(r"[-+]?(?:0[xX][0-9a-fA-F]+|\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)")
+
+
 def raised(e: BaseException) -> str:
     """`RuntimeError in aten.mkldnn_rnn_layer.default: <first line>`: the exception, the program op it came from
-    where a step-program replay tagged it (`op_of`), and its first line."""
+    where a step-program replay tagged it (`op_of`), and its first line (its numbers taken out for a program's
+    op: `kernel_message`)."""
     op = getattr(e, "nanreplay_op", None)
-    return f"{type(e).__name__}{f' in {op}' if isinstance(op, str) else ''}: {first_line(e)}"
+    if isinstance(op, str):
+        return f"{type(e).__name__} in {op}: {kernel_message(e)}"
+    return f"{type(e).__name__}: {first_line(e)}"
 
 
 def op_of(e: BaseException, op: str) -> None:

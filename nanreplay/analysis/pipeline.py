@@ -50,7 +50,8 @@ def analyze(path: str | Path, *, model: str | None = None, loss: str | None = No
     `nproc` > 1: a sharded snapshot's ranks replay on that many local processes (analysis/launch.py).
 
     `source`: folders whose .py files may be read to show and rewrite lines the snapshot recorded
-    (default: the current folder; a file is used only where its line matches the recorded code).
+    (default: none — a snapshot's lines come from the snapshot; a file is used only where its line matches
+    the recorded code).
     `max_memory` (bytes, None: no limit): a snapshot, or a replay whose peak memory is bounded from
     its step program, that would need more is refused (LimitError).
     With `only_if_needed` (triage over a mixed folder), `model` and `loss` apply only to a
@@ -62,7 +63,7 @@ def analyze(path: str | Path, *, model: str | None = None, loss: str | None = No
     """
     if nproc > 1:
         return _analyze_nproc(path, nproc, model=model, loss=loss, device=device, max_memory=max_memory, source=source)
-    roots = tuple(os.path.abspath(d) for d in source) if source is not None else (os.getcwd(),)
+    roots = tuple(os.path.abspath(d) for d in source) if source is not None else ()
     token = replay.SOURCE_ROOTS.set(roots)
     try:
         return _analyze(path, model=model, loss=loss, device=device, trust=trust, verify=verify,

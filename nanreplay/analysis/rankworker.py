@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = parse_device(args.device) if args.device else torch.device("cpu")
     torch.distributed.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     rank = torch.distributed.get_rank()
-    token = replay.SOURCE_ROOTS.set(tuple(os.path.abspath(s) for s in (args.source or [os.getcwd()])))
+    token = replay.SOURCE_ROOTS.set(tuple(os.path.abspath(s) for s in (args.source or [])))
     try:
         work(args)
     except NanReplayError as e:

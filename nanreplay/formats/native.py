@@ -31,7 +31,8 @@ from nanreplay.formats.base import Format, Snapshot
 from nanreplay.formats.loss_spec import loss_from_spec, loss_label
 from nanreplay.formats.program import DTYPES, decode
 from nanreplay.formats.rebuild import eager_subject, parse_device
-from nanreplay.formats.stepmodel import StepModule, dry_run
+from nanreplay.formats.dryrun import dry_run
+from nanreplay.formats.stepmodel import StepModule
 from nanreplay.formats.usercode import build_model, resolve_loss
 from nanreplay.replay.subject import Subject, to_device
 
@@ -59,6 +60,14 @@ _LOSS_SPEC = S.record({"kind": S.one_of("output", "functional", "module", "calla
                       required=("kind",))
 _ENV = S.dict_of(S.plain_value, limit=64)
 
+
+def _state_dict(v, where):
+    """An optimizer's state dict: a dict of plain values and CPU tensors, every string and number checked
+    (diagnose/late.py then reads its structure)."""
+    if not isinstance(v, dict):
+        raise S.SchemaError(f"{where} must be a dict, not a {type(v).__name__}")
+    return S.batch_tree(v, where)
+
 FIELDS_V2: dict[str, S.Checker] = {
     "format": S.string(100), "version": S.integer(1, 1000),
     "created": S.optional(S.string(64)), "nanreplay_version": S.optional(S.string(64)),
@@ -76,8 +85,7 @@ FIELDS_V2: dict[str, S.Checker] = {
     "step_program": S.optional(S.string(2**31)), "program_error": S.optional(S.string(2000)),
     "model": S.optional(_MODEL), "loss_spec": S.optional(_LOSS_SPEC),
     "optimizer": S.optional(S.record({"class": S.optional(S.string(200)),
-                                      "state_dict": S.optional(lambda v, w: v if isinstance(v, dict)
-                                                               else S.dict_of(lambda x, y: x)(v, w)),
+                                      "state_dict": S.optional(_state_dict),
                                       "param_names": S.optional(update_record.optimizer_param_names)})),
     "update": S.optional(update_record.check),
     "rng": S.optional(_RNG), "autocast": S.optional(_AUTOCAST), "environment": S.optional(_ENV),
@@ -215,7 +223,7 @@ def program_subject(snap: Snapshot, dev: torch.device, max_memory: int | None, c
     step_fn = "batch" in d["batch"]
     batch = {"batch": snap.inputs} if step_fn else {"inputs": snap.inputs, "target": snap.target}
     module = StepModule(program, snap.state, d["parameters"], d.get("aliases") or {}, constants, step_fn=step_fn)
-    leaf_meta = {}
+    leaf_meta, values = {}, {}
     for lf in program.leaves:
         try:
             t = module.leaf_tensor(lf, batch)
@@ -226,7 +234,14 @@ def program_subject(snap: Snapshot, dev: torch.device, max_memory: int | None, c
             raise SnapshotError(f"{snap.path}: invalid step program: {lf.kind} {lf.name!r} is "
                                 f"{list(t.shape)} {t.dtype}, the program says {lf.shape} {lf.dtype}")
         leaf_meta[lf.ref] = (lf.shape, t.dtype)
-    bound = dry_run(program, leaf_meta)
+        if not (t.is_floating_point() or t.is_complex()):
+            values[lf.ref] = t  # stored indices: checked against what they index before any kernel runs
+    try:
+        bound = dry_run(program, leaf_meta, values=values, max_memory=max_memory)
+    except SnapshotError as e:
+        raise SnapshotError(f"{snap.path}: {e}") from None
+    except LimitError as e:
+        raise LimitError(f"{snap.path}: {e}") from None
     if max_memory is not None and bound > max_memory:
         raise LimitError(f"{snap.path}: replaying this step needs about {_gb(bound)} (bounded from the step "
                          f"program's shapes), more than --max-memory {_gb(max_memory)}; raise the limit if this "

@@ -199,9 +199,17 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
     return d
 
 
+def _finite_float(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):  # 1e400: a number no JSON writer of finite floats makes
+        raise _Invalid(f"the number {text[:40]} is out of range")
+    return x
+
+
 def parse_json(text: str) -> Any:
     try:
-        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates)
+        return json.loads(text, parse_constant=_reject_constant, object_pairs_hook=_no_duplicates,
+                          parse_float=_finite_float)
     except _Invalid:
         raise
     except (ValueError, RecursionError) as e:
@@ -217,7 +225,12 @@ def _int(v: Any, what: str, lo: int = 0, hi: int = 2**62) -> int:
 def _str(v: Any, what: str, limit: int = MAX_NAME) -> str:
     if not isinstance(v, str) or len(v) > limit:
         raise _Invalid(f"{what} must be a string of at most {limit} characters")
+    if _SURROGATE.search(v):
+        raise _Invalid(f"{what} is not valid Unicode (it holds a lone surrogate)")
     return v
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _shape(v: Any, what: str) -> list[int]:
@@ -296,6 +309,8 @@ def _frame(f: Any, i: int) -> dict:
         lines = [_str(ln, f"{what}.context", 10 * MAX_TEXT) for ln in _list(ctx[1], f"{what}.context")]
         if len(lines) > 2 * MAX_CONTEXT + 1:
             raise _Invalid(f"{what}.context holds more than {2 * MAX_CONTEXT + 1} lines")
+        if not start <= out["line"] < start + len(lines):
+            raise _Invalid(f"{what}.context does not hold the frame's line {out['line']}")
         out["context"] = (start, lines)
     else:
         out["context"] = None

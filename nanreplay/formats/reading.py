@@ -36,7 +36,7 @@ def read_file(path: str | Path, *, trust: bool = False, max_memory: int | None =
     st, is_zip = snapshot_file(p)
     check_size(path, st.st_size, is_zip=is_zip, max_memory=max_memory)
     try:
-        return torch.load(p, map_location="cpu", weights_only=True, mmap=False)
+        obj = torch.load(p, map_location="cpu", weights_only=True, mmap=False)
     except Exception as e:  # noqa: BLE001 - torch.load raises many types; each becomes one line
         msg = str(e)
         if "Weights only load failed" not in msg:
@@ -48,12 +48,18 @@ def read_file(path: str | Path, *, trust: bool = False, max_memory: int | None =
                                     f"(torch.load: {why}); copy it again from where it was written") from None
             raise SnapshotError(f"{path}: cannot load snapshot: {type(e).__name__}: {first_line(msg)}") from None
         what = _needed_global(msg)
+        if not what and _UNSUPPORTED_OPCODE.search(msg):  # no object in it: nothing --trust would make readable
+            raise SnapshotError(f"{path}: corrupt or unsupported snapshot (its pickle uses an opcode torch.save "
+                                "never writes)") from None
         if not trust:
             raise TrustError(
                 f"{path}: refusing to load: the file contains pickled Python objects{what}, "
                 "and loading them would run code from the snapshot. If you trust where it came from, "
                 "re-run with --trust."
             ) from None
+    else:
+        check_tensors(obj, path, max_memory)
+        return obj
     try:
         return torch.load(p, map_location="cpu", weights_only=False)
     except Exception as e:  # noqa: BLE001
@@ -77,6 +83,35 @@ def check_size(path: str | Path, size: int, *, is_zip: bool, max_memory: int | N
                             f"{format_size(size)} file (torch.save never compresses; a zip bomb?)")
     if max_memory and declared > max_memory:
         raise LimitError(f"{path}: the snapshot holds {format_size(declared)} of data, more than {limit}")
+
+
+def check_tensors(obj: Any, path: str | Path, max_memory: int | None) -> None:
+    """The tensors a file holds, at the size they take once copied (a replay clones its buffers and constants):
+    a 1 KB storage viewed as 10**9 elements by a stride of 0 counts as 10**9 elements, before anything copies it."""
+    storages: dict[int, int] = {}
+    extra = 0
+    stack = [(obj, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, torch.Tensor):
+            if v.device.type != "cpu":
+                continue  # refused by the schema, with its own line
+            held = v.untyped_storage().nbytes()
+            storages[v.untyped_storage().data_ptr()] = held
+            extra += max(0, v.numel() * v.element_size() - held)  # what a copy adds beyond the stored bytes
+        elif depth < 16 and isinstance(v, dict):
+            stack.extend((x, depth + 1) for x in v.values())
+        elif depth < 16 and isinstance(v, (list, tuple)):
+            stack.extend((x, depth + 1) for x in v)
+    total = sum(storages.values()) + extra
+    if max_memory and total > max_memory:
+        raise LimitError(f"{path}: its tensors take {format_size(total)} once copied (sizes and strides, not the "
+                         f"file's bytes), more than the memory limit of {format_size(max_memory)} (raise it with "
+                         "--max-memory)")
+
+
+# pickle opcodes that build no object (big integers: LONG, LONG1, LONG4) and that the weights-only reader refuses
+_UNSUPPORTED_OPCODE = re.compile(r"Unsupported operand (76|138|139)\b")
 
 
 def _needed_global(msg: str) -> str:

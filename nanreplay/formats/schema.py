@@ -7,6 +7,7 @@ A checker takes (value, where) and returns the value (possibly normalised) or ra
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,12 @@ Checker = Callable[[Any, str], Any]
 MAX_STR = 20_000  # longest string field kept (messages, names, code)
 MAX_ITEMS = 1_000_000  # longest list / dict
 MAX_DEPTH = 12  # deepest batch nesting
+MAX_INT = 2**63  # the largest magnitude of an integer field that is not a count (int64, as torch stores them)
+# dtypes a stored tensor may have: what the analysis can reduce and print (float8, quantized and bit types cannot)
+STORED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+                           torch.complex128, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                           torch.bool})
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class SchemaError(Exception):
@@ -54,6 +61,8 @@ def string(limit: int = MAX_STR) -> Checker:
             raise SchemaError(f"{where} must be a string, not {_what(v)}")
         if len(v) > limit:
             raise SchemaError(f"{where} is {len(v)} characters long (at most {limit})")
+        if _SURROGATE.search(v):
+            raise SchemaError(f"{where} is not valid Unicode (it holds a lone surrogate)")
         return v
     return fn
 
@@ -63,15 +72,19 @@ def integer(lo: int = -(2**62), hi: int = 2**62) -> Checker:
         if not isinstance(v, int) or isinstance(v, bool):
             raise SchemaError(f"{where} must be an integer, not {_what(v)}")
         if not lo <= v <= hi:
-            raise SchemaError(f"{where} = {v} is out of range [{lo}, {hi}]")
+            shown = v if abs(v) < 10**30 else f"an integer of {_digits(v)} digits"
+            raise SchemaError(f"{where} = {shown} is out of range [{lo}, {hi}]")
         return v
     return fn
 
 
 def number(v: Any, where: str) -> float:
-    """A real number; NaN and ±Inf are allowed (a non-finite loss is what snapshots are about)."""
+    """A real number; NaN and ±Inf are allowed (a non-finite loss is what snapshots are about); an integer
+    beyond int64 is not a number any step recorded."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise SchemaError(f"{where} must be a number, not {_what(v)}")
+    if isinstance(v, int) and not -MAX_INT <= v <= MAX_INT:
+        raise SchemaError(f"{where} is an integer of {_digits(v)} digits, not a number a step records")
     return float(v)
 
 
@@ -80,6 +93,11 @@ def finite_number(v: Any, where: str) -> float:
     if not math.isfinite(x):
         raise SchemaError(f"{where} must be finite")
     return x
+
+
+def _digits(v: int) -> str:
+    """How many digits an integer has, without printing it (str() of a huge int is slow, and refused by Python)."""
+    return str(len(str(abs(v)))) if abs(v) < 10**4000 else "thousands of"
 
 
 def boolean(v: Any, where: str) -> bool:
@@ -106,6 +124,11 @@ def tensor(dtypes: tuple[torch.dtype, ...] | None = None, max_dim: int = 16) -> 
             raise SchemaError(f"{where} is a tensor subclass ({type(v).__name__}), which a snapshot may not hold")
         if v.layout != torch.strided:
             raise SchemaError(f"{where} must be a dense tensor")
+        if v.device.type != "cpu":
+            raise SchemaError(f"{where} is a {v.device.type} tensor, which holds no data a snapshot can carry")
+        if v.dtype not in STORED_DTYPES:
+            raise SchemaError(f"{where} has dtype {str(v.dtype).removeprefix('torch.')}, which nanreplay cannot "
+                              "analyze")
         if v.dim() > max_dim:
             raise SchemaError(f"{where} has {v.dim()} dimensions (at most {max_dim})")
         if dtypes is not None and v.dtype not in dtypes:
@@ -159,8 +182,10 @@ def plain_value(v: Any, where: str, depth: int = 0) -> Any:
     and lists / dicts of these."""
     if depth > MAX_DEPTH:
         raise SchemaError(f"{where} is nested too deeply")
-    if v is None or isinstance(v, (bool, int)):
+    if v is None or isinstance(v, bool):
         return v
+    if isinstance(v, int):
+        return integer(-MAX_INT, MAX_INT)(v, where)
     if isinstance(v, float):
         return v
     if isinstance(v, str):

@@ -23,7 +23,8 @@ import torch.nn as nn
 from nanreplay.errors import SnapshotError
 from nanreplay.formats.program import DTYPES, Program, node_inputs
 from nanreplay.formats.segments import Segment, plan
-from nanreplay.formats.stepmodel import StepModule, _container, dry_run
+from nanreplay.formats.dryrun import dry_run
+from nanreplay.formats.stepmodel import StepModule, _container
 
 
 class _Unit(nn.Module):
@@ -122,7 +123,7 @@ def check_program(program: Program, shapes: dict[str, tuple[list[int], torch.dty
                   where: str) -> int:
     """Every leaf against what the snapshot holds (parameters by their whole shape), then the meta dry run;
     returns the replay's memory bound (bytes)."""
-    meta = {}
+    meta, values = {}, {}
     for lf in program.leaves:
         try:
             if lf.kind == "param":
@@ -131,6 +132,8 @@ def check_program(program: Program, shapes: dict[str, tuple[list[int], torch.dty
                 t = buffers[lf.name] if lf.kind == "buffer" else constants[lf.name] if lf.kind == "constant" \
                     else _batch_leaf(batch, lf.path)
                 shape, dtype = list(t.shape), t.dtype
+                if not (t.is_floating_point() or t.is_complex()):
+                    values[lf.ref] = t
         except (KeyError, IndexError, TypeError) as e:
             raise SnapshotError(f"{where}: invalid step program: {lf.kind} {lf.name!r} is not in the snapshot "
                                 f"({type(e).__name__})") from None
@@ -138,7 +141,7 @@ def check_program(program: Program, shapes: dict[str, tuple[list[int], torch.dty
             raise SnapshotError(f"{where}: invalid step program: {lf.kind} {lf.name!r} is {list(shape)} {dtype}, "
                                 f"the program says {lf.shape} {lf.dtype}")
         meta[lf.ref] = (lf.shape, dtype)
-    return dry_run(program, meta)
+    return dry_run(program, meta, values=values)
 
 
 def _batch_leaf(batch: dict, path: list | None) -> torch.Tensor:

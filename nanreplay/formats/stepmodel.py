@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 from typing import Any
 
 import torch
@@ -24,8 +23,10 @@ import torch.nn as nn
 from nanreplay import torch_internals as ti
 from nanreplay.confine import progress
 from nanreplay.errors import ReplayError, SnapshotError, op_of
+from nanreplay.formats import opchecks
+from nanreplay.formats.dryrun import with_output_size
 from nanreplay.formats.ops import check_values
-from nanreplay.formats.program import DTYPES, DeviceLiteral, Node, Program, Ref
+from nanreplay.formats.program import DeviceLiteral, Node, Program, Ref
 from nanreplay.formats.segments import Segment, checkpoint_plan
 from nanreplay.replay.frames import RecordedFrame
 
@@ -177,7 +178,7 @@ class StepModule(nn.Module):
             try:
                 out = self._run(node, env)
             except Exception as e:
-                op_of(e, node.name)  # "raised ... in aten.x": which recorded op could not run (e.g. in float64)
+                op_of(e, f"{node.name} at node {i}")  # "raised ... in aten.x": which recorded op could not run
                 raise
             self._bind(node, out, env, i)
             for r in dead[i]:  # no later node reads them: let autograd decide what stays alive
@@ -263,7 +264,12 @@ class StepModule(nn.Module):
 
     def _run(self, node: Node, env: dict) -> Any:
         args = [self._arg(a, node, env) for a in node.args]
-        kwargs = {k: self._arg(v, node, env) for k, v in node.kwargs.items()}
+        kwargs = with_output_size(node, {k: self._arg(v, node, env) for k, v in node.kwargs.items()})
+        try:  # what the op's kernel would trust, with the values this replay computed (formats/opchecks.py)
+            opchecks.check(node.op, node.name.split(".")[1], args, kwargs, opchecks.real_values)
+        except opchecks.Refused as e:
+            raise SnapshotError(f"invalid step program: node {self._node} ({node.name}): {e}; nothing was "
+                                "run with it") from None
         if node.random is not None:
             value = self.constants[node.random].clone()
             if ti.op_mutated_args(node.op)[0]:  # bernoulli_ / normal_ on a buffer: write the recorded value into it
@@ -282,11 +288,12 @@ class StepModule(nn.Module):
             raise SnapshotError(f"invalid step program: {node.name}: {refused}")
         if self.policy is not None and node.name in _HALF_TO_FLOAT and len(args) > 2 and args[2]:
             args[2] = args[0].dtype == torch.float16  # half_to_float only applies to half inputs
-        out = node.op(*args, **kwargs)
-        if node.name in _FILL_ZERO and isinstance(out, torch.Tensor):
-            with torch.no_grad():
+        if node.name in _FILL_ZERO:  # made and zeroed out of the replay's sight: it never sees the uninitialised memory
+            with ti.dispatch_modes_off(), torch.no_grad():
+                out = node.op(*args, **kwargs)
                 out.zero_()
-        return out
+            return out
+        return node.op(*args, **kwargs)
 
     def _bind(self, node: Node, out: Any, env: dict, i: int) -> None:
         refs = node.out if isinstance(node.out, list) else [node.out]
@@ -327,99 +334,3 @@ class StepModule(nn.Module):
             scopes = prog.scopes_of(node)
             s = self._sites[i] = (module, frame, scopes)
         return s
-
-
-# ------------------------------------------------------------------ the dry run
-
-
-def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]]) -> int:
-    """Every node on the meta device: shapes checked against the file, the replay's peak bytes bounded.
-
-    The bound: the inputs, plus every non-view output of the forward kept alive for backward, twice
-    (backward's gradients of about the same sizes), plus one gradient per floating input.
-    """
-    env: dict[int, torch.Tensor] = {}
-    inputs = 0
-    for ref, (shape, dtype) in leaf_meta.items():
-        env[ref] = torch.empty(shape, dtype=dtype, device="meta")
-        inputs += _nbytes(shape, dtype) * (2 if dtype.is_floating_point else 1)
-    made = 0
-    for i, node in enumerate(program.nodes):
-        progress.at(progress.DRY_RUN, i, node.name)
-        args = [_meta_arg(a, env) for a in node.args]
-        kwargs = {k: _meta_arg(v, env) for k, v in node.kwargs.items()}
-        if _takes_device(node.op):  # a factory op without a device would allocate on the CPU for real
-            kwargs["device"] = torch.device("meta")
-            names = _arg_names(node.op)
-            if "device" in names and names.index("device") < len(args):
-                args[names.index("device")] = torch.device("meta")
-        out = None
-        refused = check_values(node.op, node.name, args, kwargs)
-        if refused:
-            raise SnapshotError(f"invalid step program: node {i} ({node.name}): {refused}")
-        if node.random is None and node.mask is None:
-            try:
-                with torch.no_grad():
-                    out = node.op(*args, **kwargs)
-            except (NotImplementedError, RuntimeError, TypeError, ValueError, IndexError) as e:
-                if _is_missing_meta(e):
-                    out = None  # no meta kernel: trust the declared shapes, checked again during the replay
-                elif isinstance(e, RecursionError):  # a RuntimeError, but torch's own state, not the shapes
-                    raise ReplayError(f"the dry run of node {i} ({node.name}) hit a RecursionError inside torch: "
-                                      "that says nothing about the snapshot (a damaged torch install, or a "
-                                      "nanreplay bug: please report it)") from None
-                else:
-                    raise SnapshotError(f"invalid step program: node {i} ({node.name}) cannot run on the declared "
-                                        f"shapes: {type(e).__name__}: {str(e).splitlines()[0][:160]}") from None
-        refs = node.out if isinstance(node.out, list) else [node.out]
-        outs = (list(out) if isinstance(out, (tuple, list)) else [out]) if out is not None else [None] * len(refs)
-        metas = iter(node.meta)
-        view = ti.op_is_view(node.op)
-        for k, (r, t) in enumerate(zip(refs, outs, strict=False)):
-            if r is None:
-                continue
-            shape, dname = next(metas)
-            dtype = DTYPES[dname]
-            nbytes = _nbytes(shape, dtype)
-            if isinstance(t, torch.Tensor) and list(t.shape) != shape:
-                if k == 0:
-                    raise SnapshotError(f"invalid step program: node {i} ({node.name}) declares shape {shape}, "
-                                        f"but the op makes {list(t.shape)}")
-                # meta kernels may disagree on auxiliary outputs (workspaces): count the larger
-                nbytes = max(nbytes, _nbytes(list(t.shape), t.dtype))
-                t = None
-            env[r] = t if isinstance(t, torch.Tensor) else torch.empty(shape, dtype=dtype, device="meta")
-            if not view:
-                made += nbytes
-    return inputs + 2 * made
-
-
-def _arg_names(op) -> list[str]:
-    schema = ti.op_schema(op)
-    return [a.name for a in schema.arguments] if schema is not None else []
-
-
-def _takes_device(op) -> bool:
-    return "device" in _arg_names(op)
-
-
-def _nbytes(shape: list[int], dtype: torch.dtype) -> int:
-    return math.prod(shape) * (torch.finfo(dtype).bits // 8 if dtype.is_floating_point else
-                               (1 if dtype == torch.bool else torch.iinfo(dtype).bits // 8)
-                               if not dtype.is_complex else 16)
-
-
-def _meta_arg(v: Any, env: dict) -> Any:
-    if isinstance(v, Ref):
-        return env[v]
-    if isinstance(v, DeviceLiteral):
-        return torch.device("meta")
-    if isinstance(v, list):
-        return [_meta_arg(x, env) for x in v]
-    return v
-
-
-def _is_missing_meta(e: BaseException) -> bool:
-    msg = str(e)
-    return isinstance(e, NotImplementedError) or "meta" in msg.lower() and ("not implemented" in msg.lower()
-                                                                             or "could not run" in msg.lower())

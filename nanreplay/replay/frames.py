@@ -65,7 +65,8 @@ def user_frame(depth: int = 2) -> Frame | None:
 
 
 # Folders whose .py files may be read to show or rewrite a line a *snapshot* recorded (not lines of code that
-# ran in this process, which are read as usual). Set by the analysis (`--source DIR`; default: the current folder).
+# ran in this process, which are read as usual). Set by the analysis from `--source DIR` only (default: none —
+# a guessable line such as `DEBUG = False` is no proof that a file under the current folder is the one recorded).
 SOURCE_ROOTS: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("nanreplay_source_roots", default=())
 CONTEXT = 4  # lines shown above and below a line, for frames of code that ran here
 MAX_SOURCE_BYTES = 2_000_000
@@ -106,8 +107,8 @@ def _match_under(root: str, recorded: str, line: int, code: str) -> str | None:
     for k in range(min(len(parts), 8), 0, -1):  # the longest tail of the recorded path that exists here
         cand = os.path.join(root, *parts[-k:])
         real = os.path.realpath(cand)
-        if not real.startswith(root + os.sep):
-            continue
+        if not real.startswith(root + os.sep) or not real.endswith(".py"):
+            continue  # never through a link out of the folder, never to a file that is not Python source
         try:
             st = os.stat(real)
         except OSError:

@@ -16,7 +16,7 @@ import torch
 from nanreplay import stats
 from nanreplay import torch_internals as ti
 from nanreplay.enums import Kind
-from nanreplay.errors import NanReplayError, ReplayError, first_line
+from nanreplay.errors import NanReplayError, ReplayError, raised
 from nanreplay.replay.frames import frame_json
 from nanreplay.replay.recorder import Anomaly, Recorder, _CallMode, _OpMode, _storage_key, call_name
 from nanreplay.replay.records import Failure, Step
@@ -188,7 +188,7 @@ def _replay_error(stage: str, e: BaseException, rec: Recorder) -> str:
         where = f" (after {len(rec.ops)} ops; last in module {last.module or '<root>'!r}"
         fj = frame_json(last.frame)
         where += f", {fj['file']}:{fj['line']})" if fj else ")"
-    return f"the {stage} pass raised {type(e).__name__}: {first_line(e)}{where}"
+    return f"the {stage} pass raised {raised(e)}{where}"
 
 
 def _failure(rec: Recorder, loss: torch.Tensor | None, model: torch.nn.Module) -> Failure | None:

@@ -4,6 +4,8 @@ finite but implausible."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from samples import EXPECTED, SAMPLES, STATE_DICT_SAMPLE, names
@@ -44,7 +46,8 @@ def test_seed_format_sample_matches_the_native_one():
 
 
 def test_recorded_source_paths_resolve_to_this_checkout(tmp_path, monkeypatch):
-    """A snapshot records absolute paths of the machine that wrote it; analysis maps them to the local copy."""
+    """A snapshot records absolute paths of the machine that wrote it; analysis maps them to the local copy under
+    a folder named with --source (never by itself: a file under the current folder is not read unasked)."""
     import shutil
 
     from nanreplay.analysis import analyze
@@ -53,13 +56,15 @@ def test_recorded_source_paths_resolve_to_this_checkout(tmp_path, monkeypatch):
     shutil.copytree(SAMPLES, checkout / "sample_snapshots")
     monkeypatch.chdir(checkout)
     src = analyze("sample_snapshots/sqrt_zero.pt", verify=False).to_json()["culprit"]["source"]
+    assert src["path"] is None and src["file"].endswith("sample_snapshots/models.py") and os.path.isabs(src["file"])
+    src = analyze("sample_snapshots/sqrt_zero.pt", verify=False, source=["."]).to_json()["culprit"]["source"]
     assert src["file"] == "sample_snapshots/models.py" and src["recorded_path"].endswith("sample_snapshots/models.py")
     # the local file changed at that line: it is not the code that ran, so the recorded path stays
     models = checkout / "sample_snapshots" / "models.py"
     models.write_text(models.read_text().replace("d = ((a - p) ** 2).sum(-1).sqrt()", "d = (a - p).norm(dim=-1)"))
     import linecache
     linecache.checkcache()
-    src = analyze("sample_snapshots/sqrt_zero.pt", verify=False).to_json()["culprit"]["source"]
+    src = analyze("sample_snapshots/sqrt_zero.pt", verify=False, source=["."]).to_json()["culprit"]["source"]
     assert src["path"] is None and "recorded_path" not in src and src["file"].endswith("sample_snapshots/models.py")
     assert src["code"] == "d = ((a - p) ** 2).sum(-1).sqrt()"  # the line, and its context, come from the snapshot
     assert "d = ((a - p) ** 2).sum(-1).sqrt()" in [ln.strip() for ln in src["context"]["lines"]]

@@ -132,6 +132,7 @@ def test_the_table_of_contents_is_strict_json(folder, text, words):
 @pytest.mark.parametrize("change, words", [
     (lambda d: d.update(version=99), "newer than this nanreplay"),
     (lambda d: d.update(world_size="2"), "world_size must be an integer"),
+    (lambda d: d.update(grad_norm=10**400), "digits, not a number"),  # an OverflowError once
     (lambda d: d.update(nonfinite_ranks=[5]), "non-finite rank 5 of a world of 2"),
     (lambda d: d["tensors"]["model/inp.weight"]["chunks"][0].update(transforms=["zstd"]), "transforms"),
     (lambda d: d["tensors"]["model/inp.weight"].update(dtype="object"), "dtype must be one of"),
@@ -168,6 +169,17 @@ def test_a_program_with_a_forbidden_op_is_refused_for_its_rank(folder):
     assert a["culprit"]["rank"] == 1  # rank 1's own program still replays
     assert any("rank 0 was not replayed" in w and "from_file" in w for w in a["warnings"])
     (p / "rank1.program.json").write_text(json.dumps(prog))
+    with pytest.raises(SnapshotError, match="no rank's step can be replayed"):
+        analyze(p, verify=False)
+
+
+def test_a_plain_value_overload_in_a_rank_program_is_refused(folder):
+    """`remainder.int(5, 0)` would run for real in the dry run (SIGFPE): it is not on the allowlist, for any rank."""
+    p = folder("a")
+    for r in (0, 1):
+        prog = json.loads((p / f"rank{r}.program.json").read_text())
+        prog["nodes"].insert(0, {"op": "aten.remainder.int", "args": [5, 0], "out": 10**6, "meta": []})
+        (p / f"rank{r}.program.json").write_text(json.dumps(prog))
     with pytest.raises(SnapshotError, match="no rank's step can be replayed"):
         analyze(p, verify=False)
 

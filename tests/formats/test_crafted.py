@@ -22,10 +22,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
 from click.testing import CliRunner
 
-from nanreplay import NanGuard
+from crafting import LogNet, node_of, save, valid_snapshot, with_program
 from nanreplay.analysis import analyze
 from nanreplay.cli import main
 from nanreplay.errors import ModelError, SnapshotError, TrustError, UsageError
@@ -33,26 +32,10 @@ from nanreplay.errors import ModelError, SnapshotError, TrustError, UsageError
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class LogNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 3)
-
-    def forward(self, x):
-        return torch.log(torch.relu(self.fc(x))).mean()
-
-
 @pytest.fixture
 def valid(tmp_path) -> tuple[Path, dict]:
     """A real native snapshot (a log of zero) and its loaded dict, to mutate."""
-    torch.manual_seed(0)
-    model = LogNet()
-    guard = NanGuard(model, folder=tmp_path / "snaps")
-    x = -torch.ones(5, 4) * 10
-    guard.begin(x)
-    assert not guard.loss_ok(model(x))
-    path = Path(guard.last_snapshot)
-    return path, torch.load(path, weights_only=True)
+    return valid_snapshot(tmp_path)
 
 
 class Boom:
@@ -63,11 +46,6 @@ class Boom:
 
     def __reduce__(self):
         return (os.system, (f"touch {self.marker}",))
-
-
-def _save(d: dict, path: Path, **kw) -> Path:
-    torch.save(d, path, **kw)
-    return path
 
 
 def _cli(*args: str, cwd: Path | None = None):
@@ -109,7 +87,7 @@ def test_a_pickle_anywhere_never_runs(valid, tmp_path, where):
     else:
         d["extra"] = boom
         kw["_use_new_zipfile_serialization"] = False
-    p = _save(d, tmp_path / f"evil_{where}.pt", **kw)
+    p = save(d, tmp_path / f"evil_{where}.pt", **kw)
     with pytest.raises(TrustError, match="--trust"):
         analyze(p)
     _one_line(*_cli("analyze", str(p), "-o", str(tmp_path / "r.html")), "refusing", "--trust")
@@ -126,7 +104,7 @@ def test_version_1_export_archive_is_never_opened(tmp_path):
     d = {"format": "nanreplay.snapshot", "version": 1, "batch": {"inputs": torch.zeros(2, 4), "target": None},
          "model_state": model.state_dict(), "loss_spec": {"kind": "output"},
          "model": {"exported": torch.frombuffer(bytearray(payload), dtype=torch.uint8), "factory": "os:system"}}
-    p = _save(d, tmp_path / "v1.pt")
+    p = save(d, tmp_path / "v1.pt")
     for trust in (False, True):
         with pytest.raises(ModelError, match="re-capture"):
             analyze(p, trust=trust)
@@ -136,41 +114,30 @@ def test_version_1_export_archive_is_never_opened(tmp_path):
 # ---------------------------------------------------------------- step programs
 
 
-def _with_program(d: dict, edit) -> dict:
-    prog = json.loads(d["step_program"])
-    edit(prog)
-    d["step_program"] = json.dumps(prog)
-    return d
-
-
-def _node(prog: dict, op: str) -> dict:
-    return next(n for n in prog["nodes"] if n["op"] == op)
-
-
 CRAFTED = {
     "symbolic size": (lambda p: p["leaves"][0].__setitem__("shape", ["s0*2", 3]), "shape"),
-    "sympy expression": (lambda p: _node(p, "aten.addmm.default")["meta"][0].__setitem__(
+    "sympy expression": (lambda p: node_of(p, "aten.addmm.default")["meta"][0].__setitem__(
         0, "__import__('os').system('touch /tmp/x')"), "meta"),
     "from_file": (lambda p: p["nodes"].insert(0, {"op": "aten.from_file.default", "args": ["/etc/shadow", True, 100],
                                                   "out": 999, "meta": [[[100], "uint8"]]}), "allowlist"),
-    "set_ storage": (lambda p: _node(p, "aten.addmm.default").__setitem__("op", "aten.set_.source_Storage"),
+    "set_ storage": (lambda p: node_of(p, "aten.addmm.default").__setitem__("op", "aten.set_.source_Storage"),
                      "allowlist"),
-    "as_strided": (lambda p: _node(p, "aten.addmm.default").__setitem__("op", "aten.as_strided.default"),
+    "as_strided": (lambda p: node_of(p, "aten.addmm.default").__setitem__("op", "aten.as_strided.default"),
                    "allowlist"),
-    "_copy_from": (lambda p: _node(p, "aten.addmm.default").__setitem__("op", "aten._copy_from.default"),
+    "_copy_from": (lambda p: node_of(p, "aten.addmm.default").__setitem__("op", "aten._copy_from.default"),
                    "allowlist"),
-    "unknown op": (lambda p: _node(p, "aten.addmm.default").__setitem__("op", "aten.not_an_op.default"),
+    "unknown op": (lambda p: node_of(p, "aten.addmm.default").__setitem__("op", "aten.not_an_op.default"),
                    "allowlist"),
-    "custom op": (lambda p: _node(p, "aten.addmm.default").__setitem__("op", "mylib.evil.default"), "allowlist"),
-    "collective": (lambda p: _node(p, "aten.addmm.default").__setitem__("op", "_c10d_functional.all_reduce.default"),
+    "custom op": (lambda p: node_of(p, "aten.addmm.default").__setitem__("op", "mylib.evil.default"), "allowlist"),
+    "collective": (lambda p: node_of(p, "aten.addmm.default").__setitem__("op", "_c10d_functional.all_reduce.default"),
                    "allowlist"),
-    "string argument": (lambda p: _node(p, "aten.addmm.default")["args"].__setitem__(0, "/etc/passwd"),
+    "string argument": (lambda p: node_of(p, "aten.addmm.default")["args"].__setitem__(0, "/etc/passwd"),
                         "argument"),
-    "ref before use": (lambda p: _node(p, "aten.addmm.default")["args"].__setitem__(0, {"r": 10**6}),
+    "ref before use": (lambda p: node_of(p, "aten.addmm.default")["args"].__setitem__(0, {"r": 10**6}),
                        "before it is defined"),
-    "unknown node key": (lambda p: _node(p, "aten.addmm.default").__setitem__("exec", "print(1)"), "unknown keys"),
+    "unknown node key": (lambda p: node_of(p, "aten.addmm.default").__setitem__("exec", "print(1)"), "unknown keys"),
     "wrong schema": (lambda p: p.__setitem__("schema", "nanreplay.step/99"), "schema"),
-    "lying shape": (lambda p: _node(p, "aten.addmm.default")["meta"][0].__setitem__(0, [5, 300]), "declares shape"),
+    "lying shape": (lambda p: node_of(p, "aten.addmm.default")["meta"][0].__setitem__(0, [5, 300]), "declares shape"),
     "leaf shape": (lambda p: p["leaves"][0].__setitem__("shape", [4, 40]), "the program says"),
 }
 
@@ -179,7 +146,7 @@ CRAFTED = {
 def test_crafted_step_programs_are_refused(valid, tmp_path, name):
     _, d = valid
     edit, words = CRAFTED[name]
-    p = _save(_with_program(d, edit), tmp_path / "crafted.pt")
+    p = save(with_program(d, edit), tmp_path / "crafted.pt")
     with pytest.raises(SnapshotError, match=words):
         analyze(p)
     code, out, err = _cli("analyze", str(p), "-o", str(tmp_path / "r.html"))
@@ -191,7 +158,7 @@ def test_crafted_step_programs_are_refused(valid, tmp_path, name):
 def test_non_standard_json_is_refused(valid, tmp_path, text):
     _, d = valid
     d["step_program"] = text
-    p = _save(d, tmp_path / "json.pt")
+    p = save(d, tmp_path / "json.pt")
     with pytest.raises(SnapshotError, match="invalid step program"):
         analyze(p)
 
@@ -203,7 +170,7 @@ def test_a_graph_that_needs_more_memory_than_the_limit_is_refused_before_it_runs
         prog["nodes"].insert(0, {"op": "aten.zeros.default", "args": [[200_000, 200_000]],
                                  "kwargs": {"dtype": {"dtype": "float32"}}, "out": 10**6,
                                  "meta": [[[200_000, 200_000], "float32"]]})
-    p = _save(_with_program(d, huge), tmp_path / "huge.pt")
+    p = save(with_program(d, huge), tmp_path / "huge.pt")
     with pytest.raises(UsageError, match=r"needs about .* GiB .* more than --max-memory"):
         analyze(p, max_memory=2**30)
     # the honest step fits easily
@@ -222,7 +189,7 @@ def test_copy_into_a_parameter_writes_no_file(valid, tmp_path):
         prog["nodes"].insert(1, {"op": "aten.copy_.default", "args": [{"r": 10**6}, {"r": w["ref"]}],
                                  "out": 10**6 + 1, "meta": [[w["shape"], "float32"]]})
         assert first
-    p = _save(_with_program(d, copy_in), tmp_path / "copy.pt")
+    p = save(with_program(d, copy_in), tmp_path / "copy.pt")
     before = set(tmp_path.rglob("*"))
     analyze(p, verify=False)
     assert set(tmp_path.rglob("*")) == before
@@ -248,7 +215,7 @@ def test_frames_naming_local_files_disclose_nothing(valid, tmp_path):
                           {"file": str(work / "settings.py"), "line": 2, "function": "forward", "code": ""}]
         for i, n in enumerate(prog["nodes"]):
             n["frame"] = i % 3
-    p = _save(_with_program(d, frames), tmp_path / "frames.pt")
+    p = save(with_program(d, frames), tmp_path / "frames.pt")
     code, out, err = _cli("analyze", str(p), "-o", str(work / "r.html"), "--json", str(work / "r.json"), cwd=work)
     assert code == 0, err
     everything = out + err + (work / "r.html").read_text() + (work / "r.json").read_text()
@@ -313,7 +280,7 @@ def test_schema_errors_name_the_field(valid, tmp_path):
                                 ("autocast", {"dtype": "float99"}, "autocast.dtype must be one of")]:
         bad = dict(d)
         bad[field] = value
-        p = _save(bad, tmp_path / "f.pt")
+        p = save(bad, tmp_path / "f.pt")
         with pytest.raises(SnapshotError, match=words.replace("[", r"\[").replace("]", r"\]")):
             analyze(p)
 

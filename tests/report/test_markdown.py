@@ -122,7 +122,7 @@ def test_the_readme_shows_what_the_command_prints(monkeypatch):
     linecache.checkcache()  # ... and lines are cached by those (relative) paths
     readme = (ROOT / "README.md").read_text()
     shown = readme.split("````markdown\n", 1)[1].split("\n````", 1)[0]
-    actual = report.markdown_summary(analyze("sample_snapshots/sqrt_zero.pt")).rstrip("\n")
+    actual = report.markdown_summary(analyze("sample_snapshots/sqrt_zero.pt", source=["."])).rstrip("\n")
 
     def body(md: str) -> list[str]:
         return [ln for ln in md.splitlines() if not ln.startswith("*Environment*")]

@@ -84,7 +84,8 @@ class Page(HTMLParser):
 
 
 def _flags(name: str) -> dict:
-    return {}  # the samples are native snapshots: model and loss travel inside
+    # the samples are native snapshots: model and loss travel inside; --source names this checkout
+    return {"source": [str(ROOT)]}
 
 
 _analyses: dict[str, Analysis] = {}

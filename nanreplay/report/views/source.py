@@ -68,13 +68,13 @@ def highlight_python(line: str) -> list[Token]:
 
 def _context(text: dict[int, str] | None, line: int | None, extra: int | None = None) -> list[tuple[int, str]] | None:
     """The recorded line with SOURCE_CONTEXT lines around it (and `extra`, when it is near), from what was read."""
-    if not text or line is None:
+    if not text or line is None or line not in text:  # lines that do not hold the line are not its context
         return None
     lo = max(1, line - SOURCE_CONTEXT)
     hi = min(max(text), line + SOURCE_CONTEXT)
     if extra is not None and abs(extra - line) <= 2 * SOURCE_CONTEXT and extra in text:
         lo, hi = min(lo, extra), max(hi, extra)
-    return [(i, text[i].rstrip()) for i in range(lo, hi + 1)]
+    return [(i, text[i].rstrip()) for i in range(lo, hi + 1) if i in text]
 
 
 def _common_indent(lines: list[str]) -> int:

@@ -1,0 +1,219 @@
+"""The dry run of a step program: every node on the meta device, before anything is allocated.
+
+Each node's arguments pass the op's checks first (`formats/opchecks.py`: literals, and the values of index
+tensors the snapshot stores), then its meta kernel recomputes the output shapes, which must be the ones
+the file declares. The replay's peak memory is bounded as it goes, and the run stops at `max_memory`
+*before* a node whose declared outputs would pass it: what a node makes is counted before it is made,
+tensors as well as bytes (a step that unbinds a 10**7-row tensor is refused, not built). Ops whose output
+size depends on data (`nonzero`, `masked_select`, `unique`...) are counted at the most their inputs allow,
+not at what the file declares; the replay checks the rest (`repeat_interleave`) before the kernel runs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from nanreplay import torch_internals as ti
+from nanreplay.confine import progress
+from nanreplay.errors import LimitError, ReplayError, SnapshotError, kernel_message
+from nanreplay.formats import opchecks
+from nanreplay.formats.ops import check_values
+from nanreplay.formats.program import DTYPES, DeviceLiteral, Program, Ref
+from nanreplay.limits import format_size
+
+TENSOR_BYTES = 1024  # what one tensor object costs beyond its data (Python object, sizes, autograd metadata)
+
+
+def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]], *,
+            values: dict[int, torch.Tensor] | None = None, max_memory: int | None = None) -> int:
+    """Every node on the meta device: arguments checked, shapes checked against the file, the replay's peak
+    bytes bounded (returned). `values`: leaves whose values are known (the snapshot's stored index tensors).
+
+    The bound: the inputs, plus every non-view output of the forward kept alive for backward, twice
+    (backward's gradients of about the same sizes), plus one gradient per floating input, plus
+    `TENSOR_BYTES` per tensor made. Past `max_memory`, LimitError before the node that would pass it.
+    """
+    env: dict[int, torch.Tensor] = {}
+    known: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta leaf) -> (the meta leaf, its values)
+    inputs = 0
+    for ref, (shape, dtype) in leaf_meta.items():
+        env[ref] = torch.empty(shape, dtype=dtype, device="meta")
+        inputs += _nbytes(shape, dtype) * (2 if dtype.is_floating_point else 1) + TENSOR_BYTES
+        if values is not None and ref in values:
+            known[id(env[ref])] = (env[ref], values[ref])
+    made = 0
+    dead = program.dead_after()
+    for i, node in enumerate(program.nodes):
+        progress.at(progress.DRY_RUN, i, node.name)  # a crash in a meta kernel below is then named (confine/)
+        what = f"node {i} ({node.name})"
+        args = [_meta_arg(a, env) for a in node.args]
+        kwargs = with_output_size(node, {k: _meta_arg(v, env) for k, v in node.kwargs.items()})
+        try:
+            opchecks.check(node.op, node.name.split(".")[1], args, kwargs, lambda t: _known(known, t))
+        except opchecks.Refused as e:
+            raise SnapshotError(f"invalid step program: {what}: {e}") from None
+        refused = check_values(node.op, node.name, args, kwargs)  # formats/ops.py's value rules (CTC, weight norm)
+        if refused:
+            raise SnapshotError(f"invalid step program: {what}: {refused}")
+        view = ti.op_is_view(node.op)
+        declared = sum(_nbytes(s, DTYPES[d]) for s, d in node.meta)
+        upper = _data_dependent_bytes(node.name, args)
+        need = inputs + 2 * (made + (0 if view else max(declared, upper or 0))) + TENSOR_BYTES * len(node.meta)
+        if max_memory is not None and need > max_memory:
+            raise LimitError(f"replaying this step needs about {format_size(need)} by {what} (bounded from the "
+                             f"step program's shapes before it is built), more than --max-memory "
+                             f"{format_size(max_memory)}; raise the limit if this machine has the memory")
+        if _takes_device(node.op):  # a factory op without a device would allocate on the CPU for real
+            kwargs["device"] = torch.device("meta")
+            names = _arg_names(node.op)
+            if "device" in names and names.index("device") < len(args):
+                args[names.index("device")] = torch.device("meta")
+        out = None
+        if node.random is None and node.mask is None:
+            try:
+                with torch.no_grad():
+                    out = node.op(*args, **kwargs)
+            except (NotImplementedError, RuntimeError, TypeError, ValueError, IndexError) as e:
+                if upper is not None or _is_missing_meta(e):
+                    out = None  # no meta kernel: declared shapes (data-dependent ones counted at their most)
+                elif isinstance(e, RecursionError):  # a RuntimeError, but torch's own state, not the shapes
+                    raise ReplayError(f"the dry run of {what} hit a RecursionError inside torch: that says nothing "
+                                      "about the snapshot (a damaged torch install, or a nanreplay bug: please "
+                                      "report it)") from None
+                else:
+                    raise SnapshotError(f"invalid step program: {what} cannot run on the declared shapes: "
+                                        f"{kernel_message(e)}") from None
+        refs = node.out if isinstance(node.out, list) else [node.out]
+        outs = (list(out) if isinstance(out, (tuple, list)) else [out]) if out is not None else [None] * len(refs)
+        if isinstance(out, (tuple, list)) and isinstance(node.out, list) and len(outs) != len(refs):
+            raise SnapshotError(f"invalid step program: {what} makes {len(outs)} outputs, the file declares "
+                                f"{len(refs)}")
+        metas = iter(node.meta)
+        for k, (r, t) in enumerate(zip(refs, outs, strict=False)):
+            if r is None:
+                continue
+            shape, dname = next(metas)
+            dtype = DTYPES[dname]
+            nbytes = _nbytes(shape, dtype)
+            if isinstance(t, torch.Tensor) and list(t.shape) != shape:
+                if k == 0:
+                    raise SnapshotError(f"invalid step program: {what} declares shape {shape}, "
+                                        f"but the op makes {list(t.shape)}")
+                # meta kernels may disagree on auxiliary outputs (workspaces): count the larger
+                nbytes = max(nbytes, _nbytes(list(t.shape), t.dtype))
+                t = None
+            env[r] = t if isinstance(t, torch.Tensor) else torch.empty(shape, dtype=dtype, device="meta")
+            if not view:
+                made += nbytes
+            made += TENSOR_BYTES // 2  # x2 below
+        if upper is not None and not view:
+            made += max(0, upper - declared)
+        for r in dead[i]:
+            env.pop(r, None)
+    return inputs + 2 * made
+
+
+_REPEAT = {"aten.repeat_interleave.Tensor", "aten.repeat_interleave.self_Tensor"}
+
+
+def with_output_size(node, kwargs: dict) -> dict:
+    """`repeat_interleave` by a tensor of repeats: its output size is the declared one (`output_size`), so the
+    kernel allocates what the dry run bounded and checks the repeats add up to it (the replay does the same)."""
+    if node.name not in _REPEAT or kwargs.get("output_size") is not None or not node.meta:
+        return kwargs
+    shape = node.meta[0][0]
+    names = _arg_names(node.op)
+    dim = kwargs.get("dim", node.args[names.index("dim")] if "dim" in names and names.index("dim") < len(node.args)
+                     else None)
+    d = 0 if dim is None or not shape else dim % len(shape)
+    return {**kwargs, "output_size": shape[d] if shape else 0}
+
+
+def _known(known: dict, t: Any) -> torch.Tensor | None:
+    hit = known.get(id(t))
+    return hit[1] if hit is not None and hit[0] is t else None  # (an id is reused once its tensor is gone)
+
+
+# ---- ops whose output size depends on the data: their most, from the inputs' sizes
+
+
+def _numel(t: Any) -> int:
+    return t.numel() if isinstance(t, torch.Tensor) else 1
+
+
+def _elsize(t: Any) -> int:
+    return t.element_size() if isinstance(t, torch.Tensor) else 8
+
+
+def _nonzero(args: list) -> int:
+    x = args[0]
+    return _numel(x) * max(x.dim(), 1) * 8
+
+
+def _masked_select(args: list) -> int:
+    x, m = args[0], args[1]
+    try:
+        n = math.prod(torch.broadcast_shapes(tuple(x.shape), tuple(m.shape)))
+    except (RuntimeError, AttributeError):
+        n = max(_numel(x), _numel(m))
+    return n * _elsize(x)
+
+
+def _unique(args: list) -> int:
+    x = args[0]
+    return _numel(x) * (_elsize(x) + 16)  # values, inverse, counts
+
+
+def _index(args: list) -> int | None:
+    x, idx = args[0], args[1] if len(args) > 1 else []
+    if not any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in idx or []):
+        return None  # integer indices: the meta kernel knows the shape
+    others = math.prod(_numel(t) for t in idx if isinstance(t, torch.Tensor) and t.dtype not in (torch.bool, torch.uint8))
+    return _numel(x) * _elsize(x) * max(others, 1)
+
+
+_DATA_DEPENDENT = {"aten.nonzero.default": _nonzero, "aten.masked_select.default": _masked_select,
+                   "aten._unique2.default": _unique, "aten.unique_consecutive.default": _unique,
+                   "aten.index.Tensor": _index, "aten.index.Tensor_hacked_twin": _index}
+
+
+def _data_dependent_bytes(name: str, args: list) -> int | None:
+    fn = _DATA_DEPENDENT.get(name)
+    return fn(args) if fn is not None else None
+
+
+# ---- helpers
+
+
+def _arg_names(op) -> list[str]:
+    schema = ti.op_schema(op)
+    return [a.name for a in schema.arguments] if schema is not None else []
+
+
+def _takes_device(op) -> bool:
+    return "device" in _arg_names(op)
+
+
+def _nbytes(shape: list[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * (torch.finfo(dtype).bits // 8 if dtype.is_floating_point else
+                               (1 if dtype == torch.bool else torch.iinfo(dtype).bits // 8)
+                               if not dtype.is_complex else 16)
+
+
+def _meta_arg(v: Any, env: dict) -> Any:
+    if isinstance(v, Ref):
+        return env[v]
+    if isinstance(v, DeviceLiteral):
+        return torch.device("meta")
+    if isinstance(v, list):
+        return [_meta_arg(x, env) for x in v]
+    return v
+
+
+def _is_missing_meta(e: BaseException) -> bool:
+    msg = str(e)
+    return isinstance(e, NotImplementedError) or "meta" in msg.lower() and ("not implemented" in msg.lower()
+                                                                             or "could not run" in msg.lower())

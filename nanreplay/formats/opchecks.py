@@ -1,0 +1,407 @@
+"""Argument checks per allowlisted op, run before its kernel: the kernels of some ops trust their arguments.
+
+`decode()` proves every argument has the type the op's schema declares; it cannot know that an index
+addresses a heap array, that a hidden size sizes a buffer, or that an integer division traps. Reading
+the kernels of the allowlisted families found those that do not check (or check too late):
+
+* `embedding_dense_backward` with `scale_grad_by_freq` counts indices into an array of `num_weights`
+  without bounds (an out-of-bounds *write*); `_embedding_bag` reads `indices[offsets[i]]` before it checks
+  the offset (a negative one quotes heap memory in its error);
+* `mkldnn_rnn_layer` sizes its buffers from `hidden_size` and the weights' shapes without comparing them;
+* an integer `div(..., rounding_mode='trunc')` of INT_MIN by -1 traps (SIGFPE), as do zero divisors of the
+  scalar overloads; the CPU flash-attention kernel divides by a zero-length query or key dimension;
+* int-coded enums (`reduction`, `mode`, `interpolation_mode`, ...) index tables inside the kernel.
+
+`RULES` maps an op packet to its checks. A check receives a `Call`: the node's arguments by schema name
+(tensors as real tensors during a replay, as meta tensors during the dry run), and `value(t)`, the real
+tensor behind an argument where its values are known (always in a replay; in the dry run, for tensors
+stored in the snapshot). A check returns nothing or raises `Refused("why")`. The same table runs in the
+dry run (literals and the stored index tensors, before anything is allocated) and before each kernel of
+every replay (index tensors the step computed). Index tensors are small; their min/max costs little.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nanreplay import torch_internals as ti
+
+INT_MIN = {torch.int64: -(2**63), torch.int32: -(2**31), torch.int16: -(2**15), torch.int8: -(2**7)}
+MAX_LIST_OUTPUTS = 100_000  # tensors one op may return as a list (unbind, split)
+
+
+class Refused(Exception):
+    """An argument the op's kernel would trust, and that does not fit (the message says which)."""
+
+
+class Call:
+    """One node's call, its arguments by schema name (defaults filled in)."""
+
+    def __init__(self, op, args: list, kwargs: dict, known: Callable[[Any], torch.Tensor | None]):
+        schema = ti.op_schema(op)
+        self.name = str(op)
+        self.a: dict[str, Any] = {}
+        for i, p in enumerate(schema.arguments if schema is not None else ()):
+            if i < len(args) and not p.kwarg_only:
+                self.a[p.name] = args[i]
+            elif p.name in kwargs:
+                self.a[p.name] = kwargs[p.name]
+            elif p.has_default_value():
+                self.a[p.name] = p.default_value
+            else:
+                self.a[p.name] = None
+        self._known = known
+
+    def __getitem__(self, name: str) -> Any:
+        return self.a.get(name)
+
+    def value(self, t: Any) -> torch.Tensor | None:
+        """The tensor's values, where they are known (None for a meta tensor of the dry run)."""
+        if not isinstance(t, torch.Tensor):
+            return None
+        return self._known(t)
+
+
+Check = Callable[[Call], None]
+RULES: dict[str, list[Check]] = {}
+
+
+def rule(*packets: str) -> Callable[[Check], Check]:
+    """Register a check for these op packets (a packet not on the allowlist is a mistake here)."""
+    def deco(fn: Check) -> Check:
+        for p in packets:
+            RULES.setdefault(p, []).append(fn)
+        return fn
+    return deco
+
+
+def check(op, packet: str, args: list, kwargs: dict, known: Callable[[Any], torch.Tensor | None]) -> None:
+    """Run the packet's checks (Refused on the first that fails); a packet without checks costs a dict lookup."""
+    checks = RULES.get(packet)
+    if checks:
+        call = Call(op, args, kwargs, known)
+        for fn in checks:
+            fn(call)
+
+
+def real_values(t: Any) -> torch.Tensor | None:
+    """`known` for a replay: every tensor's values are there."""
+    return t if isinstance(t, torch.Tensor) and t.device.type != "meta" else None
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _shape(t: Any) -> tuple[int, ...]:
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else ()
+
+
+def _dim(call: Call, arg: str, t: Any) -> int:
+    """The dimension `arg` names in `t`, wrapped (Refused when out of range)."""
+    d = call[arg]
+    n = max(len(_shape(t)), 1)
+    if not isinstance(d, int) or not -n <= d < n:
+        raise Refused(f"{arg} is outside the {len(_shape(t))} dimensions of its tensor")
+    return d % n
+
+
+def _in_range(call: Call, t: Any, lo: int, hi: int, what: str) -> None:
+    """Every value of integer tensor `t` in [lo, hi) (where its values are known)."""
+    v = call.value(t)
+    if v is None or v.numel() == 0 or v.is_floating_point() or v.is_complex():
+        return
+    if v.dtype == torch.bool:
+        return
+    mn, mx = int(v.min()), int(v.max())
+    if mn < lo or mx >= hi:
+        raise Refused(f"{what} holds values outside [{lo}, {hi})")
+
+
+def _size(t: Any, d: int) -> int:
+    s = _shape(t)
+    return s[d] if s else 1
+
+
+def _ints(v: Any) -> list:
+    return v if isinstance(v, list) else [v]
+
+
+# ------------------------------------------------------------------ int-coded enums
+
+
+_ENUMS: dict[tuple[str, str], frozenset] = {
+    ("_embedding_bag", "mode"): frozenset({0, 1, 2}), ("embedding_bag", "mode"): frozenset({0, 1, 2}),
+    ("grid_sampler_2d", "interpolation_mode"): frozenset({0, 1, 2}),
+    ("grid_sampler_2d", "padding_mode"): frozenset({0, 1, 2}),
+    ("_cdist_forward", "compute_mode"): frozenset({None, 0, 1, 2}), ("cdist", "compute_mode"): frozenset({None, 0, 1, 2}),
+    ("mkldnn_rnn_layer", "mode"): frozenset({0, 1, 2, 3}),
+}
+REDUCTION_PACKETS = ("binary_cross_entropy", "binary_cross_entropy_with_logits", "huber_loss", "kl_div", "mse_loss",
+                     "multi_margin_loss", "multilabel_margin_loss_forward", "nll_loss", "nll_loss2d_forward",
+                     "nll_loss_forward", "nll_loss_nd", "smooth_l1_loss", "soft_margin_loss")
+for _p in REDUCTION_PACKETS:
+    _ENUMS[(_p, "reduction")] = frozenset({0, 1, 2})
+
+
+def _enum_check(packet: str, arg: str, allowed: frozenset) -> Check:
+    def fn(call: Call) -> None:
+        if arg in call.a and call[arg] not in allowed:
+            raise Refused(f"{arg} is not one of the codes the op knows ({', '.join(map(str, sorted(allowed, key=str)))})")
+    return fn
+
+
+for (_p, _arg), _allowed in _ENUMS.items():
+    rule(_p)(_enum_check(_p, _arg, _allowed))
+
+
+# ------------------------------------------------------------------ embeddings
+
+
+@rule("embedding")
+def _embedding(call: Call) -> None:
+    w, idx = call["weight"], call["indices"]
+    n = _size(w, 0)
+    pad = call["padding_idx"]
+    if isinstance(pad, int) and pad != -1 and not -n <= pad < n:
+        raise Refused(f"padding_idx is outside the {n} rows of the weight")
+    _in_range(call, idx, 0, n, "indices")
+
+
+@rule("embedding_dense_backward")
+def _embedding_dense_backward(call: Call) -> None:
+    g, idx, n = call["grad_output"], call["indices"], call["num_weights"]
+    if not isinstance(n, int) or not 0 <= n < 2**31:
+        raise Refused("num_weights is not a row count")
+    pad = call["padding_idx"]
+    if not isinstance(pad, int) or not -1 <= pad < max(n, 1):
+        raise Refused(f"padding_idx is outside the {n} rows")
+    gs, ishape = _shape(g), _shape(idx)
+    if not gs or math.prod(gs[:-1]) != math.prod(ishape):
+        raise Refused("grad_output does not hold one row per index")
+    _in_range(call, idx, 0, n, "indices")
+
+
+@rule("_embedding_bag", "embedding_bag")
+def _embedding_bag(call: Call) -> None:
+    w, idx, off = call["weight"], call["indices"], call["offsets"]
+    n = _size(w, 0)
+    if len(_shape(w)) != 2:
+        raise Refused("the weight must be a matrix")
+    ishape, oshape = _shape(idx), _shape(off)
+    if len(ishape) != 1 or len(oshape) != 1:
+        raise Refused("indices and offsets must be vectors")
+    pad = call["padding_idx"]
+    if isinstance(pad, int) and pad != -1 and not -n <= pad < n:
+        raise Refused(f"padding_idx is outside the {n} rows of the weight")
+    psw = call["per_sample_weights"]
+    if isinstance(psw, torch.Tensor) and _shape(psw) != ishape:
+        raise Refused("per_sample_weights must hold one weight per index")
+    _in_range(call, idx, 0, n, "indices")
+    _in_range(call, off, 0, ishape[0] + 1, "offsets")
+    v = call.value(off)
+    if v is not None and v.numel() > 1 and not bool((v[1:] >= v[:-1]).all()):
+        raise Refused("offsets must not decrease")
+    if v is not None and v.numel() and int(v[0]) != 0:
+        raise Refused("offsets must start at 0")
+
+
+# ------------------------------------------------------------------ gather / scatter / index
+
+
+@rule("gather", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce")
+def _gather_scatter(call: Call) -> None:
+    x, idx = call["self"], call["index"]
+    n = _size(x, _dim(call, "dim", x))
+    _in_range(call, idx, 0, n, "index")
+
+
+@rule("index_select", "index_add", "index_add_", "index_copy", "index_fill", "index_fill_", "index_reduce")
+def _index_dim(call: Call) -> None:
+    x, idx = call["self"], call["index"]
+    d = _dim(call, "dim", x)
+    n = _size(x, d)
+    _in_range(call, idx, -n, n, "index")
+    src = call["source"]
+    if isinstance(src, torch.Tensor) and isinstance(idx, torch.Tensor) and src.dim() > 0 and _shape(x):
+        if src.dim() != len(_shape(x)) or _size(src, d) != idx.numel():
+            raise Refused("source must have one slice per index")
+
+
+@rule("take")
+def _take(call: Call) -> None:
+    n = math.prod(_shape(call["self"]))
+    _in_range(call, call["index"], -n, n, "index")
+
+
+@rule("index", "index_put", "index_put_")
+def _index(call: Call) -> None:
+    x = call["self"]
+    shape = _shape(x)
+    idxs = call["indices"] or []
+    if len(idxs) > len(shape):
+        raise Refused("more indices than dimensions")
+    d = 0
+    for t in idxs:
+        if isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8):
+            k = max(t.dim(), 1)
+            if tuple(t.shape) != shape[d:d + t.dim()]:
+                raise Refused("a mask index must match the shape it indexes")
+            d += k
+            continue
+        if isinstance(t, torch.Tensor):
+            n = shape[d] if d < len(shape) else 1
+            _in_range(call, t, -n, n, "an index")
+        d += 1
+
+
+# ------------------------------------------------------------------ splits and lists of outputs
+
+
+@rule("split_with_sizes", "unsafe_split_with_sizes", "split", "unsafe_split")
+def _split_sizes(call: Call) -> None:
+    x = call["self"]
+    sizes = call["split_sizes"] if "split_sizes" in call.a else call["split_size"]
+    d = _dim(call, "dim", x)
+    n = _size(x, d)
+    if isinstance(sizes, list):
+        if any(not isinstance(s, int) or s < 0 for s in sizes) or sum(sizes) != n:
+            raise Refused(f"split sizes must be non-negative and add up to {n}")
+        count = len(sizes)
+    else:
+        if not isinstance(sizes, int) or sizes < 0 or (sizes == 0 and n > 0):
+            raise Refused(f"the split size cannot split {n}")
+        count = max(1, -(-n // sizes)) if sizes else 1
+    if count > MAX_LIST_OUTPUTS:
+        raise Refused(f"it would make {count} tensors (at most {MAX_LIST_OUTPUTS})")
+
+
+@rule("unbind")
+def _unbind(call: Call) -> None:
+    x = call["self"]
+    if not _shape(x):
+        raise Refused("cannot unbind a 0-d tensor")
+    n = _size(x, _dim(call, "dim", x))
+    if n > MAX_LIST_OUTPUTS:
+        raise Refused(f"it would make {n} tensors (at most {MAX_LIST_OUTPUTS})")
+
+
+# ------------------------------------------------------------------ recurrent layers
+
+
+_GATES = {0: 1, 1: 1, 2: 4, 3: 3}  # RNN_RELU, RNN_TANH, LSTM, GRU
+
+
+@rule("mkldnn_rnn_layer")
+def _mkldnn_rnn_layer(call: Call) -> None:
+    x, h = call["input"], call["hidden_size"]
+    gates = _GATES.get(call["mode"])
+    if gates is None or not isinstance(h, int) or h <= 0:
+        raise Refused("mode and hidden_size must describe a recurrent layer")
+    xs = _shape(x)
+    if len(xs) != 3 or 0 in xs:
+        raise Refused("input must be a non-empty (sequence, batch, features) tensor")
+    batch = xs[0] if call["batch_first"] else xs[1]
+    want = {"weight0": (gates * h, xs[2]), "weight1": (gates * h, h)}
+    if call["has_biases"]:
+        want |= {"weight2": (gates * h,), "weight3": (gates * h,)}
+    for name, shape in want.items():
+        if _shape(call[name]) != shape:
+            raise Refused(f"{name} is {list(_shape(call[name]))}, which does not fit hidden_size")
+    for name in ("hx_", "cx_"):
+        s = _shape(call[name])
+        if s[-1:] != (h,) or math.prod(s) != batch * h:
+            raise Refused(f"{name} is {list(s)}, which does not fit the batch and hidden_size")
+    if call["batch_sizes"]:
+        raise Refused("packed sequences (batch_sizes) are not replayed")
+
+
+# ------------------------------------------------------------------ integer division
+
+
+_INT_DIVISION = ("div", "div_", "floor_divide", "remainder", "fmod")
+
+
+@rule(*_INT_DIVISION)
+def _integer_division(call: Call) -> None:
+    """An integer quotient or remainder: no zero divisor, and no INT_MIN / -1 (it traps)."""
+    if call.name.startswith(("aten.div.", "aten.div_.")) and call["rounding_mode"] is None:
+        return  # true division: the result is floating point
+    a, b = call["self"], call["other"]
+    dt = _result_dtype(a, b)
+    if dt is None or dt.is_floating_point or dt.is_complex or dt == torch.bool:
+        return
+    av = call.value(a) if isinstance(a, torch.Tensor) else a
+    bv = call.value(b) if isinstance(b, torch.Tensor) else b
+    if bv is not None and _any(bv, 0):
+        raise Refused("an integer division by zero")
+    lo = INT_MIN.get(dt)
+    if lo is None or av is None or bv is None or not _any(bv, -1):
+        return
+    if isinstance(av, torch.Tensor) and isinstance(bv, torch.Tensor):
+        try:
+            bad = bool(((av == lo) & (bv == -1)).any())
+        except RuntimeError:
+            return  # shapes that do not broadcast: the kernel says so itself
+    else:
+        bad = _any(av, lo)
+    if bad:
+        raise Refused("an integer division of the smallest integer by -1")
+
+
+def _any(v: Any, x: int) -> bool:
+    if isinstance(v, torch.Tensor):
+        return bool((v == x).any())
+    return v == x
+
+
+def _result_dtype(a: Any, b: Any) -> torch.dtype | None:
+    """The dtype the op computes in; two plain numbers (which a Tensor argument may be) wrap as 0-d tensors."""
+    try:
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return torch.result_type(a, b)
+        return torch.result_type(torch.tensor(a), torch.tensor(b))
+    except (RuntimeError, TypeError, OverflowError):
+        return None
+
+
+# ------------------------------------------------------------------ fused attention
+
+
+@rule("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+      "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+def _fused_attention(call: Call) -> None:
+    q, k, v = call["query"], call["key"], call["value"]
+    qs, ks, vs = _shape(q), _shape(k), _shape(v)
+    if not (len(qs) == len(ks) == len(vs) == 4):
+        raise Refused("query, key and value must be 4-d (batch, heads, length, features)")
+    if 0 in qs or 0 in ks or 0 in vs:
+        raise Refused("a fused attention kernel given a zero-length dimension")
+    if qs[0] != ks[0] or ks[:3] != vs[:3] or qs[3] != ks[3] or qs[1] % ks[1]:
+        raise Refused("query, key and value shapes do not fit together")
+    mask = call["attn_mask"] if "attn_mask" in call.a else call["attn_bias"]
+    if isinstance(mask, torch.Tensor):
+        full = (qs[0], qs[1], qs[2], ks[2])
+        ms = _shape(mask)
+        if len(ms) > 4 or any(m not in (1, f) for m, f in zip(reversed(ms), reversed(full), strict=False)):
+            raise Refused("the attention mask does not broadcast to (batch, heads, queries, keys)")
+
+
+# ------------------------------------------------------------------ normalisation with sizes as literals
+
+
+@rule("native_group_norm")
+def _group_norm(call: Call) -> None:
+    x, n, c, hw, g = call["input"], call["N"], call["C"], call["HxW"], call["group"]
+    xs = _shape(x)
+    if not all(isinstance(v, int) and v >= 0 for v in (n, c, hw)) or not isinstance(g, int) or g <= 0:
+        raise Refused("N, C, HxW and group must be sizes")
+    if len(xs) < 2 or xs[0] != n or xs[1] != c or math.prod(xs) != n * c * hw or c % g:
+        raise Refused(f"N, C, HxW and group do not describe the input {list(xs)}")
+    for name in ("weight", "bias"):
+        t = call[name]
+        if isinstance(t, torch.Tensor) and _shape(t) != (c,):
+            raise Refused(f"{name} must hold {c} values")

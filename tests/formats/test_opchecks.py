@@ -1,0 +1,188 @@
+"""The per-op argument table (formats/opchecks.py), case by case: for every packet it holds a call the op's
+kernel accepts, which passes, and one it would trust and must not see, which is refused. A packet added to
+the table without cases here fails `test_every_packet_of_the_table_has_cases`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanreplay.formats import opchecks
+from nanreplay.formats.ops import ALLOWED_OPS
+
+BIG = 2**40
+I64_MIN = -(2**63)
+
+
+def t(*v, dtype=torch.int64):
+    return torch.tensor(list(v), dtype=dtype)
+
+
+W = torch.randn(10, 4)
+X34 = torch.randn(3, 4)
+Q = torch.randn(1, 2, 4, 8)
+
+
+def _rnn(hidden: int, w0: int = 32) -> dict:
+    return dict(input=torch.randn(5, 2, 4), weight0=torch.randn(w0, 4), weight1=torch.randn(32, 8),
+                weight2=torch.randn(32), weight3=torch.randn(32), hx_=torch.zeros(2, 8), cx_=torch.zeros(2, 8),
+                reverse=False, batch_sizes=[], mode=2, hidden_size=hidden, num_layers=1, has_biases=True,
+                bidirectional=False, batch_first=False, train=True)
+
+
+def _bag(**kw) -> dict:
+    return dict(weight=W, indices=t(1, 2, 3), offsets=t(0, 1)) | kw
+
+
+# packet -> [(overload, accepted kwargs, refused kwargs), ...]
+CASES: dict[str, list[tuple[str, dict, dict]]] = {
+    "embedding": [("default", dict(weight=W, indices=t(1, 9)), dict(weight=W, indices=t(1, BIG))),
+                  ("default", dict(weight=W, indices=t(1), padding_idx=3), dict(weight=W, indices=t(1), padding_idx=BIG))],
+    "embedding_dense_backward": [
+        ("default", dict(grad_output=torch.ones(3, 4), indices=t(2, 0, 1), num_weights=10, padding_idx=-1,
+                         scale_grad_by_freq=True),
+         dict(grad_output=torch.ones(3, 4), indices=t(BIG, 0, 1), num_weights=10, padding_idx=-1,
+              scale_grad_by_freq=True)),
+        ("default", dict(grad_output=torch.ones(3, 4), indices=t(2, 0, 1), num_weights=10, padding_idx=-1,
+                         scale_grad_by_freq=True),
+         dict(grad_output=torch.ones(3, 4), indices=t(-5, 0, 1), num_weights=10, padding_idx=-1,
+              scale_grad_by_freq=True)),
+        ("default", dict(grad_output=torch.ones(3, 4), indices=t(2, 0, 1), num_weights=10, padding_idx=-1,
+                         scale_grad_by_freq=False),
+         dict(grad_output=torch.ones(2, 4), indices=t(2, 0, 1), num_weights=10, padding_idx=-1,
+              scale_grad_by_freq=False))],
+    "_embedding_bag": [("default", _bag(), _bag(offsets=t(0, -4099))), ("default", _bag(), _bag(offsets=t(2, 0))),
+                       ("default", _bag(), _bag(indices=t(1, BIG, 3))), ("default", _bag(), _bag(mode=200)),
+                       ("default", _bag(), _bag(offsets=t(0, 4099)))],
+    "embedding_bag": [("default", _bag(), _bag(offsets=t(1, 2)))],
+    "gather": [("default", dict(self=X34, dim=1, index=t(0, 3).view(1, 2)), dict(self=X34, dim=1, index=t(0, BIG).view(1, 2))),
+               ("default", dict(self=X34, dim=1, index=t(0).view(1, 1)), dict(self=X34, dim=5, index=t(0).view(1, 1)))],
+    "scatter": [("value", dict(self=X34, dim=1, index=t(3).view(1, 1), value=1.0),
+                 dict(self=X34, dim=1, index=t(BIG).view(1, 1), value=1.0))],
+    "scatter_": [("value", dict(self=X34, dim=1, index=t(3).view(1, 1), value=1.0),
+                  dict(self=X34, dim=1, index=t(-1).view(1, 1), value=1.0))],
+    "scatter_add": [("default", dict(self=X34, dim=1, index=t(3).view(1, 1), src=torch.ones(1, 1)),
+                     dict(self=X34, dim=1, index=t(BIG).view(1, 1), src=torch.ones(1, 1)))],
+    "scatter_add_": [("default", dict(self=X34, dim=0, index=t(2).view(1, 1), src=torch.ones(1, 1)),
+                      dict(self=X34, dim=0, index=t(3).view(1, 1), src=torch.ones(1, 1)))],
+    "scatter_reduce": [("two", dict(self=X34, dim=1, index=t(3).view(1, 1), src=torch.ones(1, 1), reduce="amax"),
+                        dict(self=X34, dim=1, index=t(BIG).view(1, 1), src=torch.ones(1, 1), reduce="amax"))],
+    "index_select": [("default", dict(self=X34, dim=0, index=t(2, -3)), dict(self=X34, dim=0, index=t(BIG)))],
+    "index_add": [("default", dict(self=X34, dim=0, index=t(2), source=torch.ones(1, 4)),
+                   dict(self=X34, dim=0, index=t(BIG), source=torch.ones(1, 4)))],
+    "index_add_": [("default", dict(self=X34, dim=0, index=t(2), source=torch.ones(1, 4)),
+                    dict(self=X34, dim=0, index=t(2, 1), source=torch.ones(1, 4)))],
+    "index_copy": [("default", dict(self=X34, dim=0, index=t(2), source=torch.ones(1, 4)),
+                    dict(self=X34, dim=0, index=t(BIG), source=torch.ones(1, 4)))],
+    "index_fill": [("int_Scalar", dict(self=X34, dim=0, index=t(2), value=1.0), dict(self=X34, dim=0, index=t(BIG), value=1.0))],
+    "index_fill_": [("int_Scalar", dict(self=X34, dim=1, index=t(3), value=1.0), dict(self=X34, dim=1, index=t(4), value=1.0))],
+    "index_reduce": [("default", dict(self=X34, dim=0, index=t(2), source=torch.ones(1, 4), reduce="amax"),
+                      dict(self=X34, dim=0, index=t(BIG), source=torch.ones(1, 4), reduce="amax"))],
+    "take": [("default", dict(self=X34, index=t(11, -12)), dict(self=X34, index=t(BIG)))],
+    "index": [("Tensor", dict(self=X34, indices=[t(2), None]), dict(self=X34, indices=[t(BIG)])),
+              ("Tensor", dict(self=X34, indices=[torch.ones(3, 4, dtype=torch.bool)]),
+               dict(self=X34, indices=[torch.ones(3, 5, dtype=torch.bool)]))],
+    "index_put": [("default", dict(self=X34, indices=[t(2)], values=torch.ones(4)),
+                   dict(self=X34, indices=[t(BIG)], values=torch.ones(4)))],
+    "index_put_": [("default", dict(self=X34, indices=[None, t(3)], values=torch.ones(3)),
+                    dict(self=X34, indices=[None, t(4)], values=torch.ones(3)))],
+    "split_with_sizes": [("default", dict(self=torch.randn(3), split_sizes=[1, 2]),
+                          dict(self=torch.randn(3), split_sizes=[5, -2]))],
+    "unsafe_split_with_sizes": [("default", dict(self=torch.randn(3), split_sizes=[3, 0]),
+                                 dict(self=torch.randn(3), split_sizes=[1, 1]))],
+    "split": [("Tensor", dict(self=torch.randn(3), split_size=2), dict(self=torch.randn(3), split_size=0)),
+              ("Tensor", dict(self=torch.randn(3), split_size=2), dict(self=torch.randn(3), split_size=1, dim=3))],
+    "unsafe_split": [("Tensor", dict(self=torch.randn(3), split_size=2), dict(self=torch.randn(3), split_size=-1))],
+    "unbind": [("int", dict(self=torch.randn(3, 2)), dict(self=torch.randn(1).expand(10**7, 1)))],
+    "mkldnn_rnn_layer": [("default", _rnn(8), _rnn(1000)), ("default", _rnn(8), _rnn(8, w0=16))],
+    "div": [("Tensor_mode", dict(self=t(I64_MIN), other=t(-2), rounding_mode="trunc"),
+             dict(self=t(I64_MIN), other=t(-1), rounding_mode="trunc")),
+            ("Scalar_mode", dict(self=t(-(2**31), dtype=torch.int32), other=-2,
+                                 rounding_mode="floor"),
+             dict(self=t(-(2**31), dtype=torch.int32), other=-1, rounding_mode="trunc")),
+            ("Tensor_mode", dict(self=t(I64_MIN), other=t(-1.0, dtype=torch.float32), rounding_mode="trunc"),
+             dict(self=t(3), other=t(0), rounding_mode="trunc")),
+            ("Tensor_mode", dict(self=t(3), other=t(0)), dict(self=t(3), other=t(0), rounding_mode="floor"))],
+    "div_": [("Scalar_mode", dict(self=t(7), other=2, rounding_mode="trunc"), dict(self=t(7), other=0, rounding_mode="trunc"))],
+    "floor_divide": [("Scalar", dict(self=t(7), other=2), dict(self=t(7), other=0))],
+    "remainder": [("Tensor", dict(self=t(7, I64_MIN), other=t(2, 3)), dict(self=t(7, I64_MIN), other=t(2, -1))),
+                  ("Scalar_Tensor", dict(self=5, other=t(2)), dict(self=5, other=t(0)))],
+    "fmod": [("Tensor", dict(self=t(7), other=t(2)), dict(self=t(7), other=t(0)))],
+    "_scaled_dot_product_flash_attention_for_cpu": [
+        ("default", dict(query=Q, key=Q, value=Q), dict(query=Q, key=torch.randn(1, 2, 0, 8), value=torch.randn(1, 2, 0, 8))),
+        ("default", dict(query=Q, key=Q, value=Q), dict(query=torch.randn(1, 2, 0, 8), key=Q, value=Q)),
+        ("default", dict(query=Q, key=Q, value=Q), dict(query=Q, key=Q, value=torch.randn(1, 2, 5, 8))),
+        ("default", dict(query=Q, key=Q, value=Q, attn_mask=torch.zeros(1, 1, 4, 4)),
+         dict(query=Q, key=Q, value=Q, attn_mask=torch.zeros(1, 1, 3, 4)))],
+    "_scaled_dot_product_flash_attention": [("default", dict(query=Q, key=Q, value=Q),
+                                             dict(query=Q, key=torch.randn(1, 2, 0, 8), value=torch.randn(1, 2, 0, 8)))],
+    "_scaled_dot_product_efficient_attention": [
+        ("default", dict(query=Q, key=Q, value=Q, attn_bias=None, compute_log_sumexp=False),
+         dict(query=Q, key=Q, value=Q, attn_bias=torch.zeros(2, 1, 1, 1), compute_log_sumexp=False))],
+    "_scaled_dot_product_cudnn_attention": [("default", dict(query=Q, key=Q, value=Q),
+                                             dict(query=Q[..., :0], key=Q, value=Q))],
+    "native_group_norm": [
+        ("default", dict(input=torch.randn(2, 4, 3), N=2, C=4, HxW=3, group=2, eps=1e-5),
+         dict(input=torch.randn(2, 4, 3), N=200, C=4, HxW=3, group=2, eps=1e-5)),
+        ("default", dict(input=torch.randn(2, 4, 3), N=2, C=4, HxW=3, group=2, eps=1e-5),
+         dict(input=torch.randn(2, 4, 3), N=2, C=4, HxW=3, group=0, eps=1e-5))],
+    "grid_sampler_2d": [("default", dict(interpolation_mode=1, padding_mode=2), dict(interpolation_mode=200, padding_mode=0)),
+                        ("default", dict(interpolation_mode=0, padding_mode=0), dict(interpolation_mode=0, padding_mode=-1))],
+    "_cdist_forward": [("default", dict(compute_mode=None), dict(compute_mode=200))],
+    "cdist": [("default", dict(compute_mode=2), dict(compute_mode=3))],
+}
+# every loss whose `reduction` is an int code: the same pair
+for _p in opchecks.REDUCTION_PACKETS:
+    CASES[_p] = [(next(o for o in getattr(torch.ops.aten, _p).overloads() if "out" not in o),
+                  dict(reduction=1), dict(reduction=200))]
+
+
+def _flat():
+    for packet, cases in CASES.items():
+        for k, (ov, good, bad) in enumerate(cases):
+            yield pytest.param(packet, ov, good, bad, id=f"{packet}.{ov}-{k}")
+
+
+def _check(packet: str, ov: str, kwargs: dict) -> None:
+    op = getattr(getattr(torch.ops.aten, packet), ov)
+    opchecks.check(op, packet, [], kwargs, opchecks.real_values)
+
+
+def test_every_packet_of_the_table_has_cases():
+    assert set(opchecks.RULES) <= set(CASES), sorted(set(opchecks.RULES) - set(CASES))
+    for packet in opchecks.RULES:
+        assert any(f"aten.{packet}." in n for n in ALLOWED_OPS), f"{packet} is in the table but not allowed"
+
+
+@pytest.mark.parametrize(("packet", "ov", "good", "bad"), list(_flat()))
+def test_the_table_refuses_what_the_kernel_would_trust(packet, ov, good, bad):
+    _check(packet, ov, good)  # what an honest step records passes
+    with pytest.raises(opchecks.Refused) as e:
+        _check(packet, ov, bad)
+    assert "\n" not in str(e.value) and not any(str(v) in str(e.value) for v in (BIG, I64_MIN, 4099))
+
+
+def test_in_the_dry_run_values_are_checked_only_where_they_are_stored():
+    """On the meta device an index tensor's values are unknown: its literals are still checked, its values
+    are left to the replay (which has them)."""
+    meta = t(BIG).to("meta")
+    op = torch.ops.aten.embedding.default
+    opchecks.check(op, "embedding", [W.to("meta"), meta], {}, lambda x: None)  # nothing known: nothing refused
+    with pytest.raises(opchecks.Refused):
+        opchecks.check(op, "embedding", [W.to("meta"), meta], {}, lambda x: t(BIG) if x is meta else None)
+    with pytest.raises(opchecks.Refused):
+        opchecks.check(op, "embedding", [W.to("meta"), meta, BIG], {}, lambda x: None)  # padding_idx: a literal
+
+
+def test_no_allowed_overload_computes_on_plain_values():
+    """`remainder.int`, `gcd.int`, `add.Scalar`...: the dry run would run them for real on ints the file chose
+    (remainder by zero is SIGFPE). Every allowed overload returns tensors."""
+    for name in ALLOWED_OPS:
+        _, packet, ov = name.split(".")
+        schema = getattr(getattr(torch.ops.aten, packet), ov)._schema
+        returns = [str(r.type) for r in schema.returns]
+        assert any("Tensor" in r for r in returns), name
+        assert all("Tensor" in r or r in ("int", "SymInt") for r in returns), name
+    for name in ("aten.remainder.int", "aten.gcd.int", "aten.add.int", "aten.div.float", "aten.to.prim_dtype",
+                 "aten.floor.Scalar", "aten.sort.int"):
+        assert name not in ALLOWED_OPS, name
