@@ -64,6 +64,7 @@ HEADS = (  # (head, mapping, family of the head)
     ("image_cls", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "vision"),
     ("ctc", "MODEL_FOR_CTC_MAPPING_NAMES", "audio"),
     ("audio_cls", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES", "audio"),
+    ("speech_seq2seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "audio"),
 )
 STATE_SPACE = ("mamba", "rwkv", "rrwkv", "zamba", "bamba", "jamba", "falcon_h1", "granitemoehybrid", "lfm2", "xlstm",
                "recurrent_gemma", "nemotron_h", "qwen3_next", "minimax", "plamo2")
@@ -92,7 +93,7 @@ SCALARS = {
     "mamba_d_state": 8, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_expand": 2,
     "num_buckets": 32, "max_relative_positions": 32, "position_buckets": 32, "relative_attention_num_buckets": 8,
     "sliding_window": 16, "attention_window": 4, "rotary_dim": 4, "num_groups": 4, "width_coefficient": 0.25,
-    "hidden_dim_size": 32,
+    "hidden_dim_size": 32, "max_source_positions": 16, "max_target_positions": 64, "num_mel_bins": 16,
 }
 SCALE_LISTS = {  # list attributes: (value for stage i)
     "hidden_sizes": lambda i, v: 8 * 2 ** i, "depths": lambda i, v: 1, "embed_dims": lambda i, v: 8 * 2 ** i,
@@ -189,6 +190,10 @@ def _hf_batch(head: str, cfg, gen_seed: int, step: int):
         ch = getattr(cfg, "num_channels", 3)
         return {"pixel_values": torch.randn(B, ch, size, size, generator=g),
                 "labels": torch.randint(0, cfg.num_labels, (B,), generator=g)}
+    if head == "speech_seq2seq":  # whisper-style log-mel features: (batch, mel bins, 2 x encoder positions)
+        frames = 2 * int(getattr(cfg, "max_source_positions", 16))
+        return {"input_features": torch.randn(B, cfg.num_mel_bins, frames, generator=g),
+                "labels": torch.randint(lo, vocab, (B, T), generator=g)}
     n = 4000  # samples of a waveform: a dozen frames after the feature extractor
     x = {"input_values": torch.randn(B, n, generator=g)}
     if head == "ctc":
@@ -229,7 +234,7 @@ def _hf_make(model_type: str, cls_name: str, head: str) -> Callable[[], Built]:
         attention = [name for name, m in model.named_modules()
                      if type(m).__name__.endswith(("Attention", "SelfAttention", "Attention2")) and name]
         return Built(model, lambda step: (_hf_batch(head, cfg, 0, step), None), None, attention,
-                     image=head in ("image_cls", "ctc", "audio_cls"))
+                     image=head in ("image_cls", "ctc", "audio_cls", "speech_seq2seq"))
     return make
 
 
