@@ -56,15 +56,16 @@ class Skipped(Exception):
 
 # ---------------------------------------------------------------- transformers
 
-HEADS = (  # (head, mapping, family of the head)
+HEADS = (  # (head, mapping, family of the head); a model type trains with its first head here (audio first:
+    # whisper also has a causal-LM head, but it is a speech model)
+    ("ctc", "MODEL_FOR_CTC_MAPPING_NAMES", "audio"),
+    ("speech_seq2seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "audio"),
+    ("audio_cls", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES", "audio"),
     ("causal_lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "decoder"),
     ("masked_lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "encoder"),
     ("seq2seq", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "encoder-decoder"),
     ("seq_cls", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "encoder"),
     ("image_cls", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "vision"),
-    ("ctc", "MODEL_FOR_CTC_MAPPING_NAMES", "audio"),
-    ("audio_cls", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES", "audio"),
-    ("speech_seq2seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "audio"),
 )
 STATE_SPACE = ("mamba", "rwkv", "rrwkv", "zamba", "bamba", "jamba", "falcon_h1", "granitemoehybrid", "lfm2", "xlstm",
                "recurrent_gemma", "nemotron_h", "qwen3_next", "minimax", "plamo2")
@@ -92,7 +93,7 @@ SCALARS = {
     "state_size": 8, "ssm_state_size": 8, "d_state": 8, "expand": 2, "time_step_rank": 4, "n_groups": 1,
     "mamba_d_state": 8, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_expand": 2,
     "num_buckets": 32, "max_relative_positions": 32, "position_buckets": 32, "relative_attention_num_buckets": 8,
-    "sliding_window": 16, "attention_window": 4, "rotary_dim": 4, "num_groups": 4, "width_coefficient": 0.25,
+    "sliding_window": 16, "attention_window": 4, "window_size": 2, "rotary_dim": 4, "num_groups": 4, "width_coefficient": 0.25,
     "hidden_dim_size": 32, "max_source_positions": 16, "max_target_positions": 64, "num_mel_bins": 16,
 }
 SCALE_LISTS = {  # list attributes: (value for stage i)
@@ -165,6 +166,8 @@ def _shrink(cfg) -> None:
     types = _get(cfg, "layer_types")
     if isinstance(types, list) and isinstance(layers, int):
         _set(cfg, "layer_types", types[:layers])
+    if _get(cfg, "is_encoder_decoder") and _get(cfg, "decoder_start_token_id") is None:
+        _set(cfg, "decoder_start_token_id", _get(cfg, "pad_token_id") or 0)  # (v5 keeps it in generation_config)
     for t in ("text_config", "vision_config", "audio_config", "encoder", "decoder"):
         sub = _get(cfg, t)
         if sub is not None and hasattr(sub, "to_dict") and sub is not cfg:
