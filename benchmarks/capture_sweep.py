@@ -36,7 +36,7 @@ from nanreplay.replay.subject import call_model, compute_loss  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RTOL, ATOL = 1e-4, 1e-6  # "within float tolerance": relative to each gradient's largest entry
-ARCH_SECONDS = 40  # an architecture that takes longer to build, train and record is skipped as too slow
+ARCH_SECONDS = 60  # an architecture that takes longer to build, train and record is skipped as too slow
 
 
 @dataclass
@@ -143,6 +143,8 @@ def sweep_one(arch, folder: str) -> Row:
             return row
         d = guard.to_dict("loss")
         guard.close()
+        if "_Timeout" in str(d.get("program_error")):  # the alarm went off while the guard was recording
+            raise _Timeout()
         if d["step_program"] is None:
             row.status, row.reason = "not_recorded", str(d.get("program_error"))
             m = re.search(r"uses (aten\.[\w.]+)", row.reason)

@@ -42,13 +42,13 @@ from nanreplay.replay.subject import call_model, compute_loss  # noqa: E402
 HERE = Path(__file__).resolve().parent
 FAULT_STEP, STEPS = 2, 5
 # The default zoo: one architecture per family and kind of model code, ≥ 30 (benchmarks/capture_sweep.md has all).
-DEFAULT_ARCHS = (
-    "cnn:resnet", "rnn:lstm_lm", "rnn:gru_lm", "diffusers:UNet2DModel", "diffusers:AutoencoderKL",
-    "nn:TransformerEncoderLayer", "nn:Transformer", "nn:MultiheadAttention", "nn:LSTM", "nn:GRU", "nn:Conv1d",
-    "nn:BatchNorm2d", "nn:GroupNorm", "nn:LayerNorm", "nn:RMSNorm", "loss:CrossEntropyLoss", "loss:BCEWithLogitsLoss",
-    "loss:MSELoss", "hf:llama", "hf:gpt2", "hf:gpt_neox", "hf:mistral", "hf:qwen2", "hf:phi3", "hf:gemma", "hf:opt",
-    "hf:bert", "hf:roberta", "hf:distilbert", "hf:electra", "hf:t5", "hf:bart", "hf:mbart", "hf:vit", "hf:deit",
-    "hf:resnet", "hf:wav2vec2", "hf:whisper", "hf:mixtral", "hf:qwen2_moe", "hf:mamba", "hf:bamba",
+DEFAULT_ARCHS = (  # interleaved, so that a run cut short (the table is written after each architecture) is diverse
+    "hf:llama", "cnn:resnet", "hf:bert", "hf:vit", "nn:TransformerEncoderLayer", "hf:t5", "hf:mixtral",
+    "rnn:lstm_lm", "hf:whisper", "hf:mamba", "hf:gpt2", "loss:CrossEntropyLoss", "hf:roberta", "hf:deit",
+    "diffusers:UNet2DModel", "hf:bart", "hf:qwen2_moe", "nn:GRU", "hf:wav2vec2", "hf:bamba", "hf:mistral",
+    "nn:LayerNorm", "hf:distilbert", "hf:resnet", "diffusers:AutoencoderKL", "hf:mbart", "hf:qwen2", "rnn:gru_lm",
+    "hf:gpt_neox", "hf:electra", "nn:Conv1d", "hf:phi3", "hf:gemma", "hf:opt", "nn:BatchNorm2d", "nn:GroupNorm",
+    "nn:RMSNorm", "nn:MultiheadAttention", "nn:Transformer", "nn:LSTM", "loss:BCEWithLogitsLoss", "loss:MSELoss",
 )
 
 
@@ -469,11 +469,12 @@ def table(results: list[Result]) -> dict:
         return out
 
     loc = sum(1 for r in attempted if r.scores.get("localised"))
-    ver = sum(1 for r in attempted if r.scores.get("fix_verified"))
+    fixable = [r for r in attempted if r.kind != "nan_sample"]  # a NaN in the data is cleaned, not replayed
+    ver = sum(1 for r in fixable if r.scores.get("fix_verified"))
     return {"runs": len(attempted), "snapshots": len(scored), "architectures": len({r.arch for r in attempted}),
             "kinds": len({r.kind for r in attempted}),
             "localisation_percent": round(100 * loc / max(1, len(attempted)), 1),
-            "verified_fix_percent": round(100 * ver / max(1, len(attempted)), 1),
+            "verified_fix_percent": round(100 * ver / max(1, len(fixable)), 1),
             "time_ratio_median": _median([r.time_ratio for r in scored]),
             "memory_ratio_median": _median([r.memory_ratio for r in scored]),
             "by_kind": group("kind"), "by_family": group("family"), "by_precision": group("precision")}
@@ -552,7 +553,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--full", action="store_true", help="every fault kind in every precision on every architecture")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--out", default=str(HERE / "zoo"))
+    ap.add_argument("--render", metavar="JSON", help="only rewrite the tables from a zoo.json this script wrote")
     args = ap.parse_args(argv)
+    if args.render:
+        d = json.loads(Path(args.render).read_text())
+        write(args, argv, [Result(**r) for r in d["results"]])
+        return 0
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     logging.getLogger("nanreplay").setLevel(logging.CRITICAL)
@@ -580,20 +586,26 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{mark} {arch.name:28s} "
                       f"{kind.name:18s} {prec:5s} {r.status:15s} {r.culprit_op:28s} {r.cause:22s} "
                       f"{r.fix_kind}{'✓' if r.scores.get('fix_verified') else ''}  {r.reason[:90]}", flush=True)
+            if not args.no_write:
+                write(args, argv, results)
     t = table(results)
-    from capture_sweep import versions
-    v = versions()
     print(f"\nlocalisation {t['localisation_percent']}% · verified fixes {t['verified_fix_percent']}% over {t['runs']} "
           f"runs ({t['architectures']} architectures, {t['kinds']} kinds) in {time.perf_counter() - t0:.0f}s")
     for r in misses(results):
         print(f"  miss: {r.arch} {r.kind} {r.precision}: {r.status} {r.verdict} {r.culprit_op} @ {r.culprit_module!r} "
               f"cause={r.cause} (site {r.site}) {r.reason[:120]}")
-    if not args.no_write:
-        line = "python benchmarks/zoo.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        Path(args.out + ".json").write_text(json.dumps({"versions": v, "seed": args.seed, "table": t,
-                                                        "results": [asdict(r) for r in results]}, indent=1) + "\n")
-        Path(args.out + ".md").write_text(markdown(t, results, v, line.strip()))
     return 0
+
+
+def write(args, argv, results: list[Result]) -> None:
+    """The table so far (rewritten after each architecture: a run cut short still leaves one)."""
+    from capture_sweep import versions
+
+    v, t = versions(), table(results)
+    line = "python benchmarks/zoo.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    Path(args.out + ".json").write_text(json.dumps({"versions": v, "seed": args.seed, "table": t,
+                                                    "results": [asdict(r) for r in results]}, indent=1) + "\n")
+    Path(args.out + ".md").write_text(markdown(t, results, v, line.strip()))
 
 
 if __name__ == "__main__":
