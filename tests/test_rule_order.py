@@ -25,6 +25,7 @@ DISPATCH_ORDER = [
     "log_of_negative",
     "sqrt_cancellation",
     "sqrt_of_negative",
+    "rsqrt_at_zero",
     "sqrt_at_zero",
     "pow_of_negative",
     "pow_at_zero",

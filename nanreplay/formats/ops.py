@@ -68,6 +68,16 @@ native_layer_norm_backward native_batch_norm_backward convolution_backward embed
 _weight_norm_interface _ctc_loss
 """.split())
 
+# ---- Added from the capture sweep (benchmarks/capture_sweep.py, issue 26): pure tensor ops that the world's
+# models emit (transformers' MoE routers: histc; nn.Bilinear: _trilinear; ShuffleNet-style blocks: channel_shuffle;
+# nn.FractionalMaxPool*d, whose random samples are recorded values; parametrizations.orthogonal: matrix_exp;
+# transformers' grouped experts: _grouped_mm; gated delta-net layers: linalg_solve_triangular).
+SWEEP_PACKETS = frozenset("""
+histc _grouped_mm _trilinear linalg_solve_triangular channel_shuffle native_channel_shuffle fractional_max_pool2d fractional_max_pool3d
+matrix_exp linalg_matrix_exp
+""".split())
+PACKETS = PACKETS | SWEEP_PACKETS
+
 # (op packet, argument) -> allowed values (a frozenset) or a full-match regex.
 STRING_ARGS: dict[tuple[str, str], frozenset[str] | re.Pattern] = {
     ("div", "rounding_mode"): frozenset({"trunc", "floor"}),

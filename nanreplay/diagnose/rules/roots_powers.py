@@ -180,6 +180,22 @@ def _sqrt_zero(s: Site) -> Diagnosis | None:
                      "distance or norm between identical vectors).", fixes)
 
 
+@rule("rsqrt_at_zero", aten.rsqrt, priority=145)
+def _rsqrt_zero(s: Site) -> Diagnosis | None:
+    """rsqrt(0) = Inf: an RMS norm (x * rsqrt(mean(x**2))) of an all-zero row, with no eps inside."""
+    x = s.inp(0)
+    if not (s.forward and s.packet == "aten.rsqrt" and s.call_is("rsqrt") and x.get("zeros")):
+        return None
+    fixes = edge_fix(s, FixKind.EPSILON, finite_float(x.get("absmax")), "rsqrt(x + eps) and its gradient",
+                     plus_eps, lambda t, e: t + e, lambda e: f"add {fmt(e)} to rsqrt's input (as RMSNorm's eps does)",
+                     floor=(1 / s.finfo.max) ** 2, floor_why="rsqrt(eps)",
+                     data_eps=finite_float(x.get("absmin_nonzero")))
+    return Diagnosis("rsqrt_at_zero", "rsqrt of zero: Inf",
+                     f"rsqrt's input held {count(x['zeros'], 'exact zero')} at {s.where}: 1/sqrt(0) = Inf, and "
+                     "Inf * 0 = NaN where the zero row is scaled by it (an RMS norm of an all-zero vector, e.g. a "
+                     "fully padded or masked position). Keep an eps inside the root.", fixes)
+
+
 def _exponent(s: Site) -> float | None:
     """The exponent a of x ** a (in backward, PowBackward0 computes x ** (a - 1))."""
     v = next((v for v in s.event.scalars or [] if isinstance(v, (int, float)) and not isinstance(v, bool)), None)
