@@ -30,8 +30,8 @@ DISPATCH_ORDER = [
     "pow_at_zero",
     "acos_asin_boundary",
     "std_single_element",
-    "empty_reduction",
     "masked_mean_empty",
+    "empty_reduction",
     "normalize_zero_norm",
     "division_by_zero",
     "handwritten_softmax",
@@ -41,6 +41,7 @@ DISPATCH_ORDER = [
     "fp16_overflow",
     "exploded_weights",
     "huge_values",
+    "domain_edge",
     "unrecognised",
 ]
 

@@ -143,6 +143,8 @@ def _stable_variance(s: Site, sub) -> list[Fix]:
     where = f"{fr['file']}:{fr['line']}" if fr else "where the variance is computed"
     return [Fix(FixKind.STABLE_VARIANCE, "", rewrite=rw, patch=patch,
                 guidance=f"compute the variance at {where} with torch.var(x, dim, correction=0) instead of E[x²] − E[x]²",
+                noop_exempt="the original's variances are cancellation noise (that is the bug), so they are not the "
+                            "values to keep",
                 reasoning="torch.var subtracts the mean first (two passes): a zero variance comes out as 0, never "
                           "below, so nothing has to be clamped")]
 
@@ -246,8 +248,9 @@ def _acos(s: Site) -> Diagnosis | None:
     # 1 - eps must be a value the dtype can tell apart from 1 (the spacing just below 1 is finfo.eps / 2);
     # there the derivative 1/sqrt(1 - x²) ≈ 1/sqrt(2 eps) is large but finite.
     eps = float(f"{10.0 ** math.ceil(math.log10(s.finfo.eps)):.0e}")
+    tight = float(f"{s.finfo.eps / 2:.0e}")  # the spacing just below 1: changes only values at or beyond ±1
     fixes = []
-    for e in (eps, eps * 10, eps * 100):
+    for e in (tight, eps, eps * 10, eps * 100):
         lo, hi = f"-1 + {fmt(e)}", f"1 - {fmt(e)}"
         rw = s.rewrite(codefix.with_operand("input", lambda t, lo=lo, hi=hi: f"{codefix.paren(t)}.clamp({lo}, {hi})"))
         fn = operand_fn(rw) or (lambda t, e=e: t.clamp(-1 + e, 1 - e))

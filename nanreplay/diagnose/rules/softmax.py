@@ -70,6 +70,7 @@ def _handwritten_softmax(s: Site) -> Diagnosis | None:
     x = s.inp(0)
     lim = math.log(s.finfo.max)
     assumed = "" if known else " (the summed dim could not be read from the source; dim=-1 assumed)"
+    compare_at = None
     if log_rec is not None:
         patch = None
         rw = s.rewrite(lambda src, node: _logsumexp_text(src, node, f"dim={dim!r}"), log_rec.call) \
@@ -99,6 +100,9 @@ def _handwritten_softmax(s: Site) -> Diagnosis | None:
                 "input", lambda t: codefix.plus(t, f"{codefix.paren(t)}.amax(dim={dim!r}, keepdim=True)", "-")))
         each = s.line_calls if rw is not None else (lambda c: [c])
         patch = {c: patch_fn for r in calls for c in each(r)} if all(calls) and len(set(calls)) == len(calls) else None
+        # exp(x - max) is not exp(x): the softmax is the same where the rewritten expression ends, its division
+        ends = [r.call for r in cons if packet(str(r.op)) == "aten.div" and r.call]
+        compare_at = sorted({c for e in ends for c in each(e)}) or None
         code = (f"subtract the maximum over dim {dim!r} from exp's input at {s.where} (or use torch.softmax(..., "
                 f"dim={dim!r}), which does)")
         title, stable = "hand-written softmax overflowed", "torch.softmax"
@@ -107,7 +111,7 @@ def _handwritten_softmax(s: Site) -> Diagnosis | None:
                      f"exp overflowed to Inf for inputs above {lim:.1f} ({s.dtype}; max seen {x.get('max')}) at "
                      f"{s.where}, {then}. Subtracting the maximum over the summed dim first (what torch.softmax and "
                      f"torch.logsumexp do) keeps exp ≤ 1 and changes nothing mathematically.",
-                     [Fix(FixKind.MAX_SUBTRACTION, "", rewrite=rw, guidance=code,
+                     [Fix(FixKind.MAX_SUBTRACTION, "", rewrite=rw, guidance=code, compare_at=compare_at,
                           patch=patch, reasoning=f"{stable} is the stable form: exp(x - max) never overflows"
                           + assumed)])
 
