@@ -145,7 +145,7 @@ class Site:
         at = f"{s['file']}:{s['line']}" if s else f"{self.call_name or self.event.op} (no source line)"
         lib = library_of(s.get("recorded_path") or s.get("file") or "") if s else None
         inside = f", inside {lib}" if lib else ""
-        if mod:
+        if mod and mod != "<loss>":
             return f"{at} (module {mod!r}{inside})"
         return f"{at} ({ran_in(mod, s)}{inside})"
 
@@ -158,19 +158,16 @@ class Site:
 
     @property
     def made_where(self) -> str:
-        """Where the value was made: the culprit's line (in library code, said so)."""
+        """Where the value was made: the culprit's line; in library code from the package down
+        ('transformers/loss/loss_utils.py:47')."""
         s = self.source
-        at = f"{s['file']}:{s['line']}" if s else (self.call_name or self.event.op)
-        return f"{at}, inside {self.library}" if self.library else at
-
-    @property
-    def act_where(self) -> str:
-        """Where the user acts: their own line; for a culprit inside library code, their call into it (the
-        snapshot records the line that ran, not the caller's: named by what it is)."""
-        if not self.library:
-            return self.where
-        return (f"your call into {self.library} that runs {self.made_where} (the model or loss call with this batch; "
-                f"never edit {self.library}'s own file)")
+        if not s:
+            return self.call_name or self.event.op
+        path = (s.get("recorded_path") or s.get("file") or "").replace("\\", "/")
+        for m in ("/site-packages/", "/dist-packages/"):
+            if m in path:
+                path = path.split(m, 1)[1]
+        return f"{path if self.library else s['file']}:{s['line']}"
 
     def chain_events(self) -> list[Event]:
         return [self.step.events[i] for i in self.chain]
@@ -261,9 +258,9 @@ def library_of(path: str) -> str | None:
 def ran_in(module: str | None, src: dict | None) -> str:
     """Where an op outside every submodule ran, in words: the model's own forward, the loss function, or the
     user's loss/step code (a `training_step`, `compute_loss`, a step function), told by the function it ran in."""
-    if module == "<loss>":
-        return "the loss function"
     fn = (src or {}).get("function") or ""
-    if not fn or fn == "forward":
+    if module == "<loss>" and (not fn or fn == "<module>"):
+        return "the loss function"
+    if module != "<loss>" and (not fn or fn == "forward"):
         return "the model's own forward"
     return f"in {fn}(), the loss/step code outside the model's modules"

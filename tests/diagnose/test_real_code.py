@@ -131,7 +131,7 @@ def test_transformers_loss_with_every_label_masked_is_an_empty_reduction(runs):
     assert "num_items_in_batch" in diag["explanation"] and "nothing to average" in diag["explanation"]
     fix = diag["fix"]
     assert fix["kind"] == "guard_empty_reduction" and fix["verified"] is True, fix["verification"]
-    assert "clamp_min(1)" in fix["code"] and "inside transformers" in fix["code"]
+    assert "num_items_in_batch.clamp_min(1)" in fix["code"] and "transformers/loss/loss_utils.py:47" in fix["code"]
     _no_library_edit(fix)
 
 

@@ -259,10 +259,10 @@ def _count_rule(s: Site) -> Diagnosis | None:
     rw = None if s.library else s.rewrite(codefix.with_operand("other", lambda t: f"{codefix.paren(t)}.clamp_min(1)"))
     fn = operand_fn(rw) or (lambda t: t.clamp_min(1))
     fix = Fix(FixKind.GUARD_EMPTY_REDUCTION, "", rewrite=rw, patch=s.at_calls(replace_arg(1, fn), rewrite=rw),
-              guidance=f"divide by the count clamped to at least 1 ({name}.clamp_min(1)) at {s.act_where}: a batch "
-                       "with nothing to average then contributes 0"
-                       + (f"; the division is inside library code ({s.made_where}), so clamp the count you pass "
-                          "in, or skip such batches" if s.library else ""),
+              guidance=(f"pass {name}.clamp_min(1) where you call {s.library} (the division by it is {s.library}'s "
+                        f"own code, {s.made_where}: not yours to edit), or skip batches with nothing to average"
+                        if s.library else f"divide by the count clamped to at least 1 ({name}.clamp_min(1)) at "
+                        f"{s.where}: a batch with nothing to average then contributes 0"),
               reasoning="a count is a whole number: clamp_min(1) changes nothing where it is ≥ 1, and where it is 0 "
                         "the sum it divides is 0 too, so the term becomes 0 instead of 0/0")
     zero = "0/0 = NaN" if s.event.kind == "nan" else "x/0 = Inf"

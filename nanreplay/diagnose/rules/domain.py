@@ -137,8 +137,9 @@ def _domain_edge(s: Site) -> Diagnosis | None:
                "lets an all-zero row reach the edge; or find why your data makes such a row. The verified patch "
                "below moves the op's input off the edge at that call, as a positive eps does.")
         for f in fixes:
-            f.guidance = (f"set the eps of the {s.library} layer that runs {s.made_where} above 0 (its argument or "
-                          "config value), or keep the input off the edge; replayed as an op-level patch")
+            f.guidance = (f"give the {s.library} layer an eps > 0 through its argument or config value (e.g. "
+                          f"rms_norm_eps=1e-6), so that {name} at {s.made_where} never sees the edge; replayed as "
+                          f"an op-level patch at that call")
             f.code = "\n".join(f"# {ln}" for ln in f.guidance.splitlines())
     return Diagnosis("domain_edge", f"{name} at the edge of its domain",
                      f"{name} is singular at {row.edge}, and its input reached that edge ({seen}) at {s.where}, "
