@@ -38,6 +38,7 @@ DISPATCH_ORDER = [
     "exp_overflow",
     "softmax_all_masked",
     "training_diverged",
+    "magnitude_overflow",
     "fp16_overflow",
     "exploded_weights",
     "huge_values",
