@@ -123,11 +123,16 @@ def _exp_overflow(s: Site) -> Diagnosis | None:
     x = s.inp(0)
     lim = math.floor(math.log(s.finfo.max)) - 1
     fixes = []
-    rw = s.rewrite(codefix.with_operand("input", lambda t: f"{codefix.paren(t)}.clamp(max={lim})"))
-    fn = operand_fn(rw) or (lambda t: t.clamp(max=lim))
-    fixes.append(Fix(FixKind.CLAMP, "", rewrite=rw, guidance=f"clamp exp's input to at most {lim} at {s.where}",
-                     patch=s.at_calls(replace_arg(0, fn), rewrite=rw),
-                     reasoning=f"exp(x) overflows {s.dtype} above x ≈ {math.log(s.finfo.max):.1f}"))
+    # exp(87) is finite, but what consumes it may not be (a sum, a square, a product): tighter bounds follow, each
+    # verified like the first — and the no-op check rejects a bound that changes exps that were finite
+    for b in dict.fromkeys((lim, lim // 2, 20, 10)):
+        rw = s.rewrite(codefix.with_operand("input", lambda t, b=b: f"{codefix.paren(t)}.clamp(max={b})"))
+        fn = operand_fn(rw) or (lambda t, b=b: t.clamp(max=b))
+        fixes.append(Fix(FixKind.CLAMP, "", rewrite=rw, guidance=f"clamp exp's input to at most {b} at {s.where}",
+                         patch=s.at_calls(replace_arg(0, fn), rewrite=rw),
+                         reasoning=f"exp(x) overflows {s.dtype} above x ≈ {math.log(s.finfo.max):.1f}" + (
+                             "" if b == lim else f"; a bound of {b} also keeps what consumes exp (a sum of "
+                             f"exps, a square) finite")))
     return Diagnosis("exp_overflow", "exp overflow",
                      f"exp received values up to {x.get('max')} at {s.where}; in {s.dtype} exp overflows above "
                      f"{math.log(s.finfo.max):.1f}. If this is a softmax or logsumexp, use the library function; "
