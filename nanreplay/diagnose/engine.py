@@ -63,12 +63,16 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | N
     same = plausible.SameStep()
     if step is not None and step.failure is not None and step.failure.what == "gradient":
         same.own = _finite_loss(step, subject)
+    probes: dict = {}  # (kind, ε) -> the Outcome of an ε-probe replay: the next candidate (ε × 100) reuses it
     for fix in diag.fixes:
+        label = "with the fix"
         if fix.patch:
             label = ("with the rewritten line, at every call it makes" if fix.tested_as == "line" else
                      "with an op-level patch at the culprit's call (no line of yours is rewritten)")
-            o = verify.try_patch(subject, fix.patch, label=label, noop=fix.noop_exempt is None,
-                                 compare_at=fix.compare_at)
+            o = probes.pop((fix.kind, f"{fix.epsilon:.0e}"), None) if fix.epsilon is not None else None
+            if o is None:
+                o = verify.try_patch(subject, fix.patch, label=label, noop=fix.noop_exempt is None,
+                                     compare_at=fix.compare_at)
         elif fix.variant:
             v = fix.variant
             o = verify.try_variant(subject, dtype=v.get("dtype"), autocast=v.get("autocast", "same"),
@@ -81,7 +85,7 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | N
             ok, why = False, f"finite, but not a no-op: it {o.noop.sentence()}"
             fix.verified, fix.verification = False, f"{o.detail} — {why}"
         elif o.ok:
-            ok, why = _judge(fix, o, subject, same, ref)
+            ok, why = _judge(fix, o, subject, same, ref, probes, label)
             fix.verified = ok is not False  # not judged (nothing to compare with) is said, not hidden
             if o.noop is not None and o.noop.elements:
                 why += f"; {o.noop.sentence()}"
@@ -120,8 +124,8 @@ def _finite_loss(step: Step, subject) -> float | None:
     return None
 
 
-def _judge(fix: Fix, o: verify.Outcome, subject, same: plausible.SameStep, ref: plausible.Lazy | None
-           ) -> tuple[bool | None, str]:
+def _judge(fix: Fix, o: verify.Outcome, subject, same: plausible.SameStep, ref: plausible.Lazy | None,
+           probes: dict, label: str) -> tuple[bool | None, str]:
     """Plausible? An exact reformulation that is a no-op where the original was fine computes this step's own
     value; any other fix must agree with the references of the same step there are (that exact loss, the step's
     own finite loss, the same fix at ε × 100); only with none of those is the history asked. Where the same step
@@ -132,7 +136,8 @@ def _judge(fix: Fix, o: verify.Outcome, subject, same: plausible.SameStep, ref: 
                       "wherever the original was finite" + plausible.unusual_batch(o.loss, history))
     probe_loss = None
     if fix.probe and fix.epsilon is not None:
-        p = verify.try_patch(subject, fix.probe, label="with ε × 100", noop=False)
+        p = verify.try_patch(subject, fix.probe, label=label, noop=fix.noop_exempt is None, compare_at=fix.compare_at)
+        probes[(fix.kind, f"{fix.epsilon * 100:.0e}")] = p  # the same replay as the candidate at ε × 100
         probe_loss = p.loss if p.ok else None
     ok, why = plausible.judge_same_step(o.loss, same, probe_loss, fix.epsilon if probe_loss is not None else None)
     if ok is not None:
