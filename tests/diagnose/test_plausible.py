@@ -79,7 +79,7 @@ def test_a_step_broken_in_every_dtype_is_a_magnitude_problem_not_precision():
     diag = d["diagnosis"]
     assert diag["cause"] == "magnitude_overflow" and diag["fix"]["kind"] == "lower_lr_clip_grads"
     assert diag["float64_loss"] == pytest.approx(7.085e7, rel=1e-2)
-    assert "fc2.weight |w| = 249.9" in diag["explanation"] and "not a precision problem" in diag["explanation"]
+    assert "fc2.weight |w| = 249.9" in diag["explanation"] and "a wider dtype does not help" in diag["explanation"]
     assert "the weight fc2.weight (mat2)" in diag["explanation"] and "the activation mat1 up to 152" in \
         diag["explanation"]
     assert "magnitude problem, not a precision one" in diag["precision"]

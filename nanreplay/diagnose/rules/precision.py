@@ -127,7 +127,7 @@ def _magnitude(s: Site) -> Diagnosis | None:
     what = ("the weights grew: " + "; ".join(facts)) if facts else "the values reaching it are that large in any dtype"
     fix = lr_clip_fix(None, s.info)
     fix.alternatives = []  # a dtype change is not offered as a fix here: it was measured not to be one
-    expl = (f"{s.event.op} overflowed float16 at {s.where}, but this is not a precision problem: the same step in "
+    expl = (f"{s.event.op} overflowed float16 at {s.where}, but a wider dtype does not help: the same step in "
             f"float64 gives a loss of {f64:.4g}, finite but {f64 / max(ref.loss, 1e-12):.3g}× the largest in "
             f"{ref.source} ({ref.loss:.4g}) — broken in every dtype. Its inputs: {operands(s)}. The cause is the "
             f"magnitude: {what}. A wider dtype (bfloat16, float32) only computes the same huge values without "
