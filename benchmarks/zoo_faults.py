@@ -33,7 +33,7 @@ class Kind:
 KINDS = {k.name: k for k in (
     Kind("sqrt_zero", "site", frozenset({"aten.sqrt"}), frozenset({"sqrt_at_zero"}), frozenset({"gradient"}),
          frozenset({"epsilon", "clamp"})),
-    Kind("rsqrt_zero", "site", frozenset({"aten.rsqrt"}), frozenset({"rsqrt_at_zero", "division_by_zero", "sqrt_at_zero"}),
+    Kind("rsqrt_zero", "site", frozenset({"aten.rsqrt"}), frozenset({"domain_edge", "division_by_zero", "sqrt_at_zero"}),
          fixes=frozenset({"epsilon", "clamp"})),
     Kind("log_zero", "site", frozenset({"aten.log"}), frozenset({"log_of_zero"}), fixes=frozenset({"epsilon", "clamp"})),
     Kind("div_zero", "site", frozenset({"aten.div"}), frozenset({"division_by_zero", "normalize_zero_norm"}),

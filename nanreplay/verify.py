@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -37,6 +37,90 @@ class Outcome:
     loss: float | None = None  # the replayed loss (unscaled where the step ran with a GradScaler)
     grad_norm: float | None = None  # the total gradient norm (unscaled)
     grad_norms: dict[str, float] | None = None  # per parameter
+    noop: NoOp | None = None  # how far the patched calls moved the values the original computed fine
+
+
+NOOP_RTOL = 1e-3  # "within rounding": no finite value of the original moves by more than this share of its scale
+
+
+@dataclass
+class NoOp:
+    """Is a fix a no-op where the original was fine? At every patched call the original call runs too (on the
+    same inputs, without gradients) and the two outputs are compared on every element where the original was
+    finite: |patched - original| ≤ NOOP_RTOL × (|original| + the original's largest finite magnitude) + the
+    dtype's eps."""
+    calls: int = 0  # patched calls compared
+    elements: int = 0  # elements where the original was finite
+    changed: int = 0  # of those, how many the fix moved beyond rounding
+    worst: float = 0.0  # the largest move, relative to the output's scale
+    where: str = ""  # the call that moved most
+    seen: set = field(default_factory=set)  # call numbers compared
+
+    @property
+    def ok(self) -> bool:
+        return self.changed == 0
+
+    def sentence(self) -> str:
+        if self.ok:
+            return (f"a no-op where the original was fine ({self.elements} finite values at {self.calls} patched "
+                    f"call{'s' if self.calls != 1 else ''} unchanged within {NOOP_RTOL:g} of their scale)")
+        return (f"changes values the original computed fine: {self.changed} of {self.elements} finite values at "
+                f"the patched calls moved by up to {self.worst:.3g} of their scale ({self.where})")
+
+    def compare(self, name: str, got, want) -> None:
+        outs_got = _tensors(got)
+        outs_want = _tensors(want)
+        if len(outs_got) != len(outs_want):
+            return
+        self.calls += 1
+        for g, w in zip(outs_got, outs_want, strict=True):
+            if not (w.is_floating_point() and g.shape == w.shape):
+                continue
+            w64, g64 = w.detach().double(), g.detach().double()
+            ok = torch.isfinite(w64)
+            n = int(ok.sum())
+            if not n:
+                continue
+            self.elements += n
+            wf = torch.where(ok, w64, 0.0)
+            scale = float(wf.abs().max())
+            diff = torch.where(ok, (g64 - wf).abs(), 0.0)
+            diff = torch.where(torch.isnan(diff), math.inf, diff)  # a finite value the fix made NaN moved infinitely
+            # plus the dtype's resolution at 1: log(p) of a p that rounded to 1 is 0, the exact form's -1e-17 is not
+            bad = diff > NOOP_RTOL * (wf.abs() + scale) + torch.finfo(w.dtype).eps
+            k = int(bad.sum())
+            if k:
+                self.changed += k
+                rel = float(torch.where(bad, diff, 0.0).max()) / max(scale, torch.finfo(w.dtype).eps)
+                if rel >= self.worst:
+                    self.worst, self.where = rel, name
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []
+
+
+def _checked(intercepts: dict[int, Callable], noop: NoOp) -> dict[int, Callable]:
+    """The same patches, each also running the original call on the same inputs and comparing (see NoOp);
+    once per call (a fix that did not verify is replayed again, instrumented, with the same calls)."""
+    def wrap(c: int, fn):
+        def checked(func, args, kwargs):
+            out = fn(func, args, kwargs)
+            if c not in noop.seen:
+                noop.seen.add(c)
+                try:
+                    with torch.no_grad():
+                        want = func(*args, **kwargs)
+                    noop.compare(getattr(func, "__name__", str(func)), out, want)
+                except Exception:  # noqa: BLE001 - the original raising is not the fix's fault; nothing to compare
+                    pass
+            return out
+        return checked
+    return {c: wrap(c, fn) for c, fn in intercepts.items()}
 
 
 def _kind(kind: str) -> str:
@@ -65,14 +149,59 @@ def _outcome(step: replay.Step) -> Outcome:
 
 
 def try_patch(subject: Subject, intercepts: dict[int, Callable] | None = None, *,
-              label: str = "with the fix") -> Outcome:
+              label: str = "with the fix", noop: bool = True, compare_at: list[int] | None = None) -> Outcome:
     """Replay (instrumented, to name the next culprit if it fails) with the given call sites rewritten,
-    on an independent copy of the step."""
+    on an independent copy of the step; with `noop`, each patched call is compared with the original call
+    on the same inputs (`Outcome.noop`) — or, with `compare_at`, the outputs of those calls (where a rewritten
+    expression ends) with the original step's."""
     try:
         copy = subject.converted()
     except Exception as e:  # noqa: BLE001
         return Outcome(False, f"copying the step to replay it {label} raised {raised(e)}")
-    return _replay(copy, intercepts, label, subject.loss_scale)
+    check = NoOp() if noop and intercepts else None
+    if check is not None and compare_at:
+        patched = _at_expression_end(subject, intercepts, compare_at, check)
+        if patched is None:
+            check = None
+        out = _replay(copy, patched or intercepts, label, subject.loss_scale)
+    else:
+        out = _replay(copy, _checked(intercepts, check) if check is not None else intercepts, label,
+                      subject.loss_scale)
+    out.noop = check
+    return out
+
+
+def _at_expression_end(subject: Subject, intercepts: dict[int, Callable], compare_at: list[int], noop: NoOp
+                       ) -> dict[int, Callable] | None:
+    """For a rewrite whose own ops change by design (exp(x - max) is not exp(x)): compare where the rewritten
+    expression ends (the softmax's division) instead — the original step's outputs there, from one plain replay,
+    against the patched step's. None where the original step cannot be replayed."""
+    want: dict[int, object] = {}
+
+    def keep(c):
+        def fn(func, args, kwargs):
+            out = func(*args, **kwargs)
+            if c not in want:
+                want[c] = out.detach().clone() if isinstance(out, torch.Tensor) else out
+            return out
+        return fn
+    try:
+        replay.run_patched(subject.converted(), {c: keep(c) for c in compare_at})
+    except Exception:  # noqa: BLE001 - no original to compare with: the check is not made, and not claimed
+        return None
+
+    def compare(c, fn):
+        def checked(func, args, kwargs):
+            out = fn(func, args, kwargs) if fn is not None else func(*args, **kwargs)
+            if c not in noop.seen and c in want:
+                noop.seen.add(c)
+                noop.compare(getattr(func, "__name__", str(func)), out, want[c])
+            return out
+        return checked
+    out = dict(intercepts)
+    for c in compare_at:
+        out[c] = compare(c, intercepts.get(c))
+    return out
 
 
 def _replay(copy: Subject, intercepts: dict[int, Callable] | None, label: str, scale: float | None) -> Outcome:

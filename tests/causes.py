@@ -534,7 +534,8 @@ def loud_half():
 
 
 class Probit(nn.Module):
-    """A probit link: erfinv(2p - 1) is +Inf where the sigmoid saturated to p = 1. No rule covers erfinv."""
+    """A probit link: erfinv(2p - 1) is +Inf where the sigmoid saturated to p = 1: the domain table's erfinv at ±1.
+    Clamping keeps it finite, but the loss is then whatever the clamp says (erfinv(1 - ε) grows as ε shrinks)."""
 
     def __init__(self):
         super().__init__()
@@ -547,11 +548,31 @@ class Probit(nn.Module):
         return torch.erfinv(2 * p - 1).mean()  # CULPRIT: unknown_erfinv
 
 
-@case("unknown_erfinv", _randn(24, 8, 4), cause="unrecognised", fix="none", phase="forward", kind="inf",
+@case("unknown_erfinv", _randn(24, 8, 4), cause="domain_edge", fix="clamp", phase="forward", kind="inf",
       op="aten.erfinv.default")
 @seeded
 def probit():
     return Probit()
+
+
+class Bessel(nn.Module):
+    """i0(z) of large z overflows float32 (i0(100) ≈ 1e42): no rule knows i0, so nothing is invented."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        with torch.no_grad():
+            self.fc.weight.mul_(300)
+
+    def forward(self, x):
+        return torch.special.i0(self.fc(x)).mean()  # CULPRIT: unknown_i0
+
+
+@case("unknown_i0", _randn(24, 8, 4), cause="unrecognised", fix="none", phase="forward", kind="inf",
+      op="aten.i0.default")
+@seeded
+def bessel():
+    return Bessel()
 
 
 # ---------------------------------------------------------------- the call that ran, not the smallest match

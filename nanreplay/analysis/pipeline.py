@@ -28,6 +28,8 @@ from nanreplay.analysis.contract import (
     forward_inputs_json,
     precision_sentence,
 )
+from nanreplay.diagnose.plausible import history_rows
+from nanreplay.diagnose.site import finite_float
 from nanreplay.diagnose.update import diagnose_update
 from nanreplay.enums import Verdict
 from nanreplay.errors import LimitError, NanReplayError, UsageError, first_line
@@ -187,6 +189,10 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
             if cev is not None and cev.fwd is not None and cev.phase in ("forward", "backward") else None
         result.precision = verify_mod.precision_probe(subject, _step_dtype(subject), culprit=where,
                                                       failure=step.failure.what if step.failure else None)
+        hist = _history_loss(result)
+        for r in result.precision if hist else []:
+            if r.get("loss_finite") and isinstance(r.get("loss"), (int, float)):
+                r["beyond_history"] = abs(r["loss"]) > 10 * hist  # plausible.LOSS_FACTOR × the run's largest loss
         note = precision_sentence(result.precision, _step_label(subject))
         if note:
             result.diagnosis["explanation"] += " " + note
@@ -345,3 +351,10 @@ def _snapshot_info(snap) -> dict:
             "created": snap.created}
     info.update(formats.describe(snap))
     return info
+
+
+def _history_loss(result) -> float | None:
+    """The largest |loss| of the run's recent steps before this one, where the snapshot recorded them."""
+    info = getattr(result, "snapshot_info", None) or {}
+    losses = [abs(v) for r in history_rows(info) if (v := finite_float(r.get("loss"))) is not None]
+    return max(losses) if losses else None

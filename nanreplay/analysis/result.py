@@ -86,10 +86,18 @@ class Analysis:
 
 def precision_sentence(rows: list[dict], ran: str) -> str:
     """What the precision probe's rows say, in one sentence written from those rows (it cannot contradict them):
-    a precision/range problem (finite in a wider dtype) or a math domain error (non-finite in every dtype)."""
+    a precision/range problem (finite in a wider dtype) or a math domain error (non-finite in every dtype) — or a
+    magnitude problem, where every finite row's loss is `beyond_history` (far beyond the run's recent losses:
+    broken in every dtype, e.g. weights that grew)."""
     rows = [r for r in rows or [] if "error" not in r]
     ok = [str(r.get("dtype")) for r in rows if r.get("loss_finite") and r.get("grads_finite")]
     bad = [str(r.get("dtype")) for r in rows if not (r.get("loss_finite") and r.get("grads_finite"))]
+    fine = [r for r in rows if r.get("loss_finite") and r.get("grads_finite")]
+    if fine and all(r.get("beyond_history") for r in fine):
+        low = min(abs(r["loss"]) for r in fine)
+        return (f"The step is finite when replayed in {', '.join(ok)}, but its loss there ({low:.4g} and up) is far "
+                "beyond the run's recent losses: broken in every dtype — a magnitude problem, not a precision one; "
+                "a wider dtype will not fix it.")
     if ok:
         also = f" (and not in {', '.join(bad)} either)" if bad else ""
         return (f"The step is finite when replayed in {', '.join(ok)}, but not in {ran} as it ran{also}: a "

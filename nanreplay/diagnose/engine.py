@@ -6,6 +6,8 @@ and `for_leaves` (NaN/Inf already in the batch or the weights), which needs no r
 
 from __future__ import annotations
 
+import math
+
 from nanreplay import verify
 from nanreplay.diagnose import (
     finite,
@@ -14,7 +16,7 @@ from nanreplay.diagnose import (
     rules,  # noqa: F401  (importing the families registers every rule)
 )
 from nanreplay.diagnose.late import late_update
-from nanreplay.diagnose.model import RULES, Diagnosis, Fix
+from nanreplay.diagnose.model import EXACT_KINDS, RULES, Diagnosis, Fix
 from nanreplay.diagnose.prose import anomaly_sentence
 from nanreplay.diagnose.site import Site
 from nanreplay.enums import FixKind
@@ -30,7 +32,7 @@ def diagnose(result, subject, step: Step, c: int | None, chain: list[int], *, ve
     diag = RULES.answer(site)
     if verify_fixes:
         ref = plausible.Lazy(lambda: plausible.reference(info, step, subject))  # only when a replay is finite
-        chosen, tried = _verify(diag, subject, ref)
+        chosen, tried = _verify(diag, subject, ref, step)
     else:
         chosen, tried = diag.fixes[0], []
     explanation = diag.explanation
@@ -52,14 +54,25 @@ def diagnose(result, subject, step: Step, c: int | None, chain: list[int], *, ve
 _ADVICE_FIRST = (FixKind.NORMALIZE_INPUT,)  # causes a replay of this step cannot test (they are in the data)
 
 
-def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None) -> tuple[Fix, list[Fix]]:
-    """Try each candidate fix in order; the first whose replay is finite *and* plausible wins, else the first."""
+def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | None = None
+            ) -> tuple[Fix, list[Fix]]:
+    """Try each candidate fix in order; the first that is a no-op where the original was fine and whose replay
+    is finite *and* plausible — against a reference of the same step first, the history only where there is
+    none — wins; else the first."""
     tried = []
+    same = plausible.SameStep()
+    if step is not None and step.failure is not None and step.failure.what == "gradient":
+        same.own = _finite_loss(step, subject)
+    probes: dict = {}  # (kind, ε) -> the Outcome of an ε-probe replay: the next candidate (ε × 100) reuses it
     for fix in diag.fixes:
+        label = "with the fix"
         if fix.patch:
             label = ("with the rewritten line, at every call it makes" if fix.tested_as == "line" else
                      "with an op-level patch at the culprit's call (no line of yours is rewritten)")
-            o = verify.try_patch(subject, fix.patch, label=label)
+            o = probes.pop((fix.kind, f"{fix.epsilon:.0e}"), None) if fix.epsilon is not None else None
+            if o is None:
+                o = verify.try_patch(subject, fix.patch, label=label, noop=fix.noop_exempt is None,
+                                     compare_at=fix.compare_at)
         elif fix.variant:
             v = fix.variant
             o = verify.try_variant(subject, dtype=v.get("dtype"), autocast=v.get("autocast", "same"),
@@ -68,13 +81,25 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None) -> tuple[Fix, 
             fix.verification = fix.verification or "not replayed: not a code change at the culprit site"
             tried.append(fix)
             continue
-        if o.ok:
-            ok, why = plausible.judge(o.loss, o.grad_norm, o.grad_norms, ref.get() if ref is not None else None)
+        if o.ok and o.noop is not None and not o.noop.ok:
+            ok, why = False, f"finite, but not a no-op: it {o.noop.sentence()}"
+            fix.verified, fix.verification = False, f"{o.detail} — {why}"
+        elif o.ok:
+            ok, why = _judge(fix, o, subject, same, ref, probes, label)
             fix.verified = ok is not False  # not judged (nothing to compare with) is said, not hidden
+            if o.noop is not None and o.noop.elements:
+                why += f"; {o.noop.sentence()}"
+            elif fix.noop_exempt:
+                why += f"; not compared value by value with the original: {fix.noop_exempt}"
             fix.verification = f"{o.detail} — {why}"
+            if ok and fix.kind in EXACT_KINDS and same.exact is None and o.loss is not None:
+                same.exact = (f"the exact formulation ({fix.kind.value})", o.loss)
         else:
             ok, why = False, "the replay is not finite"
             fix.verified, fix.verification = False, o.detail
+            if fix.kind in EXACT_KINDS and o.loss is not None and same.exact is None and o.noop is not None \
+                    and o.noop.elements and o.noop.ok:  # its gradient broke, but its loss is this step's own
+                same.exact = (f"the loss of the exact formulation ({fix.kind.value})", o.loss)
         fix.replay = {"loss": o.loss, "grad_norm": o.grad_norm, "plausible": ok, "why": why}
         tried.append(fix)
         if fix.verified:
@@ -90,6 +115,34 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None) -> tuple[Fix, 
     finite_ones = [f for f in code_fixes if f.replay and f.replay.get("plausible") is False and f.replay.get("loss")
                    is not None and f.replay.get("why") != "the replay is not finite"]
     return (finite_ones[0] if finite_ones else code_fixes[0] if code_fixes else diag.fixes[0]), tried
+
+
+def _finite_loss(step: Step, subject) -> float | None:
+    v = step.loss
+    if isinstance(v, (int, float)) and math.isfinite(v):
+        return float(v) / (subject.loss_scale or 1.0)
+    return None
+
+
+def _judge(fix: Fix, o: verify.Outcome, subject, same: plausible.SameStep, ref: plausible.Lazy | None,
+           probes: dict, label: str) -> tuple[bool | None, str]:
+    """Plausible? An exact reformulation that is a no-op where the original was fine computes this step's own
+    value; any other fix must agree with the references of the same step there are (that exact loss, the step's
+    own finite loss, the same fix at ε × 100); only with none of those is the history asked. Where the same step
+    says yes and the history says no, the batch is unusual, and that is said."""
+    history = ref.get() if ref is not None else None
+    if fix.kind in EXACT_KINDS and fix.patch and o.noop is not None and o.noop.elements:
+        return True, ("plausible against the same step: an exact reformulation of it, equal to the original "
+                      "wherever the original was finite" + plausible.unusual_batch(o.loss, history))
+    probe_loss = None
+    if fix.probe and fix.epsilon is not None:
+        p = verify.try_patch(subject, fix.probe, label=label, noop=fix.noop_exempt is None, compare_at=fix.compare_at)
+        probes[(fix.kind, f"{fix.epsilon * 100:.0e}")] = p  # the same replay as the candidate at ε × 100
+        probe_loss = p.loss if p.ok else None
+    ok, why = plausible.judge_same_step(o.loss, same, probe_loss, fix.epsilon if probe_loss is not None else None)
+    if ok is not None:
+        return ok, why + (plausible.unusual_batch(o.loss, history) if ok else "")
+    return plausible.judge(o.loss, o.grad_norm, o.grad_norms, history)
 
 
 def for_leaves(verdict: str, rows: list[dict], snap) -> dict:

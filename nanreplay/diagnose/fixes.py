@@ -201,11 +201,14 @@ def edge_fix(s: Site, kind: FixKind, scale: float | None, what: str, change_code
         if d > cands[-1][0]:
             cands.append((d, f"eps = {fmt(d)}: the scale of the smallest non-zero value it changes in this batch "
                              f"({data_eps:.3g}), so the values made at the edge stay in the range of the others"))
-    for e, why in cands:
+    def made(e: float) -> tuple[codefix.Rewrite | None, dict | None]:
         rw = s.rewrite(codefix.with_operand(which, lambda t, e=e: change_code(t, e)), call, scalars=scalars)
         fn = operand_fn(rw) or (lambda t, e=e: change(t, e))
+        return rw, s.at_calls(replace_arg(arg, fn), call, rw)
+    for e, why in cands:
+        rw, patch = made(e)
         fixes.append(Fix(kind, "", epsilon=e, reasoning=why, rewrite=rw, guidance=f"{guidance(e)} at {s.where}",
-                         patch=s.at_calls(replace_arg(arg, fn), call, rw)))
+                         patch=patch, probe=made(e * 100)[1]))
     return fixes
 
 

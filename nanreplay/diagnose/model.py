@@ -41,6 +41,10 @@ class Fix:
     alternatives: list[str] = field(default_factory=list)  # other changes that may help: never replayed
     replay: dict | None = None  # {loss, grad_norm, plausible, why} of the verification replay
     tested_as: str | None = None  # "line" (the rewritten line, at every call) | "op" (an op-level patch) | "step"
+    probe: dict[int, Callable] | None = None  # the same patch with ε × 100: the loss must not depend on ε
+    compare_at: list[int] | None = None  # where the no-op check compares (the rewritten expression's end), if not
+                                         # at the patched calls themselves (exp(x - max) differs from exp(x))
+    noop_exempt: str | None = None  # why the no-op check does not apply (the original's finite values are noise)
     rewrite: InitVar[codefix.Rewrite | None] = None  # the user's line rewritten: becomes code/before/after
 
     def __post_init__(self, rewrite: codefix.Rewrite | None) -> None:
@@ -63,6 +67,12 @@ class Fix:
                 "after": self.after, "replay": self.replay, "tested_as": self.tested_as,
                 "patched_calls": sorted(self.patch) if self.patch else [],
                 "alternatives": [{"code": a, "tested": False, "label": "untested"} for a in self.alternatives]}
+
+
+# Fixes that compute the same maths in a stable form: equal to the original wherever it was finite (checked by
+# replay), so where one replays finite it *is* this step's loss, and the reference other candidates must meet.
+EXACT_KINDS = frozenset({FixKind.XLOGY, FixKind.LOG_SOFTMAX, FixKind.LOGSIGMOID, FixKind.BCE_WITH_LOGITS,
+                         FixKind.MAX_SUBTRACTION, FixKind.STABLE_VARIANCE, FixKind.GUARD_EMPTY_REDUCTION})
 
 
 @dataclass

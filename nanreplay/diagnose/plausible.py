@@ -232,3 +232,55 @@ def float64_loss(subject) -> float | None:
     except Exception:  # noqa: BLE001
         return None
     return abs(v) / (subject.loss_scale or 1.0) if math.isfinite(v) else None
+
+
+# ------------------------------------------------------------------ a reference of the same step
+
+SAME_RTOL = 1e-2  # a fixed step agrees with a reference of the same step when its loss is within 1 % of it
+SAME_ATOL = 1e-6  # ... or within this much (a loss whose terms cancel to ~0 is all rounding)
+
+
+@dataclass
+class SameStep:
+    """What a fixed replay of *this* step is compared with, before any history: the loss of an exact
+    reformulation that verified (xlogy, log_softmax, ...), the step's own loss where it was finite (a gradient
+    failure), and the same fix with ε two decades larger (the loss must not depend on an arbitrary ε)."""
+    exact: tuple[str, float] | None = None  # (what, loss) of a verified exact reformulation of this step
+    own: float | None = None  # the step's own finite loss (unscaled)
+
+
+def _agree(a: float, b: float) -> bool:
+    return abs(a - b) <= SAME_RTOL * max(abs(a), abs(b)) + SAME_ATOL
+
+
+def judge_same_step(loss: float | None, same: SameStep, probe_loss: float | None, eps: float | None
+                    ) -> tuple[bool | None, str]:
+    """(plausible, why) against references of the same step; (None, "") when there is none to compare with.
+    Every reference there is must agree."""
+    if loss is None:
+        return None, ""
+    parts, bad = [], []
+    for what, ref in ([same.exact] if same.exact else []) + ([("the step's own finite loss", same.own)]
+                                                             if same.own is not None else []):
+        (parts if _agree(loss, ref) else bad).append(f"loss {loss:.6g} {'≈' if _agree(loss, ref) else '≠'} "
+                                                     f"{ref:.6g}, {what}")
+    if probe_loss is not None and eps is not None:
+        e2 = eps * 100
+        (parts if _agree(loss, probe_loss) else bad).append(
+            f"the loss {'does not move' if _agree(loss, probe_loss) else 'moves'} when ε changes by two decades "
+            f"({loss:.6g} at ε = {eps:.0e}, {probe_loss:.6g} at ε = {e2:.0e})")
+    if bad:
+        return False, f"finite but implausible against the same step: {'; '.join(bad)}"
+    if parts:
+        return True, f"plausible against the same step: {'; '.join(parts)}"
+    return None, ""
+
+
+def unusual_batch(loss: float | None, ref: Reference | None) -> str:
+    """A note, never a verdict: the batch itself is far from the recent history (its scale, not the fix)."""
+    if loss is None or ref is None or ref.loss is None or not ref.source.startswith("the recent history"):
+        return ""
+    if abs(loss) <= LOSS_FACTOR * max(ref.loss, 1e-12):
+        return ""
+    return (f"; this batch is unusual: its fixed loss {abs(loss):.4g} is {abs(loss) / max(ref.loss, 1e-12):.3g}× "
+            f"the largest in {ref.source} ({ref.loss:.4g}) — the batch's scale, not the fix")

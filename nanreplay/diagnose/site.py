@@ -143,7 +143,31 @@ class Site:
         s = self.source
         mod = self.step.module_of(self.event)
         at = f"{s['file']}:{s['line']}" if s else f"{self.call_name or self.event.op} (no source line)"
-        return f"{at} (module {mod!r})" if mod else f"{at} (the model's own forward)"
+        lib = library_of(s.get("recorded_path") or s.get("file") or "") if s else None
+        inside = f", inside {lib}" if lib else ""
+        if mod and mod != "<loss>":
+            return f"{at} (module {mod!r}{inside})"
+        return f"{at} ({ran_in(mod, s)}{inside})"
+
+    @property
+    def library(self) -> str | None:
+        """The package whose code made the culprit call (transformers, torch, ...), where it is library code
+        (site-packages, dist-packages, torch itself) rather than the user's: its line is not the user's to edit."""
+        s = self.source
+        return library_of(s.get("recorded_path") or s.get("file") or "") if s else None
+
+    @property
+    def made_where(self) -> str:
+        """Where the value was made: the culprit's line; in library code from the package down
+        ('transformers/loss/loss_utils.py:47')."""
+        s = self.source
+        if not s:
+            return self.call_name or self.event.op
+        path = (s.get("recorded_path") or s.get("file") or "").replace("\\", "/")
+        for m in ("/site-packages/", "/dist-packages/"):
+            if m in path:
+                path = path.split(m, 1)[1]
+        return f"{path if self.library else s['file']}:{s['line']}"
 
     def chain_events(self) -> list[Event]:
         return [self.step.events[i] for i in self.chain]
@@ -204,8 +228,8 @@ class Site:
         """Rewrite the culprit call (or call number `call`) in the user's source, if it can be read."""
         call = self.call if call is None else call
         src = self.source if call == self.call else self.source_of(call)
-        if not src or not call:
-            return None
+        if not src or not call or library_of(src.get("recorded_path") or src.get("file") or ""):
+            return None  # library code (site-packages, torch) is not the user's to edit: an op-level patch instead
         if scalars is None and call == self.call and self.forward:
             scalars = [v for v in self.event.scalars or [] if isinstance(v, (int, float)) and not isinstance(v, bool)]
         return codefix.rewrite(src, src["line"], self.name_of(call), transform, ordinal=self.ordinal(call),
@@ -215,3 +239,28 @@ class Site:
 def finite_float(v: Any) -> float | None:
     """A statistic as a finite float, or None (missing, not a number, or not finite)."""
     return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+_LIBRARY_MARKERS = ("/site-packages/", "/dist-packages/", "\\site-packages\\", "\\dist-packages\\")
+
+
+def library_of(path: str) -> str | None:
+    """'…/site-packages/transformers/loss/loss_utils.py' -> 'transformers'; torch's own files -> 'torch'; else None."""
+    p = path.replace("\\", "/")
+    for m in ("/site-packages/", "/dist-packages/"):
+        if m in p:
+            return p.split(m, 1)[1].split("/", 1)[0] or "a library"
+    if "/torch/" in p and p.rsplit("/torch/", 1)[0].endswith(("lib/python3", "python3")):
+        return "torch"
+    return None
+
+
+def ran_in(module: str | None, src: dict | None) -> str:
+    """Where an op outside every submodule ran, in words: the model's own forward, the loss function, or the
+    user's loss/step code (a `training_step`, `compute_loss`, a step function), told by the function it ran in."""
+    fn = (src or {}).get("function") or ""
+    if module == "<loss>" and (not fn or fn == "<module>"):
+        return "the loss function"
+    if module != "<loss>" and (not fn or fn == "forward"):
+        return "the model's own forward"
+    return f"in {fn}(), the loss/step code outside the model's modules"

@@ -27,6 +27,11 @@ from tolerance import unrounded
 pytestmark = pytest.mark.filterwarnings(r"ignore:std\(\):UserWarning")
 
 NOT_CODE = ("lower_lr_clip_grads", "none")  # fixes that are not a change at the culprit site: nothing to verify
+# Fixes that replay finite and are honestly not verified: an ε that sets the loss (x / ε, log(ε), erfinv(1 - ε):
+# the loss moves when ε changes by two decades), or an ε so large in float16 that it moves the values that were fine.
+NOT_VERIFIED = {"reciprocal_zero": "moves when ε changes", "stateful_log_zero": "moves when ε changes",
+                "x_over_zero": "moves when ε changes", "unknown_erfinv": "moves when ε changes",
+                "signed_zero_fp16": "not a no-op"}
 CAUSE_CASES = sorted(n for n, c in causes.CASES.items() if "cause" in c.expect)
 CULPRIT_KEYS = ("phase", "kind", "op", "forward_op", "backward_node", "module")
 
@@ -52,6 +57,9 @@ def test_cause_fix_and_verification(run_case, name):
     assert (diag["cause"], diag["fix"]["kind"]) == (exp["cause"], exp["fix"])
     if exp["fix"] in NOT_CODE:
         assert diag["fix"]["verified"] is None and diag["fix"]["replay"] is None
+    elif name in NOT_VERIFIED:
+        assert diag["fix"]["verified"] is False and "every parameter gradient finite" in diag["fix"]["verification"]
+        assert NOT_VERIFIED[name] in diag["fix"]["verification"], diag["fix"]["verification"]
     else:
         assert diag["fix"]["verified"] is True, diag["fix"]["verification"]
         assert "every parameter gradient finite" in diag["fix"]["verification"]
@@ -66,7 +74,7 @@ NO_REWRITE = {
     "bce_saturated": "the fix spans two places: return logits from the model, use them in the loss",
     "ce_all_ignored": "the loss is `--loss cross_entropy`: there is no user line to rewrite",
     "exploded": "the weights are the problem, not a line",
-    "unknown_erfinv": "no fix is suggested",
+    "unknown_i0": "no fix is suggested",
     "autocast_fp16": "the fix is the autocast dtype, a whole-step change",
     "fp16": "the fix is the model's dtype, a whole-step change",
     "exploded_norm": "the weights are the problem, not a line",
@@ -86,7 +94,8 @@ def test_suggested_line_is_runnable_and_fixes_the_step(run_case, tmp_path, monke
     """Apply the shown `after` to a copy of the user's file: the same snapshot then replays finite."""
     res, path = run_case(name, module=module)
     fix = res.diagnosis["fix"]
-    assert fix["verified"] is True and fix["before"] and fix["after"], fix
+    # replayed finite (verified, or honestly not: see NOT_VERIFIED), and shown as the user's line
+    assert "every parameter gradient finite" in (fix["verification"] or "") and fix["before"] and fix["after"], fix
     assert fix["code"] == fix["after"]
     ast.parse(fix["after"])  # valid Python on its own
     fixed = f"{module.__name__}_fixed_{name}"
@@ -157,16 +166,17 @@ def test_reciprocal_fix_changes_the_denominator(run_case):
 def test_epsilon_fits_float16(run_case):
     """x / s in float16 with a signed s: the eps that only looks at the values (1e-4) would overflow the
     gradient x / eps² that `s + eps` passes on to s. The chosen eps is raised to that floor and says why; it
-    replays finite, but x / 1e-2 makes the pruned feature's values 100× the others': implausible, so the next
-    candidate is tried. Replaying with 1e-4 confirms that it fails outright."""
+    replays finite, but an eps of 1e-2 in float16 moves the quotients that were fine by percents: not a no-op,
+    so not verified, and every larger candidate is tried and fails the same way. Replaying with 1e-4 confirms
+    that it fails outright."""
     res, path = run_case("signed_zero_fp16")
-    first, *_ = res.diagnosis["candidates"]
+    first, *rest = res.diagnosis["candidates"]
     fix = res.diagnosis["fix"]
     assert first["epsilon"] == 1e-2 and first["verified"] is False and first["replay"]["plausible"] is False
     assert "float16" in first["reasoning"] and "x / eps²" in first["reasoning"] and "1e-4" in first["reasoning"]
-    assert "finite but implausible" in first["verification"]
-    assert fix["verified"] is True and fix["epsilon"] > first["epsilon"] and fix["replay"]["plausible"] is True
-    assert fix["after"].startswith(f"return (x / (self.s + {fix['epsilon']:.0e})).mean()".replace("e+00", "e+0"))
+    assert "not a no-op" in first["verification"] and "changes values the original computed fine" in \
+        first["verification"]
+    assert rest and all(c["verified"] is False for c in rest) and fix["verified"] is False
     c = causes.CASES["signed_zero_fp16"]
     subject = formats.rebuild(formats.load(path), model=c.model_spec, loss=None, device=None, trust=False)
     call = res.step.call_of(res.step.events[res.culprit["event"]])
@@ -204,13 +214,13 @@ def test_exploded_weights_names_them_and_is_not_verified(run_case):
 
 
 def test_unknown_pattern_gets_the_honest_generic_diagnosis(run_case):
-    """erfinv(±1) = ±Inf: no rule knows it, so no fix is invented; what was seen and where is stated."""
-    d = run_case("unknown_erfinv")[0].to_json()
+    """i0 overflow: no rule knows it, so no fix is invented; what was seen and where is stated."""
+    d = run_case("unknown_i0")[0].to_json()
     diag = d["diagnosis"]
     assert diag["cause"] == "unrecognised" and diag["fix"]["kind"] == "none" and diag["fix"]["verified"] is None
     expl = diag["explanation"]
-    assert "aten.erfinv.default" in expl and f"causes.py:{causes.CASES.marker_line('unknown_erfinv')}" in expl
-    assert "range -1 .. 1" in expl and "no specific rule" in expl
+    assert "aten.i0.default" in expl and f"causes.py:{causes.CASES.marker_line('unknown_i0')}" in expl
+    assert "no specific rule" in expl
 
 
 def test_autocast_fp16_fix_and_precision_probe(run_case):

@@ -157,7 +157,9 @@ def test_sample_report_renders_every_section_that_applies(name, tmp_path):
     fix = d["diagnosis"]["fix"]
     if fix["verified"]:
         assert b.fix.badge.text == "✓ verified by replay" and b.fix.badge.tone == "ok"
-    else:  # it replayed finite, but far from the run's history: shown as such, not as verified
+    elif fix["verified"] is None:  # not replayable (fp16_overflow: the training's lr and clipping): said, muted
+        assert b.fix.badge.tone == "muted" and "not replayed" in b.fix.verification
+    else:  # it replayed finite, but the loss moves with eps (log_zero): shown as such, not as verified
         assert b.fix.badge.tone == "bad" and "finite but implausible" in b.fix.verification
     if fix["before"]:
         assert [dl.text for dl in b.fix.diff if dl.sign == "-"] == fix["before"].splitlines()
@@ -168,7 +170,8 @@ def test_sample_report_renders_every_section_that_applies(name, tmp_path):
         assert f"ε = {fix['epsilon']:g}" in b.fix.label
     verdict_text = page.section_text("verdict")
     for needle in (c["op"], d["diagnosis"]["title"], f"{c['source']['file']}:{c['source']['line']}",
-                   "verified by replay" if fix["verified"] else "finite but implausible"):
+                   "verified by replay" if fix["verified"] else "not replayed" if fix["verified"] is None
+                   else "finite but implausible"):
         assert needle in verdict_text
 
     # 2. anomaly mode: the answer agrees with the analysis, with the seed's Inf-vs-NaN point when it is late/silent

@@ -74,7 +74,8 @@ def test_the_precision_sentence_is_written_from_the_table_it_sits_under():
     v = view(d)
     ok = [r[0].text for r in v.precision.rows if r[3].text == "finite"]
     assert ok and "float64" in ok
-    assert "not in float16" in v.precision.sentence and all(t in v.precision.sentence for t in ok)
+    # fc2's weights grew: every finite row's loss is far beyond the run's history, and the rows say so
+    assert "magnitude problem" in v.precision.sentence and all(t in v.precision.sentence for t in ok)
     text = page_text(d)
     assert "but not in float64" not in text  # the diagnosis' copy is not shown anywhere on the page
     assert "precision" not in v.banner.explanation.lower()

@@ -4,6 +4,16 @@ Dispatch order comes from the priorities alone (see diagnose/model.py), not from
 
 from __future__ import annotations
 
-from nanreplay.diagnose.rules import division, generic, logs, optimizer, precision, roots_powers, softmax, where
+from nanreplay.diagnose.rules import (
+    division,
+    domain,
+    generic,
+    logs,
+    optimizer,
+    precision,
+    roots_powers,
+    softmax,
+    where,
+)
 
-__all__ = ["division", "generic", "logs", "optimizer", "precision", "roots_powers", "softmax", "where"]
+__all__ = ["division", "domain", "generic", "logs", "optimizer", "precision", "roots_powers", "softmax", "where"]

@@ -5,6 +5,7 @@ division_by_zero: both claim x / 0, and naming the norm explains it better."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -97,8 +98,10 @@ def _floor_clamped(num: dict, fi: torch.finfo) -> float | None:
     return n / fi.max if n else None
 
 
-@rule("empty_reduction", aten.nll_loss_forward, aten.nll_loss2d_forward, aten.mean, priority=90)
+@rule("empty_reduction", aten.nll_loss_forward, aten.nll_loss2d_forward, aten.mean, aten.div, priority=90)
 def _empty_reduction(s: Site) -> Diagnosis | None:
+    if s.op_packet == "aten.div":
+        return _count_rule(s)
     if not s.forward or s.event.kind != "nan" or s.event.role != "origin":
         return None
     if s.packet == "aten.mean":
@@ -168,7 +171,9 @@ def _guarded_ce_text(src, node, ignore: int) -> str | None:
     return f"{src(node.func)}({', '.join(parts)}) / ({src(target)} != {ignore}).sum().clamp_min(1)"
 
 
-_NORMS = ("aten.linalg_vector_norm", "aten.norm", "aten.sqrt", "aten.std", "aten.var", "aten.sum", "aten.abs")
+_NORMS = ("aten.linalg_vector_norm", "aten.norm", "aten.sqrt", "aten.std", "aten.var", "aten.abs")
+_NONNEG = ("aten.abs", "aten.pow", "aten.square", "aten.relu", "aten.exp", "aten.sigmoid", "aten.softmax",
+           "aten._softmax")  # a sum of these is a norm (an L1 norm, a normaliser): a count is not
 _DIVS = ("div", "__truediv__", "true_divide", "divide")
 
 
@@ -181,7 +186,96 @@ def _is_mask(s: Site, rec, i: int) -> bool:
     return s.src(i, rec) is None or s.origin_packet(i, rec) in _MASKS
 
 
-@rule("masked_mean_empty", aten.div, priority=85)
+_COUNT_NAMES = ("num_items", "num_tokens", "n_tokens", "ntokens", "num_pos", "n_pos", "count", "num_valid",
+                "n_valid", "num_elements", "numel", "denom")
+
+
+def _batch_tensor(s: Site, name: str) -> torch.Tensor | None:
+    from nanreplay.replay.subject import batch_tensors
+    try:
+        return next((t for n, _, t in batch_tensors(s.subject) if n == name), None)
+    except Exception:  # noqa: BLE001 - a subject without a batch to look at: no evidence
+        return None
+
+
+def _is_01(s: Site, rec, i: int, depth: int = 0) -> bool:
+    """The i-th input of `rec` holds only 0s and 1s by provenance: a comparison (cast or not), a product of
+    such, a bool/integer batch tensor or a batch tensor of 0s and 1s (an attention mask)."""
+    if depth > 8:
+        return False
+    leaf = s.leaf(i, rec)
+    if leaf is not None:
+        t = _batch_tensor(s, leaf[1])
+        return t is not None and (not t.is_floating_point() or bool(((t == 0) | (t == 1)).all()))
+    r = s.origin(i, rec)
+    if r is None:
+        return False
+    pk = packet(str(r.op))
+    if pk in _MASKS:
+        return True
+    if pk in ("aten.mul", "aten.logical_and", "aten.bitwise_and"):
+        tensors = [j for j in range(len(r.src)) if r.src[j] is not None or (r.leaves and r.leaves[j])]
+        return bool(tensors) and all(_is_01(s, r, j, depth + 1) for j in tensors)
+    return False
+
+
+def count_source(s: Site, i: int = 1) -> str | None:
+    """In words, why the culprit's i-th input is a count (of tokens, items, positives), or None: an integer
+    tensor, a batch entry named as a count (num_items_in_batch), or a sum / count_nonzero of a 0/1 tensor —
+    however many products and casts lie in between."""
+    st = s.inp(i)
+    leaf = s.leaf(i)
+    if leaf is not None:
+        low = leaf[1].lower()
+        if any(k in low for k in _COUNT_NAMES):
+            return f"the batch entry {leaf[1]!r}"
+        t = _batch_tensor(s, leaf[1])
+        if t is not None and not t.is_floating_point():
+            return f"the integer batch entry {leaf[1]!r}"
+    if st.get("dtype", "").startswith(("int", "uint", "bool")):
+        return "an integer tensor"
+    r = s.origin(i)
+    if r is None:
+        return None
+    pk = packet(str(r.op))
+    if pk == "aten.count_nonzero":
+        return "a count_nonzero()"
+    if pk == "aten.sum" and _is_01(s, r, 0):
+        return "a sum of a 0/1 mask (a count of selected positions)"
+    return None
+
+
+def _count_rule(s: Site) -> Diagnosis | None:
+    """x / n where n is a count that is 0 in this batch: a reduction over nothing (a mean over zero tokens,
+    transformers' `loss / num_items_in_batch` with every label -100, a focal loss `/ num_pos` with no positives)."""
+    if not (s.forward and s.op_packet == "aten.div" and s.call_is(*_DIVS)):
+        return None
+    d = s.inp(1)
+    what = count_source(s) if d.get("zeros") else None
+    if what is None:
+        return None
+    leaf = s.leaf(1)
+    words = re.findall(r"[A-Za-z_]\w*", leaf[1]) if leaf is not None else []
+    name = words[-1] if words else "count"
+    rw = None if s.library else s.rewrite(codefix.with_operand("other", lambda t: f"{codefix.paren(t)}.clamp_min(1)"))
+    fn = operand_fn(rw) or (lambda t: t.clamp_min(1))
+    fix = Fix(FixKind.GUARD_EMPTY_REDUCTION, "", rewrite=rw, patch=s.at_calls(replace_arg(1, fn), rewrite=rw),
+              guidance=(f"pass {name}.clamp_min(1) where you call {s.library} (the division by it is {s.library}'s "
+                        f"own code, {s.made_where}: not yours to edit), or skip batches with nothing to average"
+                        if s.library else f"divide by the count clamped to at least 1 ({name}.clamp_min(1)) at "
+                        f"{s.where}: a batch with nothing to average then contributes 0"),
+              reasoning="a count is a whole number: clamp_min(1) changes nothing where it is ≥ 1, and where it is 0 "
+                        "the sum it divides is 0 too, so the term becomes 0 instead of 0/0")
+    zero = "0/0 = NaN" if s.event.kind == "nan" else "x/0 = Inf"
+    return Diagnosis("empty_reduction", "a reduction over zero elements (a count of 0)",
+                     f"the denominator is a count — {what} — and it is 0 in this batch "
+                     f"({count(d['zeros'], 'zero count')}), so the division at {s.where} is {zero}: the batch has "
+                     "nothing to average (every label ignored, e.g. -100 everywhere because a prompt was truncated "
+                     "past its answer; a mask that selects no token; no positive examples). Keep the count at "
+                     "least 1, and skip or repair batches with nothing to average in the data pipeline.", [fix])
+
+
+@rule("masked_mean_empty", aten.div, priority=95)
 def _masked_mean(s: Site) -> Diagnosis | None:
     """(x * mask).sum() / mask.sum() with a mask that selects nothing: 0/0. Not a norm: a count of zero."""
     if not (s.forward and s.op_packet == "aten.div" and s.call_is(*_DIVS) and s.event.kind == "nan"):
@@ -217,6 +311,8 @@ def _normalize(s: Site) -> Diagnosis | None:
     idx = 1
     d = s.inp(idx)
     prod = s.origin_packet(idx)
+    if prod == "aten.sum" and s.origin_packet(0, s.origin(idx)) in _NONNEG:
+        prod = "aten.abs"  # x / |x|.sum(): an L1 norm
     if not d.get("zeros") or prod not in _NORMS or s.event.kind != "nan":
         return None
     is_std = prod in ("aten.std", "aten.var", "aten.sqrt")

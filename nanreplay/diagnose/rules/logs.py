@@ -214,12 +214,15 @@ def _zero_log_zero(s: Site) -> Diagnosis | None:
                          guidance=f"compute p * log(p) as torch.special.xlogy(p, p) at {s.where}: it is 0 where p == 0",
                          reasoning="xlogy(x, y) = x*log(y) with 0 where x == 0 — but its gradient with respect "
                                    "to y is x/y, still 0/0 = NaN at p == 0"))
-    for e, why_e in eps_candidates(eps, why):
+    def made(e: float):
         rw = s.rewrite(codefix.with_operand("input", lambda t, e=e: f"{codefix.paren(t)}.clamp_min({fmt(e)})"))
         fn = operand_fn(rw) or (lambda t, e=e: t.clamp_min(e))
-        fixes.append(Fix(FixKind.CLAMP, "", epsilon=e, rewrite=rw,
+        return rw, s.at_calls(replace_arg(0, fn), rewrite=rw)
+    for e, why_e in eps_candidates(eps, why):
+        rw, patch = made(e)
+        fixes.append(Fix(FixKind.CLAMP, "", epsilon=e, rewrite=rw, probe=made(e * 100)[1],
                          guidance=f"clamp log's input to at least {fmt(e)} inside p * log(p) at {s.where}",
-                         patch=s.at_calls(replace_arg(0, fn), rewrite=rw),
+                         patch=patch,
                          reasoning=f"clamping inside the log keeps p*log(p) = 0 at p = 0 with finite gradients; {why_e}"))
     return Diagnosis(
         "zero_times_log_zero", "0 * log(0): an entropy-style term p*log(p) at p = 0",

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from nanreplay.diagnose import magnitude
+from nanreplay.diagnose import magnitude, plausible
 from nanreplay.diagnose.divergence import divergence, lr_clip_fix
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.site import Site, finite_float, packet
@@ -66,6 +66,81 @@ def _diverged(s: Site) -> Diagnosis | None:
     return Diagnosis("training_diverged", "training diverged", expl, [lr_clip_fix(d, s.info)], extra)
 
 
+def operands(s: Site) -> str:
+    """The culprit's inputs, each named for what it is: `fc2.weight` (a parameter) |w| up to 249.9, the
+    activation (its mat1) up to 152 — never one number for all of them."""
+    parts = []
+    names = _arg_names(s)
+    for i, st in enumerate(s.inputs):
+        v = finite_float(st.get("absmax"))
+        if v is None:
+            continue
+        who = s.leaf(i)
+        arg = names[i] if i < len(names) else f"input {i}"
+        if who is not None and who[0] == "parameter":
+            parts.append(f"the weight {who[1]} ({arg}) |w| up to {v:.4g}")
+        elif who is not None:
+            parts.append(f"the batch's {who[1]} ({arg}) up to {v:.4g}")
+        else:
+            parts.append(f"the activation {arg} up to {v:.4g}")
+    return "; ".join(parts)
+
+
+def _arg_names(s: Site) -> list[str]:
+    """The culprit op's tensor argument names from its schema (addmm: self, mat1, mat2)."""
+    try:
+        op = s.rec.op if s.forward and s.rec is not None else None
+        return [a.name for a in op._schema.arguments if "Tensor" in str(a.type)] if op is not None else []
+    except Exception:  # noqa: BLE001
+        return []
+
+
+def _grown_weights(s: Site, factor: float = 100.0) -> list[tuple[str, float, float]]:
+    """(name, max |w|, × its init scale) of weight matrices far beyond the scale an initialisation gives them
+    (1 / sqrt(fan_in)): weights that training grew."""
+    out = []
+    for n, p in s.subject.model.named_parameters():
+        if p.is_floating_point() and p.dim() >= 2 and p.numel():
+            init = 1 / math.sqrt(max(p[0].numel(), 1))
+            v = float(p.detach().abs().max())
+            if v > factor * init:
+                out.append((n, v, v / init))
+    return sorted(out, key=lambda t: -t[2])
+
+
+@rule("magnitude_overflow", priority=32)
+def _magnitude(s: Site) -> Diagnosis | None:
+    """A float16 overflow whose step is broken in every dtype: float64 computes it finite, but far outside the
+    run's history. A wider dtype only moves the overflow; the cause is the magnitude (weights that grew)."""
+    if _low_dtype(s) != "float16" or s.event.role != "origin" or s.event.kind != "inf":
+        return None
+    ref = plausible.reference(s.info, s.step, s.subject) if plausible.history_rows(s.info) else None
+    if ref is None or ref.loss is None or not ref.source.startswith("the recent history"):
+        return None
+    f64 = plausible.float64_loss(s.subject)
+    if f64 is None or f64 <= plausible.LOSS_FACTOR * max(ref.loss, 1e-12):
+        return None  # float64 computes what the run expects: a real precision/range problem (fp16_overflow)
+    grown = _grown_weights(s)
+    origin = magnitude.origin_of(s)
+    facts = [f"{n} |w| = {v:.4g} ({k:.0f}× the 1/sqrt(fan_in) scale an initialisation gives it)"
+             for n, v, k in grown[:3]]
+    what = ("the weights grew: " + "; ".join(facts)) if facts else "the values reaching it are that large in any dtype"
+    fix = lr_clip_fix(None, s.info)
+    fix.alternatives = []  # a dtype change is not offered as a fix here: it was measured not to be one
+    expl = (f"{s.event.op} overflowed float16 at {s.where}, but a wider dtype does not help: the same step in "
+            f"float64 gives a loss of {f64:.4g}, finite but {f64 / max(ref.loss, 1e-12):.3g}× the largest in "
+            f"{ref.source} ({ref.loss:.4g}) — broken in every dtype. Its inputs: {operands(s)}. The cause is the "
+            f"magnitude: {what}. A wider dtype (bfloat16, float32) only computes the same huge values without "
+            "overflowing; lower the learning rate, clip gradients, and restore a checkpoint from before the "
+            "weights grew.")
+    extra = {"float64_loss": f64}
+    if origin is not None:
+        extra["magnitude_origin"] = origin
+        expl += " " + magnitude.sentence(origin, s)
+    return Diagnosis("magnitude_overflow", "float16 overflow from values that are too large in any dtype", expl,
+                     [fix], extra)
+
+
 @rule("fp16_overflow", priority=30)
 def _fp16(s: Site) -> Diagnosis | None:
     low = _low_dtype(s)
@@ -114,7 +189,8 @@ def _fp16(s: Site) -> Diagnosis | None:
                          f"reaching {s.event.op} are of order 1",
             reasoning=f"|{name}| up to {absmax:.4g}: float16's largest value is {lmax:.0f}"))
     return Diagnosis("fp16_overflow", "float16 overflow" + (" on un-normalised input" if raw is not None else ""),
-                     f"{s.event.op} produced Inf from finite inputs (|x| up to {big:.4g}) {where_run}, whose largest "
+                     f"{s.event.op} produced Inf from finite inputs ({operands(s) or f'|x| up to {big:.4g}'}) "
+                     f"{where_run}, whose largest "
                      f"value is {lmax:.0f} ({s.where}). The same op is finite in a wider dtype.{have}", fixes)
 
 

@@ -145,6 +145,8 @@ def _stable_variance(s: Site, sub) -> list[Fix]:
     where = f"{fr['file']}:{fr['line']}" if fr else "where the variance is computed"
     return [Fix(FixKind.STABLE_VARIANCE, "", rewrite=rw, patch=patch,
                 guidance=f"compute the variance at {where} with torch.var(x, dim, correction=0) instead of E[x²] − E[x]²",
+                noop_exempt="the original's variances are cancellation noise (that is the bug), so they are not the "
+                            "values to keep",
                 reasoning="torch.var subtracts the mean first (two passes): a zero variance comes out as 0, never "
                           "below, so nothing has to be clamped")]
 
@@ -178,22 +180,6 @@ def _sqrt_zero(s: Site) -> Diagnosis | None:
                      "derivative 1/(2*sqrt(x)) is Inf there — the `sqrt(0).backward()` case of \"Debugging Gradients "
                      "That Misbehave\" (often a "
                      "distance or norm between identical vectors).", fixes)
-
-
-@rule("rsqrt_at_zero", aten.rsqrt, priority=145)
-def _rsqrt_zero(s: Site) -> Diagnosis | None:
-    """rsqrt(0) = Inf: an RMS norm (x * rsqrt(mean(x**2))) of an all-zero row, with no eps inside."""
-    x = s.inp(0)
-    if not (s.forward and s.packet == "aten.rsqrt" and s.call_is("rsqrt") and x.get("zeros")):
-        return None
-    fixes = edge_fix(s, FixKind.EPSILON, finite_float(x.get("absmax")), "rsqrt(x + eps) and its gradient",
-                     plus_eps, lambda t, e: t + e, lambda e: f"add {fmt(e)} to rsqrt's input (as RMSNorm's eps does)",
-                     floor=(1 / s.finfo.max) ** 2, floor_why="rsqrt(eps)",
-                     data_eps=finite_float(x.get("absmin_nonzero")))
-    return Diagnosis("rsqrt_at_zero", "rsqrt of zero: Inf",
-                     f"rsqrt's input held {count(x['zeros'], 'exact zero')} at {s.where}: 1/sqrt(0) = Inf, and "
-                     "Inf * 0 = NaN where the zero row is scaled by it (an RMS norm of an all-zero vector, e.g. a "
-                     "fully padded or masked position). Keep an eps inside the root.", fixes)
 
 
 def _exponent(s: Site) -> float | None:
@@ -265,8 +251,9 @@ def _acos(s: Site) -> Diagnosis | None:
     # 1 - eps must be a value the dtype can tell apart from 1 (the spacing just below 1 is finfo.eps / 2);
     # there the derivative 1/sqrt(1 - x²) ≈ 1/sqrt(2 eps) is large but finite.
     eps = float(f"{10.0 ** math.ceil(math.log10(s.finfo.eps)):.0e}")
+    tight = float(f"{s.finfo.eps / 2:.0e}")  # the spacing just below 1: changes only values at or beyond ±1
     fixes = []
-    for e in (eps, eps * 10, eps * 100):
+    for e in (tight, eps, eps * 10, eps * 100):
         lo, hi = f"-1 + {fmt(e)}", f"1 - {fmt(e)}"
         rw = s.rewrite(codefix.with_operand("input", lambda t, lo=lo, hi=hi: f"{codefix.paren(t)}.clamp({lo}, {hi})"))
         fn = operand_fn(rw) or (lambda t, e=e: t.clamp(-1 + e, 1 - e))

@@ -71,6 +71,7 @@ def _handwritten_softmax(s: Site) -> Diagnosis | None:
     x = s.inp(0)
     lim = math.log(s.finfo.max)
     assumed = "" if known else " (the summed dim could not be read from the source; dim=-1 assumed)"
+    compare_at = None
     if log_rec is not None:
         patch = None
         rw = s.rewrite(lambda src, node: _logsumexp_text(src, node, f"dim={dim!r}"), log_rec.call) \
@@ -100,6 +101,9 @@ def _handwritten_softmax(s: Site) -> Diagnosis | None:
                 "input", lambda t: codefix.plus(t, f"{codefix.paren(t)}.amax(dim={dim!r}, keepdim=True)", "-")))
         each = s.line_calls if rw is not None else (lambda c: [c])
         patch = {c: patch_fn for r in calls for c in each(r)} if all(calls) and len(set(calls)) == len(calls) else None
+        # exp(x - max) is not exp(x): the softmax is the same where the rewritten expression ends, its division
+        ends = [r.call for r in cons if packet(str(r.op)) == "aten.div" and r.call]
+        compare_at = sorted({c for e in ends for c in each(e)}) or None
         code = (f"subtract the maximum over dim {dim!r} from exp's input at {s.where} (or use torch.softmax(..., "
                 f"dim={dim!r}), which does)")
         title, stable = "hand-written softmax overflowed", "torch.softmax"
@@ -108,7 +112,7 @@ def _handwritten_softmax(s: Site) -> Diagnosis | None:
                      f"exp overflowed to Inf for inputs above {lim:.1f} ({s.dtype}; max seen {num(x.get('max'))}) at "
                      f"{s.where}, {then}. Subtracting the maximum over the summed dim first (what torch.softmax and "
                      f"torch.logsumexp do) keeps exp ≤ 1 and changes nothing mathematically.",
-                     [Fix(FixKind.MAX_SUBTRACTION, "", rewrite=rw, guidance=code,
+                     [Fix(FixKind.MAX_SUBTRACTION, "", rewrite=rw, guidance=code, compare_at=compare_at,
                           patch=patch, reasoning=f"{stable} is the stable form: exp(x - max) never overflows"
                           + assumed)])
 
@@ -120,11 +124,16 @@ def _exp_overflow(s: Site) -> Diagnosis | None:
     x = s.inp(0)
     lim = math.floor(math.log(s.finfo.max)) - 1
     fixes = []
-    rw = s.rewrite(codefix.with_operand("input", lambda t: f"{codefix.paren(t)}.clamp(max={lim})"))
-    fn = operand_fn(rw) or (lambda t: t.clamp(max=lim))
-    fixes.append(Fix(FixKind.CLAMP, "", rewrite=rw, guidance=f"clamp exp's input to at most {lim} at {s.where}",
-                     patch=s.at_calls(replace_arg(0, fn), rewrite=rw),
-                     reasoning=f"exp(x) overflows {s.dtype} above x ≈ {math.log(s.finfo.max):.1f}"))
+    # exp(87) is finite, but what consumes it may not be (a sum, a square, a product): tighter bounds follow, each
+    # verified like the first — and the no-op check rejects a bound that changes exps that were finite
+    for b in dict.fromkeys((lim, lim // 2, 20, 10)):
+        rw = s.rewrite(codefix.with_operand("input", lambda t, b=b: f"{codefix.paren(t)}.clamp(max={b})"))
+        fn = operand_fn(rw) or (lambda t, b=b: t.clamp(max=b))
+        fixes.append(Fix(FixKind.CLAMP, "", rewrite=rw, guidance=f"clamp exp's input to at most {b} at {s.where}",
+                         patch=s.at_calls(replace_arg(0, fn), rewrite=rw),
+                         reasoning=f"exp(x) overflows {s.dtype} above x ≈ {math.log(s.finfo.max):.1f}" + (
+                             "" if b == lim else f"; a bound of {b} also keeps what consumes exp (a sum of "
+                             f"exps, a square) finite")))
     return Diagnosis("exp_overflow", "exp overflow",
                      f"exp received values up to {num(x.get('max'))} at {s.where}; in {s.dtype} exp overflows above "
                      f"{math.log(s.finfo.max):.1f}. If this is a softmax or logsumexp, use the library function; "

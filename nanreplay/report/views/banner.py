@@ -9,6 +9,7 @@ summary are built from the same `Banner`, so the three cannot disagree.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from nanreplay.report.format import (
@@ -181,7 +182,8 @@ def _without_location(text: str, d: dict) -> str:
     mod = c.get("module")
     for suffix in (f" (module {mod!r})", " (the model's own forward)", " (module '<root>')", ""):
         text = text.replace(f" at {at}{suffix}", "").replace(f" ({at}{suffix})", "")
-    return text
+    # where the op ran, when that is not a module: "(in training_step(), the loss/step code …)", "(…, inside torch)"
+    return re.sub(r" \((in \w+\(\), the loss/step code[^()]*|the loss function[^()]*)\)", "", text)
 
 
 def why_and_details(d: dict, explanation: str) -> tuple[str, str]:
