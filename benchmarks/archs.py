@@ -21,7 +21,6 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from arch_types import Arch, Built, Skipped
 from hf_archs import hf_archs
 

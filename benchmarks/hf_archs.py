@@ -13,7 +13,6 @@ import warnings
 from collections.abc import Callable
 
 import torch
-
 from arch_types import Arch, Built, Skipped
 
 B, T = 2, 8  # batch size, sequence length of the text models

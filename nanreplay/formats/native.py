@@ -28,10 +28,10 @@ from nanreplay.errors import LimitError, ModelError, SnapshotError, TrustError, 
 from nanreplay.formats import schema as S
 from nanreplay.formats import update_record
 from nanreplay.formats.base import Format, Snapshot
+from nanreplay.formats.dryrun import dry_run
 from nanreplay.formats.loss_spec import loss_from_spec, loss_label
 from nanreplay.formats.program import DTYPES, decode
 from nanreplay.formats.rebuild import eager_subject, parse_device
-from nanreplay.formats.dryrun import dry_run
 from nanreplay.formats.stepmodel import StepModule
 from nanreplay.formats.usercode import build_model, resolve_loss
 from nanreplay.replay.subject import Subject, to_device

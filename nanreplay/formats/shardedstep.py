@@ -21,9 +21,9 @@ import torch
 import torch.nn as nn
 
 from nanreplay.errors import SnapshotError
+from nanreplay.formats.dryrun import dry_run
 from nanreplay.formats.program import DTYPES, Program, node_inputs
 from nanreplay.formats.segments import Segment, plan
-from nanreplay.formats.dryrun import dry_run
 from nanreplay.formats.stepmodel import StepModule, _container
 
 

@@ -28,8 +28,8 @@ from nanreplay.capture import plain
 from nanreplay.capture.program import record_step
 from nanreplay.capture.recipe import recipe
 from nanreplay.errors import SnapshotError
-from nanreplay.formats.program import DTYPES, decode, to_json
 from nanreplay.formats.dryrun import dry_run
+from nanreplay.formats.program import DTYPES, decode, to_json
 from nanreplay.formats.stepmodel import StepModule
 from nanreplay.formats.usercode import build_model
 

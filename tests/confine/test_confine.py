@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-
 from clirun import one_line_error, run
+
 from nanreplay import NanGuard, confine
 from nanreplay.confine import filters
 from nanreplay.errors import ConfinedCrash, LimitError

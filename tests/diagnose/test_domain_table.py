@@ -5,9 +5,9 @@ fine, and a loss that does not move when its ε changes."""
 
 from __future__ import annotations
 
+import domain_edges
 import pytest
 
-import domain_edges
 from nanreplay import analysis
 from nanreplay.diagnose.rules.domain import TABLE
 

@@ -12,7 +12,6 @@ settings.py, the zero device and a FIFO as the snapshot path.
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import subprocess
@@ -23,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-
 from crafting import LogNet, node_of, save, valid_snapshot, with_program
+
 from nanreplay.analysis import analyze
 from nanreplay.cli import main
 from nanreplay.errors import ModelError, SnapshotError, TrustError, UsageError

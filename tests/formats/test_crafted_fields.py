@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from clirun import one_line_error, run
 from crafting import R, save, valid_snapshot, with_nodes, with_program
+
 from nanreplay import atomic
 
 SECRET = "hunter2-do-not-leak"

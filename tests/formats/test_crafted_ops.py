@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from crafting import ROOT, R, assert_one_line_refusal, run_cli_cases, save, valid_snapshot, with_nodes, with_program
+
 from nanreplay import NanGuard
 
 BIG = 2**40
