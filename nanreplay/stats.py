@@ -8,7 +8,6 @@ runs without building autograd graph.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
@@ -109,32 +108,7 @@ def _num(x: float) -> float | str:
     return x
 
 
-NONFINITE_TEXT = {"nan": "NaN", "inf": "+Inf", "-inf": "−Inf"}  # jsonable's strings, as people read them
-
-
-def num(x: Any, digits: int = 4) -> str:
-    """A number for people: 4 significant digits, NaN/+Inf/−Inf spelled out, '—' for none.
-
-    The one way prose and reports write a measured number: never a 17-digit repr, and few enough digits
-    that float32 noise between machines (a relative 1e-7) does not show.
-    """
-    if x is None:
-        return "—"
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    if isinstance(x, str):
-        return NONFINITE_TEXT.get(x, x)
-    if isinstance(x, int):
-        return str(x)
-    if isinstance(x, float):
-        if math.isnan(x):
-            return "NaN"
-        if math.isinf(x):
-            return "+Inf" if x > 0 else "−Inf"
-        if x == 0:
-            return "0"
-        return f"{x:.{digits}g}"
-    return str(x)
+from nanreplay.numbers import NONFINITE_TEXT, num  # noqa: E402, F401 - torch-free: the report imports them too
 
 
 def dtype_name(dtype: torch.dtype) -> str:

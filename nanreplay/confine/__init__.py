@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 
-from nanreplay import errors
+from nanreplay import errors, interrupt
 from nanreplay.errors import ConfinedCrash, LimitError, ReplayError, SnapshotError, TimeLimitError
 
 # Address space for torch itself, beyond --max-memory: measured in the child when it confines itself (what it
@@ -124,7 +124,8 @@ def _spawn(job: dict, work: str, page: int, entry: str, reader: _Messages) -> tu
     finally:
         os.close(w)
     try:
-        text = reader.read(r)
+        with interrupt.cleanup(lambda: stop_group(proc.pid)):  # Ctrl-C or --timeout end the command: the child too
+            text = reader.read(r)
         return proc.wait(), text
     except BaseException:  # --timeout, Ctrl-C: stop the child (and anything it started), then go on unwinding
         stop_group(proc.pid)
@@ -152,7 +153,8 @@ def _fork(job: dict, work: str, page: int, reader: _Messages) -> tuple[int, byte
             os._exit(code)
     os.close(w)
     try:
-        text = reader.read(r)
+        with interrupt.cleanup(lambda: stop_group(pid)):
+            text = reader.read(r)
         return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), text
     except BaseException:
         stop_group(pid)

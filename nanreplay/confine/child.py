@@ -23,7 +23,7 @@ def main(job: dict) -> None:
     fd = job["result_fd"]
     out = os.fdopen(fd, "wb")
     try:
-        data = _encode({"analysis": _analyze(job, out)})
+        data = _encode({"analysis": _analyze({**job, "progress_out": out})})
     except MemoryError:
         data = _encode({"memory": True})
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent as data
@@ -44,8 +44,10 @@ def _encode(msg: dict) -> bytes:
     return json.dumps(msg, allow_nan=False).encode("utf-8")
 
 
-def _analyze(job: dict, out) -> dict:
+def _analyze(job: dict) -> dict:
     from nanreplay.analysis.pipeline import analyze
+
+    out = job["progress_out"]
 
     def progress(stage: str, result) -> None:  # the parent prints the culprit block as soon as the replay has it
         doc = result.to_json() if stage == "culprit" else None

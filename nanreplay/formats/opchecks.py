@@ -304,7 +304,9 @@ def _mkldnn_rnn_layer(call: Call) -> None:
     xs = _shape(x)
     if len(xs) != 3 or 0 in xs:
         raise Refused("input must be a non-empty (sequence, batch, features) tensor")
-    batch = xs[0] if call["batch_first"] else xs[1]
+    # the batch is one of the first two dimensions: torch's LSTM may pass the input already transposed while
+    # batch_first still says how the module was built, so accept either (each bounds the state buffers)
+    batches = {xs[0], xs[1]}
     want = {"weight0": (gates * h, xs[2]), "weight1": (gates * h, h)}
     if call["has_biases"]:
         want |= {"weight2": (gates * h,), "weight3": (gates * h,)}
@@ -313,7 +315,7 @@ def _mkldnn_rnn_layer(call: Call) -> None:
             raise Refused(f"{name} is {list(_shape(call[name]))}, which does not fit hidden_size")
     for name in ("hx_", "cx_"):
         s = _shape(call[name])
-        if s[-1:] != (h,) or math.prod(s) != batch * h:
+        if s[-1:] != (h,) or not any(math.prod(s) == b * h for b in batches):
             raise Refused(f"{name} is {list(s)}, which does not fit the batch and hidden_size")
     if call["batch_sizes"]:
         raise Refused("packed sequences (batch_sizes) are not replayed")

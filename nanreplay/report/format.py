@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nanreplay.stats import NONFINITE_TEXT, num  # noqa: F401 - the views import num from here
+from nanreplay.numbers import NONFINITE_TEXT, num  # noqa: F401 - the views import num from here
 
 
 def to_float(x: Any) -> float | None:

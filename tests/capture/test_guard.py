@@ -155,7 +155,11 @@ def test_loss_trigger_analyzed_without_training_code(trained):
     assert "torch.log(lam)" in c["source"]["code"]
     # counts * log(lam) with count 0 and rate 0 is also 0 * log(0): either reading is right; the fix must verify
     assert d["diagnosis"]["cause"] in ("log_of_zero", "zero_times_log_zero")
-    assert d["diagnosis"]["fix"]["verified"] is True
+    # where a count is positive at lam = 0 the true loss is infinite: an eps inside log sets the loss (it moves when
+    # eps moves), so it is honestly not verified (issue 28); the fix is offered, replayed, and says why
+    fix = d["diagnosis"]["fix"]
+    assert fix["code"] and "torch.log(lam" in fix["code"]
+    assert fix["verified"] is True or (fix["replay"]["plausible"] is False and fix["replay"]["why"]), fix["replay"]
 
 
 def test_gradient_trigger_catches_the_inf_trap(trained):

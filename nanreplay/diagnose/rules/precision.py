@@ -121,10 +121,12 @@ def _magnitude(s: Site) -> Diagnosis | None:
     if f64 is None or f64 <= plausible.LOSS_FACTOR * max(ref.loss, 1e-12):
         return None  # float64 computes what the run expects: a real precision/range problem (fp16_overflow)
     grown = _grown_weights(s)
+    if not grown:
+        return None  # no weight grew: the values come from the batch (fp16_overflow's normalize-the-input fix)
     origin = magnitude.origin_of(s)
     facts = [f"{n} |w| = {v:.4g} ({k:.0f}× the 1/sqrt(fan_in) scale an initialisation gives it)"
              for n, v, k in grown[:3]]
-    what = ("the weights grew: " + "; ".join(facts)) if facts else "the values reaching it are that large in any dtype"
+    what = "the weights grew: " + "; ".join(facts)
     fix = lr_clip_fix(None, s.info)
     fix.alternatives = []  # a dtype change is not offered as a fix here: it was measured not to be one
     expl = (f"{s.event.op} overflowed float16 at {s.where}, but a wider dtype does not help: the same step in "
