@@ -39,9 +39,11 @@ def wrap(module, name, after=0.0):
     setattr(mod, name, hooked)
 
 if moment in ("import", "slow_import"):
-    class Numpy:  # torch imports numpy: the interrupt (or the deadline) lands inside torch's import
+    # the interrupt (or the deadline) lands inside an import: the command's parent imports no torch (the confined
+    # child does), but it imports jinja2 and markupsafe to render; with --no-confine, torch's import of numpy
+    class Numpy:
         def find_spec(self, name, path=None, target=None):
-            if name == "numpy":
+            if name in ("numpy", "markupsafe"):
                 sys.meta_path.remove(self)
                 if moment == "import":
                     interrupt()
