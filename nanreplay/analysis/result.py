@@ -43,6 +43,7 @@ class Analysis:
     invocation: dict = field(default_factory=dict)  # model/loss/device/trust exactly as the caller gave them
     update: dict | None = None  # update snapshots only: the replayed optimizer step (analysis/update.py)
     distributed: dict | None = None  # sharded snapshots: the ranks together (analysis/ranks.py merge())
+    differential: dict | None = None  # replays that test a hypothesis (differential/): {"compiler"|"kernel"|"machine": {...}}
 
     def to_json(self) -> dict:
         d = {
@@ -73,6 +74,8 @@ class Analysis:
             d["update"] = self.update
         if self.distributed is not None:  # sharded snapshots only (absent otherwise: the goldens stay as they are)
             d["distributed"] = self.distributed
+        if self.differential:  # only where a differential replay's question arose (absent otherwise)
+            d["differential"] = self.differential
         from nanreplay import stats  # torch: only the side that computed the analysis serialises it
 
         return stats.jsonable(d)
