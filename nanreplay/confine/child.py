@@ -92,7 +92,7 @@ def confine_self(job: dict) -> dict:
     compiler.SANDBOX.update(confined=True, scratch=scratch)
     state = filters.enter(None if gpu else reads, cpu_seconds=job.get("cpu_seconds"),
                           address_space=None if gpu or not limit else _address_space(limit),
-                          writes=[scratch] if scratch else [], fsize=COMPILE_FSIZE if scratch else 0)
+                          writes=[scratch, "/dev/null"] if scratch else [], fsize=COMPILE_FSIZE if scratch else 0)
     if gpu:
         state["lost"] = (f"--device {job.get('device')}: no file filter and no address-space limit (the GPU driver "
                          "opens its device files and maps far more address space than it uses)"

@@ -64,6 +64,7 @@ _RULE_PATH_BENEATH = 1
 _VERSION = 1 << 0  # landlock_create_ruleset flag: return the ABI version
 
 EXECUTE, WRITE_FILE, READ_FILE, READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+_TRUNCATE = 1 << 14  # ABI >= 3
 _FS_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 5: (1 << 16) - 1}  # all rights each ABI knows
 _NET_ALL = 0b11  # ABI >= 4: bind and connect TCP
 _SCOPE_ALL = 0b11  # ABI >= 6: abstract UNIX sockets, signals
@@ -106,7 +107,10 @@ def landlock(reads: list[str], writes: list[str] = ()) -> int | None:
                 continue  # not on this machine: nothing to allow
             try:
                 is_dir = os.path.isdir(f"/proc/self/fd/{fd}")
-                allowed = fs if full else (EXECUTE | READ_FILE | READ_DIR) if is_dir else (EXECUTE | READ_FILE)
+                if full:  # a folder: everything beneath it; a file (/dev/null): read and write it, nothing else
+                    allowed = fs if is_dir else READ_FILE | WRITE_FILE | (_TRUNCATE if abi >= 3 else 0)
+                else:
+                    allowed = (EXECUTE | READ_FILE | READ_DIR) if is_dir else (EXECUTE | READ_FILE)
                 rule = struct.pack("<Qi", allowed & fs, fd)  # struct landlock_path_beneath_attr (packed)
                 if libc.syscall(_SYS_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(_RULE_PATH_BENEATH), rule,
                                 ctypes.c_uint32(0)) < 0:
@@ -175,7 +179,7 @@ def enter(reads: list[str] | None, *, address_space: int | None, cpu_seconds: in
     state: dict = {"process": True, "landlock": None,
                    "rlimits": set_rlimits(address_space=address_space, cpu_seconds=cpu_seconds, fsize=fsize)}
     if writes:
-        state["writes"] = ["the compile child's own scratch folder"] * len(writes)  # removed afterwards (docs/trust.md)
+        state["writes"] = ["the compile child's own scratch folder" if os.path.isdir(w) else w for w in writes]
     lost = []
     try:
         if reads is not None:
