@@ -148,7 +148,8 @@ def _spawn(job: dict, work: str, page: int, entry: str, reader: _Messages) -> tu
     job = {**job, "result_fd": w, "progress_fd": page}
     try:
         cmd = [sys.executable, "-s", "-B", *([entry] if entry.endswith(".py") else ["-m", entry]), json.dumps(job)]
-        proc = subprocess.Popen(cmd, cwd=work, env=minimal_env(work, job.get("scratch")), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        proc = subprocess.Popen(cmd, cwd=work, env=minimal_env(work, job.get("scratch")), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, close_fds=True, pass_fds=(w, page), start_new_session=True)
     except BaseException:
         os.close(r)

@@ -16,8 +16,8 @@ from nanreplay.report.sources import Sources
 from nanreplay.report.views.anomaly import AnomalyView, anomaly_view
 from nanreplay.report.views.banner import Banner, banner
 from nanreplay.report.views.chain import ChainView, chain_view
-from nanreplay.report.views.compiler import CompilerView, compiler_view
 from nanreplay.report.views.charts import ActivationView, HistoryView, activation_view, history_view
+from nanreplay.report.views.compiler import CompilerView, compiler_view
 from nanreplay.report.views.environment import (
     EnvironmentView,
     PrecisionView,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from nanreplay.analysis.result import Analysis
 from nanreplay.report.format import kind_text, module_label, where
-from nanreplay.report.views.compiler import compiler_line
 from nanreplay.report.views.banner import anomaly_short, banner, failure_text, loss_source_note
+from nanreplay.report.views.compiler import compiler_line
 from nanreplay.sanitize import one_line
 
 

@@ -13,11 +13,13 @@ import math
 import shutil
 from pathlib import Path
 
+import compiledstep
 import pytest
 import torch
 
-import compiledstep
-from nanreplay import formats
+from nanreplay import confine, formats
+from nanreplay.confine import filters
+from nanreplay.confine.child import COMPILE_FSIZE
 from nanreplay.analysis import analyze
 from nanreplay.differential import compiler
 from nanreplay.report import markdown_summary, render_html, terminal_summary
@@ -118,6 +120,32 @@ def test_a_confined_child_without_a_scratch_folder_asks_for_one(subject, monkeyp
     monkeypatch.setitem(compiler.SANDBOX, "confined", True)
     c = compiler.run(subject, backend="inductor")
     assert c["verdict"] == "skipped" and c["skipped_for"] == compiler.SANDBOX_NEEDED and c["ran"] == []
+
+
+@pytest.mark.skipif(filters.landlock_abi() is None or shutil.which("cc") is None,
+                    reason="no Landlock on this kernel, or no C compiler")
+def test_the_compile_child_writes_and_compiles_only_in_its_own_scratch_folder(tmp_path):
+    """The one widening (docs/trust.md): files in a private scratch folder, removed afterwards, and the C compiler
+    run there; everything else stays denied (the analyst's files, a file elsewhere, sockets)."""
+    snap = tmp_path / "in" / "snap.pt"
+    snap.parent.mkdir()
+    snap.write_bytes(b"a snapshot")
+    secret = tmp_path / "settings.py"
+    secret.write_text("API_KEY = 'x'\n")
+    job = {"path": str(snap), "shown": "snap.pt", "probe": "compile", "max_memory": 1 << 30, "compile": True,
+           "reads": {"snapshot": str(snap), "cwd_file": str(secret)}, "writable": str(tmp_path), "port": 9}
+    d = confine.run(job, entry=str(ROOT / "tests" / "confine" / "probe.py"))
+    got = d["attempts"]
+    assert got["scratch"] == "compiled and ran: 42", got["scratch"]
+    assert got["snapshot"] == "read" and got["cwd_file"].startswith("denied") and got["create"].startswith("denied")
+    assert all(got[k].startswith("denied") for k in ("AF_INET", "AF_INET6", "AF_UNIX")), got
+    env = d["environment"]
+    scratch = env["env"]["TMPDIR"]
+    assert env["env"]["TORCHINDUCTOR_CACHE_DIR"].startswith(scratch) and env["env"]["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
+    assert not Path(scratch).exists()  # removed afterwards
+    c = env["confinement"]
+    assert c["rlimits"]["fsize"] == COMPILE_FSIZE and c["writes"] == ["the compile child's own scratch folder", "/dev/null"]
+    assert c["landlock"].startswith("abi ") and c["seccomp"] is True and c["lost"] is None
 
 
 def test_it_does_not_run_on_a_plain_culprit(tmp_path):
