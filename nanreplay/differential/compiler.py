@@ -103,18 +103,10 @@ def run(subject, *, verify: bool = True, backend: Any = None) -> dict:
     except Exception as e:  # noqa: BLE001 - a compile that fails is an answer (skipped), never a failed analysis
         out.update(verdict=SKIPPED, skipped=f"the compiled replay raised {raised(e)}", skipped_for="compile")
         out["sentence"] = f"Not replayed compiled here: {out['skipped']}."
-    finally:
-        _reset()
-        release_memory()
+    finally:  # the compiled graphs go with their GraphModules (dynamo's caches hang on their code); the caller's
+        release_memory()  # own compiled models are left alone: no torch.compiler.reset()
     out["seconds"] = time.perf_counter() - t0
     return out
-
-
-def _reset() -> None:
-    try:
-        torch.compiler.reset()  # the compiled graphs of this pass are not kept
-    except Exception:  # noqa: BLE001
-        pass
 
 
 class _Budget(Exception):  # noqa: N818 - the bisection's budget is spent: what was found stands

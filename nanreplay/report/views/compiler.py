@@ -83,6 +83,15 @@ def compiler_view(d: dict) -> CompilerView | None:
         cost=f"{n} compiled replay{'s' if n != 1 else ''}, {float(c.get('seconds') or 0):.1f} s")
 
 
+def compiled_verdict(d: dict) -> str | None:
+    """The verdict area's headline where the compiled replay decides the diagnosis (None elsewhere)."""
+    c = _compiler(d)
+    if c is None or c.get("verdict") not in DECIDES or not isinstance(c.get("region"), dict):
+        return None
+    return (f"The step is non-finite compiled with {c.get('backend')} and finite in eager; the smallest compiled "
+            f"region that fails alone: {c['region'].get('where')}")
+
+
 def compiler_line(d: dict) -> str | None:
     """One line: the verdict, the region and its ops, the verified fix — or why it was not replayed."""
     c = _compiler(d)
