@@ -33,9 +33,9 @@ def main() -> None:
     ap.add_argument("--backend", default="inductor", choices=("inductor", "sequential_sums"))
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
+    import compiledstep
     import torch
 
-    import compiledstep
     from nanreplay.analysis import analyze
     from nanreplay.differential import compiler
 
@@ -56,7 +56,7 @@ def main() -> None:
             d = analyze(snap).to_json()
             rows[label].append((time.perf_counter() - w, cpu() - c))
             verdict = (d.get("differential") or {}).get("compiler", {}).get("verdict", "-")
-            print(f"{label:26} wall {rows[label][-1][0]:7.1f} s  cpu {rows[label][-1][1]:7.1f} s  compiler: {verdict}",
+            print(f"{label:26} wall {rows[label][-1][0]:7.2f} s  cpu {rows[label][-1][1]:7.2f} s  compiler: {verdict}",
                   flush=True)
     med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in rows.items()}
     p, f = med["plain"], med["with the compiler replay"]

@@ -138,11 +138,24 @@ class _Pass:
         release_memory()
         return row
 
+    def _try(self, what: str, where: str, compiled: dict) -> dict:
+        """A replay whose compile may fail without ending the pass: the row then says what was raised."""
+        try:
+            return self._replay(what, where, compiled)
+        except _Budget:
+            raise
+        except Exception as e:  # noqa: BLE001 - e.g. a region dynamo cannot capture whole
+            row = {"what": what, "where": where, "loss": None, "loss_finite": None, "grads_finite": None,
+                   "nonfinite_grads": None, "first_nonfinite_grad": None, "grad_norm": None, "seconds": 0.0,
+                   "finite": None, "error": raised(e)}
+            self.out["ran"].append(row)
+            return row
+
     def answer(self, verify: bool) -> None:
         out, whole = self.out, (0, self.n)
         eager = self._replay("eager", "the whole step", {})
         comp = self._replay(f"compiled ({out['backend']})", "the whole step", {whole: (self.backend, None)})
-        ctrl = self._replay(f"compiled ({CONTROL})", "the whole step", {whole: (CONTROL, None)})
+        ctrl = self._try(f"compiled ({CONTROL})", "the whole step", {whole: (CONTROL, None)})
         for row in (comp, ctrl):
             row["vs_eager"] = _vs(row, eager)
         if not eager["finite"]:
@@ -154,12 +167,12 @@ class _Pass:
             out["verdict"] = NOT_REPRODUCED
             out["sentence"] = (f"Not reproduced compiled either: the step compiled with {out['backend']} on this CPU is "
                                f"finite ({_state(comp)}; eager {_state(eager)}), and with {CONTROL} too"
-                               f"{'' if ctrl['finite'] else ' — no: ' + _state(ctrl)}. The run's failure needs its own "
+                               f"{'' if ctrl['finite'] else ' (not: ' + _state(ctrl) + ')'}. The run's failure needs its own "
                                "device's kernels (or a nondeterministic one): replay with --device of the run.")
             return
         region = self.bisect()
         out["region"] = region
-        if not ctrl["finite"]:
+        if ctrl["finite"] is False:
             out["verdict"] = CONTROL_BAD
         else:
             out["verdict"] = CONFIRMED
@@ -183,9 +196,9 @@ class _Pass:
                             (best is not None and span == (best.start, best.stop)):
                         continue
                     unit, own = (s.unit, False) if s.unit else (parent, parent is not None)
-                    row = self._replay(f"compiled ({self.out['backend']})", _where(prog, *span, unit, own),
-                                       {span: (self.backend, None)})
-                    if not row["finite"]:
+                    row = self._try(f"compiled ({self.out['backend']})", _where(prog, *span, unit, own),
+                                    {span: (self.backend, None)})
+                    if row["finite"] is False:
                         hit = (s, unit, own)
                         break
                 if hit is None:
@@ -211,11 +224,11 @@ class _Pass:
         try:  # the concrete change first: its code is exact (the wider-dtype one says what to change, in words)
             if (a, b) != whole and region["module"]:
                 parts = {r: (self.backend, None) for r in ((0, a), (b, self.n)) if r[1] > r[0]}
-                row = self._replay(f"compiled ({self.out['backend']}) except {who}", region["where"], parts)
+                row = self._try(f"compiled ({self.out['backend']}) except {who}", region["where"], parts)
                 fixes.append(_fix("compiler_disable", f"torch.compiler.disable on {who} (it runs eagerly)", row,
                                   _disable_code(region)))
-            row = self._replay(f"compiled ({self.out['backend']}), {who} in {wname}", region["where"],
-                               {whole: (self.backend, (wide, (a, b)))})
+            row = self._try(f"compiled ({self.out['backend']}), {who} in {wname}", region["where"],
+                            {whole: (self.backend, (wide, (a, b)))})
             fixes.append(_fix("wider_dtype", f"compute {who} in {wname} inside the compiled model", row,
                               _wide_code(region, wname)))
         except _Budget:
@@ -226,7 +239,7 @@ class _Pass:
 
 
 def _fix(kind: str, label: str, row: dict, code: str) -> dict:
-    return {"kind": kind, "label": label, "code": code, "verified": row["finite"], "replay": row["what"],
+    return {"kind": kind, "label": label, "code": code, "verified": bool(row["finite"]), "replay": row["what"],
             "loss": row["loss"], "grad_norm": row["grad_norm"],
             "verification": f"replayed {row['what']}: {_state(row)}"}
 
@@ -245,6 +258,8 @@ def _disable_code(region: dict) -> str:
 
 
 def _state(row: dict) -> str:
+    if row.get("error"):
+        return f"could not be compiled: {row['error']}"
     if not row["loss_finite"]:
         return f"loss {num(row['loss'])}"
     if not row["grads_finite"]:

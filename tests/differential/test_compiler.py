@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from nanreplay import confine, formats
+from nanreplay.analysis import analyze
 from nanreplay.confine import filters
 from nanreplay.confine.child import COMPILE_FSIZE
-from nanreplay.analysis import analyze
 from nanreplay.differential import compiler
 from nanreplay.report import markdown_summary, render_html, terminal_summary
 
@@ -89,6 +89,7 @@ def test_the_report_shows_it_in_the_verdict_area(confirmed):
     assert 'data-compiler="compiled_numerics_confirmed"' in verdict and "module &#39;pool&#39; (node" in verdict
     assert '<section id="compiler" data-verdict="compiled_numerics_confirmed">' in html
     term = terminal_summary(confirmed, None)
+    assert term.splitlines()[0].endswith(": reproduced compiled (finite in eager)")
     line = next(ln for ln in term.splitlines() if ln.strip().startswith("compiled "))
     assert "compiled numerics confirmed in module 'pool'" in line and "verified fix: torch.compiler.disable" in line
     assert "**Compiled replay:** compiled numerics confirmed in module 'pool'" in markdown_summary(confirmed)
