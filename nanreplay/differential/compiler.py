@@ -167,8 +167,8 @@ class _Pass:
             out["verdict"] = NOT_REPRODUCED
             out["sentence"] = (f"Not reproduced compiled either: the step compiled with {out['backend']} on this CPU is "
                                f"finite ({_state(comp)}; eager {_state(eager)}), and with {CONTROL} too"
-                               f"{'' if ctrl['finite'] else ' (not: ' + _state(ctrl) + ')'}. The run's failure needs its own "
-                               "device's kernels (or a nondeterministic one): replay with --device of the run.")
+                               f"{'' if ctrl['finite'] else ' (not: ' + _state(ctrl) + ')'}. The run's failure needs the "
+                               "kernels of the device it ran on, or a nondeterministic one.")
             return
         region = self.bisect()
         out["region"] = region

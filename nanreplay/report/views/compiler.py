@@ -68,7 +68,7 @@ def compiler_view(d: dict) -> CompilerView | None:
     for row in c.get("ran") or []:
         if not isinstance(row, dict):
             continue
-        grads = ("finite" if row.get("grads_finite") else
+        grads = (f"could not compile: {row['error']}" if row.get("error") else "finite" if row.get("grads_finite") else
                  f"{row.get('nonfinite_grads')} non-finite" if row.get("grads_finite") is False else "—")
         runs.append(CompiledRun(str(row.get("what") or ""), str(row.get("where") or ""), num(row.get("loss")), grads,
                                 bool(row.get("finite")), f"{float(row.get('seconds') or 0):.2f} s"))
