@@ -25,6 +25,7 @@ from nanreplay.report.views.environment import (
     precision_view,
     reproduce_view,
 )
+from nanreplay.report.views.machine import MachineView, machine_view
 from nanreplay.report.views.source import SourceView, source_view
 from nanreplay.report.views.tables import (
     GradTable,
@@ -62,6 +63,7 @@ class ReportView:
     precision: PrecisionView | None
     environment: EnvironmentView
     reproduce: ReproduceView
+    machine: MachineView | None = None  # the guard's re-run beside the training step (differential/machine.py)
     sections: list[Section] = field(default_factory=list)
     index: str = ""  # a link back to the triage index this report belongs to ("" when it stands alone)
 
@@ -91,6 +93,7 @@ def build_view(a: Analysis | dict, sources: Sources, *, index: str = "") -> Repo
         precision=precision_view(d),
         environment=environment_view(d),
         reproduce=reproduce_view(d),
+        machine=machine_view(d),
         index=index,
     )
     present = [("verdict", "Verdict", True), ("anomaly", "Anomaly detection", True), ("source", "Source", v.source),
@@ -98,6 +101,7 @@ def build_view(a: Analysis | dict, sources: Sources, *, index: str = "") -> Repo
                ("leaves", "Non-finite leaves", v.leaves), ("activations", "Activations", v.activations),
                ("gradients", "Gradients", v.gradients), ("shapes", "Gradient shapes", v.shapes),
                ("history", "History", v.history), ("precision", "Precision", v.precision),
+               ("machine", "Machine", v.machine),
                ("environment", "Environment", True), ("reproduce", "Reproduce", True)]
     v.sections = [Section(i, t) for i, t, on in present if on]
     return v
