@@ -142,7 +142,7 @@ def _transient(result, info: dict, env: dict, machine: dict | None = None) -> di
         evidence.insert(0, machine.get("evidence") or "the same step, re-run in the same process on the same device, "
                                                       "was finite")
         same_device = True  # the evidence is from the training device itself
-    elif verdict == "reproducible":
+    elif verdict == "reproducible" and not same_device:
         here_name = here or "this machine"
         expl = (f"Not reproduced here, but not transient: {machine.get('sentence', '')} This replay on {here_name} "
                 f"is finite ({_replayed(result)}): the step fails on {ran_on or 'the training device'} every "
@@ -153,6 +153,14 @@ def _transient(result, info: dict, env: dict, machine: dict | None = None) -> di
                        evidence=[machine.get("sentence", ""), f"this replay: {_replayed(result)}"])
     elif verdict == "inconclusive":
         evidence.append(f"but the guard's re-run was not the same computation ({machine.get('sentence', '')})")
+    elif verdict == "reproducible":
+        expl = (f"Not reproduced here, but not transient: {machine.get('sentence', '')} This replay on the same kind "
+                f"of device is finite ({_replayed(result)}): the failure depends on something the snapshot does not "
+                "hold (state outside the model and the batch, a kernel of that very device). nanreplay does not "
+                "invent a culprit.")
+        return _result("not_reproduced", "reproduced by the guard's re-run, not in this replay", expl,
+                       _none("replay on the training machine (--device), or check what the step reads beyond the "
+                             "model and the batch"), evidence=[machine.get("sentence", ""), _replayed(result)])
     rows = history_rows(info)
     prev = [v for r in rows if (v := finite_float(r.get("loss"))) is not None]
     loss = finite_float(getattr(result, "loss", None))

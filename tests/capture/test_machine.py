@@ -116,3 +116,15 @@ def test_the_identity_option_is_checked_when_the_guard_is_made():
         train_guard = Net()
         from nanreplay import NanGuard
         NanGuard(train_guard, identity={"host": 17})
+
+
+def test_a_record_whose_rerun_failed_again_while_the_replay_is_finite_is_not_called_transient(tmp_path):
+    """A crafted file (the record edited, not a guard's): the re-run failed again, yet the replay here is finite —
+    the diagnosis must not call that a transient fault."""
+    path, _ = train(tmp_path / "snaps", flip_at=3)
+    d = torch.load(path, weights_only=True)
+    d["rerun"]["rerun"].update(loss=float("nan"), loss_finite=False)
+    torch.save(d, tmp_path / "crafted.pt")
+    a = analyze(tmp_path / "crafted.pt")
+    assert _machine(a)["verdict"] == "reproducible"
+    assert a.diagnosis["cause"] == "not_reproduced" and "not transient" in a.diagnosis["explanation"]
