@@ -32,6 +32,7 @@ from nanreplay.diagnose.plausible import history_rows
 from nanreplay.diagnose.site import finite_float
 from nanreplay.diagnose.update import diagnose_update
 from nanreplay.differential import compiler as compiler_replay
+from nanreplay.differential import machine
 from nanreplay.enums import Verdict
 from nanreplay.errors import LimitError, NanReplayError, UsageError, first_line
 from nanreplay.limits import format_size, release_memory
@@ -178,6 +179,7 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
     result.gradient_shapes = [{"module": m, "output_shape": o, "grad_shape": g, "mismatch": g is not None and g != o}
                               for m, o, g in step.grad_shapes]
     tell("culprit", result)
+    machine.attach(result, snap, subject.device, step, culprit_found=c is not None)  # reads the guard's re-run record
     result.diagnosis = diagnose.diagnose(result, subject, step, c, chain, verify_fixes=verify)
     compiler_replay.attach(result, subject, verify=verify)  # a compiled run that replays finite: replay it compiled
     if c is not None:

@@ -37,6 +37,7 @@ import logging
 import math
 import os
 import statistics
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -49,7 +50,7 @@ import torch.nn as nn
 
 from nanreplay import atomic
 from nanreplay import torch_internals as ti
-from nanreplay.capture import losscheck, snapshot
+from nanreplay.capture import losscheck, rerun, snapshot
 from nanreplay.capture import sharded as sharded_capture
 from nanreplay.capture import update as upd
 from nanreplay.enums import Trigger
@@ -104,6 +105,9 @@ class NanGuard:
             step where the update is invertible (SGD, Adam, AdamW), entries it overwrote with
             NaN/Inf replaced by stated stand-ins. A non-finite learning rate is always copied exactly.
         scheduler: the LR scheduler, if any: its class and last learning rates go into update snapshots.
+        identity: {"host", "device", "device_name", "run"} (each optional): this machine as your fleet names it,
+            for triage's per-device count of transient failures (default: the hostname, the model's device, the
+            run id of torchelastic/SLURM or of this process; capture/rerun.py `identity`).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -113,7 +117,7 @@ class NanGuard:
                  spike_factor: float | None = None, spike_window: int = 50, scaler: Any = None,
                  autocast: dict | bool | None = None, on_nonfinite: str = "return", sync_ranks: bool | None = None,
                  scaler_patience: int | None = None, check_update: bool = True, keep_pre_step: bool = False,
-                 scheduler: Any = None, sharded: bool | None = None):
+                 scheduler: Any = None, sharded: bool | None = None, identity: dict | None = None):
         if on_nonfinite not in ("return", "raise"):
             raise ValueError("on_nonfinite must be 'return' or 'raise'")
         if step_fn is not None and loss_fn is not None:
@@ -149,6 +153,8 @@ class NanGuard:
         self._bad_ranks: list[int] | None = None
         del scaler_patience  # accepted for old code; overflows at a scale > 1 are never failures now
         self.scheduler = scheduler
+        self.identity = rerun.identity_arg(identity)
+        self._norm_given = False  # grads_ok() was given the norm (clip_grad_norm_ may have rescaled the gradients)
         self._update_failed = False  # this step's update made the weights non-finite
         self._broken_by: str | None = None  # the update snapshot written when the weights broke
         self._watch = None
@@ -218,6 +224,8 @@ class NanGuard:
                 self._autocast = _autocast_state(self.model) or _saved_low_precision(loss, self.model) or False
         if self._check_pending:  # once: is the loss a recording computes the loss the loop checks?
             losscheck.first_step(self, loss, value)
+        if self._states:
+            self._states[-1].loss, self._states[-1].loss_scaled = value, factor != 1.0
         row = self._row()
         row["loss"] = value if self.micro_batch is None or row.get("loss") is None else row["loss"] + value
         bad = self._agree(not math.isfinite(value))
@@ -234,6 +242,7 @@ class NanGuard:
         if self._check_pending and self._calls is not None:  # loss_ok() is not called: nothing to check against
             self._calls.want_output, self._calls.output = False, None
         norm = float(grad_norm) if grad_norm is not None else _total_norm(self.model)
+        self._norm_given = grad_norm is not None
         trigger = None
         if not math.isfinite(norm):
             entries_finite = _all_grads_finite(self.model)
@@ -491,14 +500,17 @@ class NanGuard:
     def _to_dict(self, trigger: str, extra: dict) -> dict:
         st = extra.pop("state", None) or (self._states[-1] if self._states else None)
         program, constants, why, seconds = None, {}, "recording was switched off (export=False)", 0.0
+        t0, watch, seen = time.perf_counter(), None, {}
+        training = rerun.training_summary(self, trigger, st)  # before the re-run: what the training step left
         if st is None:
             st, why = snapshot.StepState({}, {}), "no batch: begin() was not called for this step"
         elif self.export:
             st = self._as_called(st)
             forward, loss = self._forward_loss(st)
+            watch = rerun.RandomWatch(st.rng)
             with self._calls_paused():
                 program, constants, why, seconds = snapshot.record(self.model, st, forward, loss,
-                                                                   self._autocast or None)
+                                                                   self._autocast or None, watch=watch, seen=seen)
             if program is None:
                 self.last_error = why
                 self._warn_once("record", f"the step could not be recorded as a program ({why}); analyzing its "
@@ -509,6 +521,9 @@ class NanGuard:
         extra["micro_batch"] = st.micro_batch
         if self._bad_ranks is not None:
             extra["nonfinite_ranks"] = list(self._bad_ranks)
+        extra["machine"] = rerun.identity(self.model, self.identity)
+        if trigger != Trigger.UPDATE:  # an update's failure is in optimizer.step(), which the re-run does not repeat
+            extra["rerun"] = rerun.guard_record(self, trigger, st, training, seen.pop("loss", None), watch, why, t0)
         return snapshot.build(model=self.model, wrapped=self.wrapped, state=st, trigger=trigger, step=self.step_index,
                               extra=extra, program=program, constants=constants, program_error=why,
                               loss_fn=self._recorded_loss_fn(), step_fn=self.step_fn,

@@ -85,6 +85,7 @@ class _Recorder:
         self.phase = "forward"
         self.busy = False
         self.error: str | None = None
+        self.watch: Any = None  # sees every op of the step, recordable or not (capture/rerun.py RandomWatch)
 
     # ---- refs
     def _new_ref(self) -> int:
@@ -275,7 +276,11 @@ class _OpMode(ti.TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         rec = self.rec
-        if rec.busy or rec.error is not None:
+        if rec.busy:
+            return out
+        if rec.watch is not None:
+            rec.watch.see(func, args, kwargs, out)
+        if rec.error is not None:
             return out
         rec.busy = True
         try:
@@ -326,8 +331,10 @@ class ModuleHooks:
 
 
 def record_step(forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor], *, model: torch.nn.Module,
-                batch: dict[str, Any], hooks: ModuleHooks | None = None) -> Recorded:
-    """Run `loss(forward())` once under the recorder; the program or NotRecordable(why)."""
+                batch: dict[str, Any], hooks: ModuleHooks | None = None, watch: Any = None) -> Recorded:
+    """Run `loss(forward())` once under the recorder; the program or NotRecordable(why).
+
+    `watch.see(func, args, kwargs, out)` is told every op the step runs, also after one that cannot be recorded."""
     leaves: dict[int, tuple[str, str, list | None]] = {}
     for name, p in model.named_parameters(remove_duplicate=True):
         leaves.setdefault(id(p), ("param", name, None))
@@ -336,6 +343,7 @@ def record_step(forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor],
     for path, t in _batch_tensors(batch):
         leaves.setdefault(id(t), ("batch", _path_name(path), path))
     rec = _Recorder(leaves)
+    rec.watch = watch
     names = {id(m): n for n, m in model.named_modules()}
     stack = rec.module_stack
 

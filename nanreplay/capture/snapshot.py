@@ -60,6 +60,8 @@ class StepState:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> copy, for buffers forward mutates
     micro_batch: int | None = None
     call: tuple | None = None  # (args, kwargs) the loop's model call got (capture/losscheck.py CallWatch)
+    loss: float | None = None  # the loss loss_ok() read for this micro-batch (unscaled)
+    loss_scaled: bool = False  # loss_ok() was given scaled_by: the value was divided, not read as the step made it
 
 
 class BufferWatch:
@@ -180,17 +182,25 @@ def from_begin_state(model: nn.Module, state: StepState, autocast: dict | None) 
 
 
 def record(model: nn.Module, state: StepState, forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor],
-           autocast: dict | None, hooks: ModuleHooks | None = None) -> tuple[dict | None, dict, str | None, float]:
+           autocast: dict | None, hooks: ModuleHooks | None = None, *, watch: Any = None,
+           seen: dict | None = None) -> tuple[dict | None, dict, str | None, float]:
     """Replay the step from its begin() state under the recorder; the live state is restored afterwards.
 
     `hooks`: work around module calls the program must not see (FSDP2 gathering a unit's parameters).
+    `watch`: told every op the re-run makes (capture/rerun.py); `seen["loss"]`: the loss tensor the re-run
+    computed, recordable or not (its graph alive, for the re-run's gradients).
 
     Returns (program or None, constants, why there is no program, seconds).
     """
     t0 = time.perf_counter()
+    if seen is not None:
+        def loss_seen(out, _loss=loss):
+            seen["loss"] = value = _loss(out)
+            return value
+        loss = loss_seen
     try:
         with from_begin_state(model, state, autocast):
-            rec = record_step(forward, loss, model=model, batch=state.batch, hooks=hooks)
+            rec = record_step(forward, loss, model=model, batch=state.batch, hooks=hooks, watch=watch)
         return rec.program, rec.constants, None, time.perf_counter() - t0
     except NotRecordable as e:
         return None, {}, str(e), time.perf_counter() - t0
@@ -333,6 +343,8 @@ def build(*, model: nn.Module, wrapped: nn.Module, state: StepState, trigger: st
                         "wrapper": type(wrapped).__name__ if wrapped is not model else None},
         "history": [dict(h) for h in history],
         "notes": notes,
+        "rerun": extra.get("rerun"),  # the guard's re-run beside the training step (capture/rerun.py)
+        "machine": extra.get("machine"),  # which host, device and run wrote it
     }
     # only data: whatever training code left in these fields (numpy scalars from a schedule, enums, ...) becomes
     # plain values, so the file loads with weights_only=True and no pickled object (the batch is copied above)

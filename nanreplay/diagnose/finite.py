@@ -49,6 +49,9 @@ def diagnose_finite(result, subject, step: replay.Step | None, info: dict) -> di
     world = info.get("world_size") if isinstance(info.get("world_size"), int) else 1
     if trigger == "grad_spike" and step is not None:
         return _spike(result, subject, step, info)
+    machine = ((getattr(result, "differential", None) or {}).get("machine") or {})
+    if machine.get("verdict") == "transient" and trigger in ("loss", *GRADIENT_TRIGGERS):
+        return _transient(result, info, env, machine)  # the guard's own re-run decides it, on the training device
     if trigger == "grad_norm_overflow":
         return _norm_overflow(result, info)
     if trigger in GRADIENT_TRIGGERS and (world > 1 or isinstance(coll, dict)):
@@ -125,11 +128,39 @@ def _compiled(result, info: dict) -> dict:
                          "with a wider dtype)"))
 
 
-def _transient(result, info: dict, env: dict) -> dict:
+def _transient(result, info: dict, env: dict, machine: dict | None = None) -> dict:
+    """A finite replay of a native snapshot's failing step. With the guard's re-run record (differential/machine.py):
+    a re-run on the training device that was finite is the evidence itself; one that failed again means the step
+    fails there and not here (a device-specific kernel)."""
+    machine = machine if machine is not None else ((getattr(result, "differential", None) or {}).get("machine") or {})
     ran_on, here = str(env.get("device") or ""), str((getattr(result, "environment", {}) or {}).get("device") or "")
     same_device = not ran_on or not here or ran_on.split(":")[0] == here.split(":")[0]
     evidence = [f"the same batch, weights and random state as the run, replayed: {_replayed(result)}",
                 _recorded(info), "no torch.compile", f"no collective (world size {info.get('world_size') or 1})"]
+    verdict = machine.get("verdict")
+    if verdict == "transient":
+        evidence.insert(0, machine.get("evidence") or "the same step, re-run in the same process on the same device, "
+                                                      "was finite")
+        same_device = True  # the evidence is from the training device itself
+    elif verdict == "reproducible" and not same_device:
+        here_name = here or "this machine"
+        expl = (f"Not reproduced here, but not transient: {machine.get('sentence', '')} This replay on {here_name} "
+                f"is finite ({_replayed(result)}): the step fails on {ran_on or 'the training device'} every "
+                f"time and not here — a kernel of that device (or its dtype handling) differs. Replay with --device "
+                f"{(ran_on or 'cuda').split(':')[0]} to name the op.")
+        return _result("not_reproduced", "reproduced on the training device, not in this replay", expl,
+                       _none(f"replay this snapshot with --device {(ran_on or 'cuda').split(':')[0]}"),
+                       evidence=[machine.get("sentence", ""), f"this replay: {_replayed(result)}"])
+    elif verdict == "inconclusive":
+        evidence.append(f"but the guard's re-run was not the same computation ({machine.get('sentence', '')})")
+    elif verdict == "reproducible":
+        expl = (f"Not reproduced here, but not transient: {machine.get('sentence', '')} This replay on the same kind "
+                f"of device is finite ({_replayed(result)}): the failure depends on something the snapshot does not "
+                "hold (state outside the model and the batch, a kernel of that very device). nanreplay does not "
+                "invent a culprit.")
+        return _result("not_reproduced", "reproduced by the guard's re-run, not in this replay", expl,
+                       _none("replay on the training machine (--device), or check what the step reads beyond the "
+                             "model and the batch"), evidence=[machine.get("sentence", ""), _replayed(result)])
     rows = history_rows(info)
     prev = [v for r in rows if (v := finite_float(r.get("loss"))) is not None]
     loss = finite_float(getattr(result, "loss", None))
@@ -141,6 +172,14 @@ def _transient(result, info: dict, env: dict) -> dict:
                 f"{ran_on.split(':')[0]} to tell a transient fault from a device-specific one.")
         return _result("not_reproduced", "the replay is finite (on another device)", expl,
                        _none(f"replay this snapshot with --device {ran_on.split(':')[0]}"), evidence=evidence)
+    if verdict == "transient":
+        expl = (f"Transient fault of the machine: {'; '.join(evidence)}. The same computation gave another answer on the "
+                "same device: that is hardware (or memory corrupted by other code), not the model. Skip or redo the "
+                "step and go on; if it recurs on the same device, check that device (nanreplay triage counts "
+                "transient failures per host and device).")
+        return _result("transient_fault", "transient fault: the same step re-run on the same device was finite", expl,
+                       _none("skip (or redo) this step and continue; if it recurs on the same device, check its "
+                             "hardware"), evidence=evidence)
     expl = (f"Likely transient fault (hardware or nondeterminism): {'; '.join(evidence)}. A step that fails once and "
             "is finite when rerun from exactly the same state is what large-scale trainers' rerun checks treat as a "
             "fault of the machine or a nondeterministic kernel, not of the model: skip or redo the step and go on; if "

@@ -7,7 +7,8 @@ next to the tensors it names, each stored once:
     loss_value, grad_norm, grad_scale, batch, state (parameters and buffers as the step began),
     parameters, aliases (tied names), model_training, constants, step_program, program_error,
     model {class, factory, factory_source, arguments}, loss_spec, optimizer, rng, autocast, environment,
-    history, notes, update (trigger "update" only: what a replay of the optimizer step needs,
+    history, notes, rerun (the guard's re-run beside the training step), machine (host, device, run),
+    update (trigger "update" only: what a replay of the optimizer step needs,
     formats/update_record.py; the `state` of such a snapshot holds the weights before the update)
 
 It loads with `torch.load(weights_only=True)`, every field is checked against the schema below
@@ -59,6 +60,24 @@ _LOSS_SPEC = S.record({"kind": S.one_of("output", "functional", "module", "calla
                                                       else S.plain_value(v, w), limit=64))},
                       required=("kind",))
 _ENV = S.dict_of(S.plain_value, limit=64)
+# the guard's re-run beside the training step, and the machine (capture/rerun.py; docs/snapshot-format.md)
+_HASH = S.optional(S.string(64))
+_RUN_SUMMARY = S.record({"loss": S.optional(S.number), "loss_finite": S.optional(S.boolean), "loss_hash": _HASH,
+                         "grad_norm": S.optional(S.number), "grads_nonfinite": S.optional(S.integer(0)),
+                         "grads_hash": _HASH, "grads_error": S.optional(S.string(300))})
+_RERUN = S.record({
+    "training": S.optional(_RUN_SUMMARY), "rerun": S.optional(_RUN_SUMMARY), "why_not": S.optional(S.string(2000)),
+    "comparable": S.optional(S.record({"loss": S.optional(S.boolean), "grads": S.optional(S.boolean),
+                                       "why": S.optional(S.string(2000))})),
+    "random_ops": S.optional(S.list_of(S.record({"op": S.string(200), "device": S.string(40),
+                                                 "generator": S.string(100)}, required=("op",)), 1000)),
+    "random_count": S.optional(S.integer(0)), "random_unrecorded": S.optional(S.integer(0)),
+    "deterministic": S.optional(S.record({k: S.optional(S.boolean) for k in
+                                          ("algorithms", "warn_only", "cudnn_deterministic", "cudnn_benchmark")})),
+    "compiled": S.optional(S.boolean), "seconds": S.optional(S.number)})
+_MACHINE = S.record({"host": S.optional(S.string(200)), "device": S.optional(S.string(100)),
+                     "device_name": S.optional(S.string(200)), "device_index": S.optional(S.integer(0, 10**6)),
+                     "local_rank": S.optional(S.integer(0, 10**7)), "run": S.optional(S.string(200))})
 
 
 def _state_dict(v, where):
@@ -90,6 +109,7 @@ FIELDS_V2: dict[str, S.Checker] = {
     "update": S.optional(update_record.check),
     "rng": S.optional(_RNG), "autocast": S.optional(_AUTOCAST), "environment": S.optional(_ENV),
     "history": S.optional(S.list_of(_HISTORY_ROW, 100_000)), "notes": S.optional(S.list_of(S.string(2000), 50)),
+    "rerun": S.optional(_RERUN), "machine": S.optional(_MACHINE),
 }
 REQUIRED_V2 = ("format", "version", "batch", "state", "parameters")
 

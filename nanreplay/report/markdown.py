@@ -21,6 +21,7 @@ from nanreplay.report.format import Seg
 from nanreplay.report.views.banner import Banner, anomaly_short, banner, failure_text
 from nanreplay.report.views.compiler import compiler_line
 from nanreplay.report.views.environment import environment_line
+from nanreplay.report.views.machine import machine_view
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\u202a-\u202e\u2066-\u2069]")
 _SPECIAL = re.compile(r"([\\`*_\[\]<>|~@])")  # what could format, link, mention or open HTML mid-line
@@ -116,6 +117,9 @@ def markdown_summary(a: Analysis | dict) -> str:
         for r in (d.get("nonfinite_leaves") or [])[:5]:
             out.append(f"- {code(r.get('name') or '')} ({escape(r.get('role') or '')}): {r.get('nan', 0)} NaN, "
                        f"{r.get('inf', 0)} Inf")
+    machine = machine_view(d)
+    if machine is not None and machine.first_screen:
+        out += ["", f"**Machine:** {escape(machine.sentence)}"]
     if b.why:
         out += ["", f"**Why:** {prose(b.why)}"]
     fix = _fix_lines(b)

@@ -26,6 +26,7 @@ from nanreplay.report.views.environment import (
     precision_view,
     reproduce_view,
 )
+from nanreplay.report.views.machine import MachineView, machine_view
 from nanreplay.report.views.source import SourceView, source_view
 from nanreplay.report.views.tables import (
     GradTable,
@@ -64,6 +65,7 @@ class ReportView:
     environment: EnvironmentView
     reproduce: ReproduceView
     compiler: CompilerView | None = None  # differential.compiler: the step replayed compiled
+    machine: MachineView | None = None  # the guard's re-run beside the training step (differential/machine.py)
     sections: list[Section] = field(default_factory=list)
     index: str = ""  # a link back to the triage index this report belongs to ("" when it stands alone)
 
@@ -94,6 +96,7 @@ def build_view(a: Analysis | dict, sources: Sources, *, index: str = "") -> Repo
         environment=environment_view(d),
         reproduce=reproduce_view(d),
         compiler=compiler_view(d),
+        machine=machine_view(d),
         index=index,
     )
     present = [("verdict", "Verdict", True), ("anomaly", "Anomaly detection", True), ("source", "Source", v.source),
@@ -102,6 +105,7 @@ def build_view(a: Analysis | dict, sources: Sources, *, index: str = "") -> Repo
                ("gradients", "Gradients", v.gradients), ("shapes", "Gradient shapes", v.shapes),
                ("history", "History", v.history), ("precision", "Precision", v.precision),
                ("compiler", "Compiled replay", v.compiler),
+               ("machine", "Machine", v.machine),
                ("environment", "Environment", True), ("reproduce", "Reproduce", True)]
     v.sections = [Section(i, t) for i, t, on in present if on]
     return v

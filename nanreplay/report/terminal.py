@@ -10,6 +10,7 @@ from nanreplay.analysis.result import Analysis
 from nanreplay.report.format import kind_text, module_label, where
 from nanreplay.report.views.banner import anomaly_short, banner, failure_text, loss_source_note
 from nanreplay.report.views.compiler import compiler_line
+from nanreplay.report.views.machine import first_screen_line
 from nanreplay.sanitize import one_line
 
 
@@ -58,6 +59,9 @@ def _lines(d: dict, b, report_path: str | None, *, block_only: bool = False) -> 
         return [one_line(ln) for ln in lines]
     if b.cause:
         lines.append(f"  cause    {b.cause}")
+    machine = first_screen_line(d)
+    if machine:
+        lines.append(f"  {machine}")
     if b.fix:
         code = "\n".join(dl.text for dl in b.fix.diff if dl.sign == "+") if b.fix.diff else b.fix.code
         first, *rest = code.splitlines() or [""]

@@ -112,6 +112,7 @@ def index_view(doc: dict) -> dict:
     numbers = {g.id: g.number for g in groups}
     return {"title": f"nanreplay triage: {doc['dir']}", "doc": doc, "groups": groups, "titles": titles,
             "numbers": numbers, "failures": doc["failures"], "ranks": doc["ranks"], "ignored": doc["ignored"],
+            "machines": doc.get("machines"),
             "summary": summary_parts(doc), "failed": doc["counts"]["failed"], "any_ranks": any(g["ranks"] for g in doc["groups"]),
             "ignored_shown": doc["ignored"][:MAX_IGNORED], "ignored_more": max(0, len(doc["ignored"]) - MAX_IGNORED),
             "generated": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}

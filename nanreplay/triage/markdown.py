@@ -27,6 +27,10 @@ def markdown_summary(doc: dict) -> str:
             out.append(f"| {g.number} | {g.count} | {cell(cause)} | {cell(where)} | {escape(g.steps)} | {cell(fix)} |")
         if len(groups) > MAX_GROUPS:
             out.append(f"\n… and {len(groups) - MAX_GROUPS} more groups (see index.html).")
+    machines = doc.get("machines")
+    if machines and machines["transient"]:
+        out += ["", f"**Transient failures per machine** ({machines['transient']} of {machines['checked']} checked):"]
+        out += [f"- {escape(m['sentence'])}" for m in machines["devices"][:MAX_FAILURES] if m["transient"]]
     failures = v["failures"]
     if failures:
         out += ["", f"**Not analyzed ({len(failures)}):**"]

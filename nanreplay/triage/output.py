@@ -14,6 +14,7 @@ from nanreplay.errors import UsageError
 from nanreplay.triage.cache import save_cache
 from nanreplay.triage.groups import build_groups, build_ranks
 from nanreplay.triage.index import render_index
+from nanreplay.triage.machines import build_machines
 from nanreplay.triage.plan import Plan, mark_duplicates
 from nanreplay.triage.rows import COLUMNS, FAILURES, INT_COLUMNS, as_int
 
@@ -45,23 +46,24 @@ def write(p: Plan) -> Result:
                  "reason": r["reason"], **({"detail": r["detail"]} if r.get("detail") else {})}
                 for r in rows if r["status"] != "analyzed"]
     ranks = build_ranks(rows)
+    machines = build_machines(rows)
     counts = {"snapshots": len(rows), "analyzed": len(rows) - len(failures), "failed": len(failures),
               "cached": sum(bool(r["cached"]) for r in rows), "groups": len(groups), "ignored": len(p.ignored),
               "failures": dict(Counter(f["failure"] for f in failures))}
-    summary = summary_line(counts, groups)
+    summary = summary_line(counts, groups, machines)
     with interrupt.deferred():  # Ctrl-C from here waits: the old index and its files, or a whole new set
-        return _write(p, rows, groups, failures, ranks, counts, summary)
+        return _write(p, rows, groups, failures, ranks, counts, summary, machines)
 
 
 def _write(p: Plan, rows: list[dict], groups: list[dict], failures: list[dict], ranks: dict | None, counts: dict,
-           summary: str) -> Result:
+           summary: str, machines: dict | None = None) -> Result:
     _remove_stale_outputs(p)
     p.old_cache = {}  # cleaned up: the cache now holds only what this run has
     save_cache(p.outdir, p.items, p.old_cache, p.dir)
     doc = {"schema": SCHEMA, "nanreplay_version": __version__, "dir": str(p.dir),
            "options": {"model": p.options.model, "loss": p.options.loss, "trust": p.options.trust},
            "summary": summary, "counts": counts, "groups": groups, "failures": failures, "ranks": ranks,
-           "ignored": p.ignored}
+           "ignored": p.ignored, "machines": machines}
     try:
         atomic.write_text(p.outdir / "groups.json", json.dumps(doc, indent=2, allow_nan=False))
         atomic.write_text(p.outdir / "summary.csv", summary_csv(rows))
@@ -74,7 +76,7 @@ def _write(p: Plan, rows: list[dict], groups: list[dict], failures: list[dict], 
                   index=p.outdir / "index.html", counts=counts, doc=doc)
 
 
-def summary_line(counts: dict, groups: list[dict]) -> str:
+def summary_line(counts: dict, groups: list[dict], machines: dict | None = None) -> str:
     causes = sum(g["verdict"] != "not_reproduced" for g in groups)
     parts = [_plural(counts["snapshots"], "snapshot"), _plural(causes, "root cause")]
     not_repro = sum(g["count"] for g in groups if g["verdict"] == "not_reproduced")
@@ -86,6 +88,8 @@ def summary_line(counts: dict, groups: list[dict]) -> str:
         line += f" ({counts['cached']} from cache)"
     if counts["ignored"]:
         line += f"; {_plural(counts['ignored'], 'other file')} ignored"
+    if machines and machines["transient"]:  # the device the fleet's own snapshots name
+        line += f"; {machines['summary']}"
     return line
 
 

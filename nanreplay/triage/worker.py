@@ -127,6 +127,8 @@ def analysis_fields(d: dict) -> dict:
     src = c.get("source") or {}
     info = d.get("snapshot_info") or {}
     code = fix.get("after") or fix.get("code") or ""
+    machine = (d.get("differential") or {}).get("machine") or {}
+    ident = machine.get("identity") or {}
     return {
         "status": "analyzed", "verdict": d.get("verdict"), "cause": diag.get("cause"), "title": diag.get("title"),
         "op": c.get("op"), "forward_op": c.get("forward_op"), "backward_node": c.get("backward_node"),
@@ -136,4 +138,6 @@ def analysis_fields(d: dict) -> dict:
         "fix_kind": fix.get("kind"), "fix_code": code, "fix_verified": fix.get("verified"),
         "step": info.get("step"), "rank": info.get("rank"), "world_size": info.get("world_size"),
         "created": info.get("created"), "format": info.get("format"), "trigger": info.get("trigger"),
+        "machine_verdict": machine.get("verdict"), "host": ident.get("host"), "device": ident.get("device"),
+        "run": ident.get("run"),
     }

@@ -59,6 +59,13 @@ FIELDS = {
     "a context that does not hold its line": (
         lambda d: with_program(d, _frame0(lambda f: f.__setitem__("context", [f["line"] + 50, ["x = 1"]]))),
         "does not hold the frame's line"),
+    "a re-run loss that is a string": (lambda d: d["rerun"]["rerun"].__setitem__("loss", "1.5"),
+                                        "rerun.rerun.loss must be a number"),
+    "a non-finite count that is negative": (lambda d: d["rerun"]["training"].__setitem__("grads_nonfinite", -1),
+                                            "out of range"),
+    "a random op that is not a record": (lambda d: d["rerun"].__setitem__("random_ops", ["dropout"]),
+                                         "rerun.random_ops[0] must be a dict"),
+    "a host that is a list": (lambda d: d["machine"].__setitem__("host", ["host-17"]), "machine.host must be a string"),
     "a float literal beyond float range": (
         lambda d: d.__setitem__("step_program", d["step_program"].replace('"schema"', '"x": 1e400, "schema"', 1)),
         "out of range"),
