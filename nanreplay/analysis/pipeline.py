@@ -178,6 +178,7 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
                               for m, o, g in step.grad_shapes]
     tell("culprit", result)
     result.diagnosis = diagnose.diagnose(result, subject, step, c, chain, verify_fixes=verify)
+    result.warnings += [f"internal error (please report): {e}" for e in result.diagnosis.get("internal_errors", [])]
     if c is not None:
         result.culprit["forward_inputs"] = forward_inputs_json(subject, step, step.events[c])
     release_memory()
