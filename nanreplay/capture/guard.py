@@ -131,6 +131,7 @@ class NanGuard:
         self.sync_ranks = _rank_agreement(self.model, sync_ranks, sharded)
         self.sharded = sharded
         self.history: deque = deque(maxlen=history)
+        self.clip: float | None = None  # the max_norm gradients are clipped to, where a trainer says (history "clip")
         self.snapshots: list[str] = []  # failure snapshots
         self.spike_snapshots: list[str] = []
         self.last_snapshot: str | None = None
@@ -225,11 +226,13 @@ class NanGuard:
             return True
         return self._fail(Trigger.LOSS, loss_value=value)
 
-    def grads_ok(self, grad_norm: float | torch.Tensor | None = None) -> bool:
+    def grads_ok(self, grad_norm: float | torch.Tensor | None = None, *, clip: float | None = None) -> bool:
         """After backward(), before optimizer.step(): False (and a snapshot) if a gradient is NaN or Inf.
 
-        Pass the total norm you already have (what clip_grad_norm_ returned) to skip computing it.
-        Under gradient accumulation it may be called after every micro-batch or only after the last.
+        Pass the total norm you already have (what clip_grad_norm_ returned: the norm *before* clipping, which
+        the history needs to see a climb) to skip computing it, and `clip`, the max_norm you clip to (the
+        advice then knows clipping is already in force). Under gradient accumulation it may be called after
+        every micro-batch or only after the last.
         """
         if self._check_pending and self._calls is not None:  # loss_ok() is not called: nothing to check against
             self._calls.want_output, self._calls.output = False, None
@@ -246,6 +249,9 @@ class NanGuard:
                 trigger = Trigger.GRADIENT
         row = self._row()
         row["grad_norm"] = norm
+        clip = clip if clip is not None else self.clip
+        if clip is not None and math.isfinite(float(clip)) and float(clip) > 0:
+            row["clip"] = float(clip)
         inner = upd.unwrap_optimizer(self.optimizer)
         if inner is not None:
             self._update_healthy(inner)  # the learning rate this update will use, for the history
@@ -285,7 +291,7 @@ class NanGuard:
             loss.backward()
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))
-        ok = self.grads_ok(norm)
+        ok = self.grads_ok(norm, clip=clip)
         if self.scaler is not None:
             if ok:
                 self.scaler.step(self.optimizer)  # skips the update itself when the scaled gradients overflowed
@@ -361,6 +367,10 @@ class NanGuard:
             else None  # (a numpy float from a schedule becomes a Python one)
         if isinstance(lr, (int, float)) and not isinstance(lr, bool):
             self._row()["lr"] = float(lr)
+        base = optimizer.param_groups[0].get("initial_lr") if optimizer.param_groups else None  # a scheduler's
+        base = upd.hyperparameters({"lr": base}).get("lr") if base is not None else None  # configured lr
+        if isinstance(base, (int, float)) and not isinstance(base, bool) and math.isfinite(base):
+            self._row()["base_lr"] = float(base)
 
     def _update_failure(self, optimizer: torch.optim.Optimizer, step_kwargs: dict) -> None:
         self._update_failed = True

@@ -20,7 +20,7 @@ import torch
 
 from nanreplay import replay, stats
 from nanreplay import torch_internals as ti
-from nanreplay.diagnose.divergence import clip_value, divergence, lr_clip_fix
+from nanreplay.diagnose.divergence import clip_value, divergence, lr_clip_fix, remedy
 from nanreplay.diagnose.model import Fix
 from nanreplay.diagnose.plausible import history_rows, norm_squared
 from nanreplay.diagnose.site import finite_float
@@ -107,8 +107,8 @@ def _norm_overflow(result, info: dict) -> dict:
     expl = (f"Every gradient entry is finite, but the total gradient norm overflowed float32 ({evidence}): the "
             f"gradients are so large that their squares sum past float32's largest value. Training diverged.{climb} "
             f"This step replays finite ({_replayed(result)}); it is not the bug: earlier steps grew the weights and "
-            "activations. Lower the learning rate or warm it up, clip gradients, and restart from a checkpoint "
-            "from before the climb.")
+            f"activations. {(remedy(d) if d else 'lower the learning rate or warm it up, clip gradients').capitalize()}, "
+            "and restart from a checkpoint from before the climb.")
     return _result("training_diverged", "training diverged: the gradient norm overflowed float32", expl,
                    lr_clip_fix(d, info))
 
