@@ -90,6 +90,10 @@ def _from_allreduce(result, info: dict, coll: dict) -> dict:
                    collective={"nonfinite_ranks": ranks, "rank": rank, "world_size": info.get("world_size")})
 
 
+def _upper_first(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
 def _norm_overflow(result, info: dict) -> dict:
     """Every gradient entry finite, their float32 norm not: the gradients are astronomically large."""
     d = divergence(info)
@@ -107,7 +111,7 @@ def _norm_overflow(result, info: dict) -> dict:
     expl = (f"Every gradient entry is finite, but the total gradient norm overflowed float32 ({evidence}): the "
             f"gradients are so large that their squares sum past float32's largest value. Training diverged.{climb} "
             f"This step replays finite ({_replayed(result)}); it is not the bug: earlier steps grew the weights and "
-            f"activations. {(remedy(d) if d else 'lower the learning rate or warm it up, clip gradients').capitalize()}, "
+            f"activations. {_upper_first(remedy(d) if d else 'lower the learning rate or warm it up, clip gradients')}, "
             "and restart from a checkpoint from before the climb.")
     return _result("training_diverged", "training diverged: the gradient norm overflowed float32", expl,
                    lr_clip_fix(d, info))
