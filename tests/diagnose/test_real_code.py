@@ -10,7 +10,8 @@
   `torch.zeros(..., dtype=query_states.dtype)`, a float16 literal that must follow every replay's dtype (else
   the fp32/bf16/fp64 rows and the bf16 fix raise "mask dtype ≠ query dtype");
 * CLIP with a runaway `logit_scale` (exp(100) overflows): every candidate patch lands on the culprit's exp,
-  none raises (a patch keyed by call number once met `arange` in a second replay of the same copy).
+  none raises (a patch keyed by call number once met `arange` in a second replay of the same copy); the bound
+  that verifies is said as a clamp of the learned parameter itself.
 """
 
 from __future__ import annotations
@@ -240,4 +241,7 @@ def test_clip_logit_scale_patches_land_on_the_culprits_exp(runs):
     assert len(cands) >= 2, d["diagnosis"]["candidates"]
     for f in cands:  # each patch met the culprit call itself, and nothing else
         assert f["patched_ops"] == ["aten.exp.default"], (f["code"], f["patched_ops"])
+    fix = d["diagnosis"]["fix"]  # a bound tight enough for the logits exp scales (CLIP's own cap is ln 100)
+    assert fix["kind"] == "clamp" and fix["verified"] is True, fix["verification"]
+    assert "model.logit_scale.clamp_(max=" in fix["code"], fix["code"]  # what a user can change: the parameter
     _no_internal_error(d)
