@@ -13,7 +13,7 @@
             accelerator.backward(loss)
             if accelerator.sync_gradients:     # the accumulation boundary
                 norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)  # unscaled under fp16
-                if not guard.grads_ok(norm):
+                if not guard.grads_ok(norm, clip=1.0):  # the norm before clipping, and the clip in force
                     break
             optimizer.step()
             optimizer.zero_grad()

@@ -24,6 +24,9 @@ What degrades when an accessor fails:
 * `fsdp_recompute_state`: a step of an FSDP2 model cannot be recorded (the sharded snapshot says why).
 * `fsdp_traffic_unseen`: `nanreplay analyze DIR --nproc N` refuses FSDP2 snapshots (single-process analysis works).
 * `dispatch_modes_off`: used only by the two above.
+* `function_modes_off`: a step program's own bookkeeping (restoring buffers, checking arguments) is seen by
+  the replay's call numbering; a fix's patch, keyed by call number, can then land on another call in a
+  second replay of the same copy (the engine's landing check refuses it, and says so).
 """
 
 from __future__ import annotations
@@ -234,6 +237,16 @@ def default_foreach(params: list[torch.Tensor]) -> bool:
         return bool(params) and all(p.device.type == "cuda" for p in params)
 
 
+def function_modes_off() -> contextlib.AbstractContextManager:
+    """No TorchFunctionMode sees the torch calls made inside (a step program's bookkeeping between its ops, so
+    that the replay numbers the same calls every time, whatever replay ran before); dispatch modes still do."""
+    try:
+        return torch._C.DisableTorchFunction()
+    except Exception as e:  # noqa: BLE001 - a torch without it
+        _note("function_modes_off", e)
+        return contextlib.nullcontext()
+
+
 # ------------------------------------------------------------------ FSDP2 (sharded snapshots)
 
 
@@ -364,6 +377,7 @@ def probe() -> dict[str, str]:
         "op_schema": lambda: op_schema(torch.ops.aten.add.Tensor) is not None,
         "is_random_op": lambda: is_random_op(torch.ops.aten.bernoulli.default),
         "foreach_norm": lambda: float(foreach_norm([torch.ones(4)], torch.float64)[0]) == 2.0,
+        "function_modes_off": lambda: not isinstance(function_modes_off(), contextlib.nullcontext),
     }
 
     def node_checks() -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -75,6 +76,7 @@ class NanGuardCallback(TrainerCallback):
         self._busy = False  # the guard is running the step again: hooks stand aside
         self._failed = False
         self._warned = False
+        self._pre_clip: float | None = None  # this step's gradient norm before the Trainer clipped it
 
     # ------------------------------------------------------------------ Trainer events
 
@@ -94,11 +96,15 @@ class NanGuardCallback(TrainerCallback):
             self._hooks = [model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
                            model.register_forward_hook(self._after_forward, with_kwargs=True)]
         self._step, self._micro, self._failed = state.global_step, 0, False
+        self.guard.clip = float(args.max_grad_norm) if args.max_grad_norm and args.max_grad_norm > 0 else None
+        self._pre_clip = None
+        _watch_clipping(self)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.guard is not None:
             self.guard.end_step()  # the first micro-batch of an optimizer step
         self._step, self._micro, self._failed = state.global_step, 0, False
+        self._pre_clip = None
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if self.guard is None:
@@ -106,8 +112,8 @@ class NanGuardCallback(TrainerCallback):
         if not self._failed:
             self._busy = True
             try:
-                with torch.enable_grad():
-                    ok = self.guard.grads_ok()
+                with torch.enable_grad():  # the norm before the Trainer clipped, where it was seen
+                    ok = self.guard.grads_ok(self._pre_clip)
             finally:
                 self._busy = False
             if not ok:
@@ -212,6 +218,38 @@ def attach(trainer: Any, folder: str | os.PathLike = "nan_snapshots", **options:
 
 
 # ------------------------------------------------------------------ small pieces
+
+
+def _watch_clipping(cb: NanGuardCallback) -> None:
+    """Keep the gradient norm the Trainer's `_clip_grad_norm` returns — the norm *before* it clipped (after
+    clipping every step reads about max_grad_norm, and a climb is invisible). The Trainer is the caller that
+    is running on_train_begin (callbacks are never given it); where it is not found, or has no such method,
+    the guard measures the gradients itself, after clipping."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        frame = frame.f_back
+        if frame is None:
+            return
+        owner = frame.f_locals.get("self")
+        handler = getattr(owner, "callback_handler", None)
+        if handler is not None and cb in getattr(handler, "callbacks", ()):
+            break
+    else:
+        return
+    clip = getattr(owner, "_clip_grad_norm", None)
+    if clip is None or getattr(clip, "_nanreplay", False):
+        return
+
+    def clip_grad_norm(*args: Any, **kwargs: Any) -> Any:
+        norm = clip(*args, **kwargs)
+        try:
+            cb._pre_clip = float(norm)
+        except (TypeError, ValueError, RuntimeError):
+            cb._pre_clip = None
+        return norm
+
+    clip_grad_norm._nanreplay = True
+    owner._clip_grad_norm = clip_grad_norm
 
 
 def _as_keywords(module: Any, args: tuple, kwargs: dict) -> Any:

@@ -38,6 +38,7 @@ class Outcome:
     grad_norm: float | None = None  # the total gradient norm (unscaled)
     grad_norms: dict[str, float] | None = None  # per parameter
     noop: NoOp | None = None  # how far the patched calls moved the values the original computed fine
+    raised: bool = False  # the replay raised: a fix nanreplay made broke the step's code (a bug, not an answer)
 
 
 NOOP_RTOL = 1e-3  # "within rounding": no finite value of the original moves by more than this share of its scale
@@ -157,7 +158,7 @@ def try_patch(subject: Subject, intercepts: dict[int, Callable] | None = None, *
     try:
         copy = subject.converted()
     except Exception as e:  # noqa: BLE001
-        return Outcome(False, f"copying the step to replay it {label} raised {raised(e)}")
+        return Outcome(False, f"copying the step to replay it {label} raised {raised(e)}", raised=True)
     check = NoOp() if noop and intercepts else None
     if check is not None and compare_at:
         patched = _at_expression_end(subject, intercepts, compare_at, check)
@@ -210,7 +211,7 @@ def _replay(copy: Subject, intercepts: dict[int, Callable] | None, label: str, s
     try:
         quick = replay.run_patched(copy, intercepts)  # no op-level instrumentation: a fix that works costs one step
     except Exception as e:  # noqa: BLE001 - a fix that breaks the model is a failed fix, not a crash
-        return Outcome(False, f"replaying {label} raised {raised(e)}")
+        return Outcome(False, f"replaying {label} raised {raised(e)}", raised=True)
     if quick is not None:
         loss, norms = quick
         out = Outcome(True, f"replayed {label}: loss {stats.num(loss)}, every parameter gradient finite", loss=loss / k)
@@ -220,7 +221,7 @@ def _replay(copy: Subject, intercepts: dict[int, Callable] | None, label: str, s
     try:  # it did not verify: replay it instrumented, to name the op that breaks it now
         step = replay.run_subject(copy, intercepts=intercepts, backward_after_bad_loss=False)
     except Exception as e:  # noqa: BLE001 - a fix that breaks the model is a failed fix, not a crash
-        return Outcome(False, f"replaying {label} raised {raised(e)}")
+        return Outcome(False, f"replaying {label} raised {raised(e)}", raised=True)
     out = _outcome(step)
     out.detail = out.detail.replace("with the fix", label)
     if step.loss is not None and math.isfinite(step.loss):
@@ -240,7 +241,7 @@ def try_variant(subject: Subject, *, dtype: torch.dtype | None = None, autocast:
     try:
         variant = subject.converted(dtype, autocast)
     except Exception as e:  # noqa: BLE001
-        return Outcome(False, f"converting the step {label} raised {raised(e)}")
+        return Outcome(False, f"converting the step {label} raised {raised(e)}", raised=True)
     return _replay(variant, None, label or "with the fix", subject.loss_scale)
 
 

@@ -182,6 +182,7 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
     machine.attach(result, snap, subject.device, step, culprit_found=c is not None)  # reads the guard's re-run record
     result.diagnosis = diagnose.diagnose(result, subject, step, c, chain, verify_fixes=verify)
     compiler_replay.attach(result, subject, verify=verify)  # a compiled run that replays finite: replay it compiled
+    result.warnings += [f"internal error (please report): {e}" for e in result.diagnosis.get("internal_errors", [])]
     if c is not None:
         result.culprit["forward_inputs"] = forward_inputs_json(subject, step, step.events[c])
     release_memory()

@@ -49,8 +49,8 @@ import torch
 import torch.nn as nn
 
 from nanreplay import atomic
-from nanreplay import torch_internals as ti
 from nanreplay.capture import losscheck, rerun, snapshot
+from nanreplay.capture import modelstate as ms
 from nanreplay.capture import sharded as sharded_capture
 from nanreplay.capture import update as upd
 from nanreplay.enums import Trigger
@@ -132,9 +132,10 @@ class NanGuard:
         self.spike_factor, self.spike_window = spike_factor, spike_window
         self.scaler = scaler
         self.on_nonfinite = on_nonfinite
-        self.sync_ranks = _rank_agreement(self.model, sync_ranks, sharded)
+        self.sync_ranks = ms.rank_agreement(self.model, sync_ranks, sharded)
         self.sharded = sharded
         self.history: deque = deque(maxlen=history)
+        self.clip: float | None = None  # the max_norm gradients are clipped to, where a trainer says (history "clip")
         self.snapshots: list[str] = []  # failure snapshots
         self.spike_snapshots: list[str] = []
         self.last_snapshot: str | None = None
@@ -145,7 +146,7 @@ class NanGuard:
         self._states: list[snapshot.StepState] = []  # one per micro-batch of the current optimizer step
         self._checked = -1  # the last micro-batch whose accumulated gradients were checked finite
         self._buffers = snapshot.BufferWatch(self.model)
-        self._autocast: dict | bool | None = _autocast_arg(autocast)  # None: infer on the first loss_ok
+        self._autocast: dict | bool | None = ms.autocast_arg(autocast)  # None: infer on the first loss_ok
         self._inspected = False
         self._in_step = False
         self._norms: deque = deque(maxlen=spike_window)
@@ -221,7 +222,7 @@ class NanGuard:
         if not self._inspected:  # once: did the forward run under autocast (loss_ok called outside the block)?
             self._inspected = True
             if self._autocast is None:
-                self._autocast = _autocast_state(self.model) or _saved_low_precision(loss, self.model) or False
+                self._autocast = ms.autocast_state(self.model) or ms.saved_low_precision(loss, self.model) or False
         if self._check_pending:  # once: is the loss a recording computes the loss the loop checks?
             losscheck.first_step(self, loss, value)
         if self._states:
@@ -233,21 +234,23 @@ class NanGuard:
             return True
         return self._fail(Trigger.LOSS, loss_value=value)
 
-    def grads_ok(self, grad_norm: float | torch.Tensor | None = None) -> bool:
+    def grads_ok(self, grad_norm: float | torch.Tensor | None = None, *, clip: float | None = None) -> bool:
         """After backward(), before optimizer.step(): False (and a snapshot) if a gradient is NaN or Inf.
 
-        Pass the total norm you already have (what clip_grad_norm_ returned) to skip computing it.
-        Under gradient accumulation it may be called after every micro-batch or only after the last.
+        Pass the total norm you already have (what clip_grad_norm_ returned: the norm *before* clipping, which
+        the history needs to see a climb) to skip computing it, and `clip`, the max_norm you clip to (the
+        advice then knows clipping is already in force). Under gradient accumulation it may be called after
+        every micro-batch or only after the last.
         """
         if self._check_pending and self._calls is not None:  # loss_ok() is not called: nothing to check against
             self._calls.want_output, self._calls.output = False, None
-        norm = float(grad_norm) if grad_norm is not None else _total_norm(self.model)
+        norm = float(grad_norm) if grad_norm is not None else ms.total_norm(self.model)
         self._norm_given = grad_norm is not None
         trigger = None
         if not math.isfinite(norm):
-            entries_finite = _all_grads_finite(self.model)
+            entries_finite = ms.all_grads_finite(self.model)
             if entries_finite:  # a float32 norm of finite, huge gradients: the norm overflowed, not the values
-                exact = _total_norm(self.model, torch.float64)
+                exact = ms.total_norm(self.model, torch.float64)
                 # clip_grad_norm_ that returned inf has already scaled every gradient by max_norm / inf = 0
                 norm = exact if exact > 0 else norm
                 trigger = Trigger.GRAD_NORM_OVERFLOW
@@ -255,6 +258,9 @@ class NanGuard:
                 trigger = Trigger.GRADIENT
         row = self._row()
         row["grad_norm"] = norm
+        clip = clip if clip is not None else self.clip
+        if clip is not None and math.isfinite(float(clip)) and float(clip) > 0:
+            row["clip"] = float(clip)
         inner = upd.unwrap_optimizer(self.optimizer)
         if inner is not None:
             self._update_healthy(inner)  # the learning rate this update will use, for the history
@@ -294,7 +300,7 @@ class NanGuard:
             loss.backward()
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))
-        ok = self.grads_ok(norm)
+        ok = self.grads_ok(norm, clip=clip)
         if self.scaler is not None:
             if ok:
                 self.scaler.step(self.optimizer)  # skips the update itself when the scaled gradients overflowed
@@ -328,7 +334,7 @@ class NanGuard:
 
     def _agree(self, bad: bool) -> list[int]:
         """The ranks that saw a non-finite value at this check ([] when none); with sync_ranks all ranks agree."""
-        rank = _rank()
+        rank = ms.rank()
         if not (self.sync_ranks and rank is not None):
             return [rank or 0] if bad else []
         dist = torch.distributed
@@ -370,6 +376,10 @@ class NanGuard:
             else None  # (a numpy float from a schedule becomes a Python one)
         if isinstance(lr, (int, float)) and not isinstance(lr, bool):
             self._row()["lr"] = float(lr)
+        base = optimizer.param_groups[0].get("initial_lr") if optimizer.param_groups else None  # a scheduler's
+        base = upd.hyperparameters({"lr": base}).get("lr") if base is not None else None  # configured lr
+        if isinstance(base, (int, float)) and not isinstance(base, bool) and math.isfinite(base):
+            self._row()["base_lr"] = float(base)
 
     def _update_failure(self, optimizer: torch.optim.Optimizer, step_kwargs: dict) -> None:
         self._update_failed = True
@@ -530,71 +540,3 @@ class NanGuard:
                               optimizer=upd.unwrap_optimizer(self.optimizer),
                               scaler=self.scaler, autocast=self._autocast or None, history=list(self.history),
                               factory=self.factory, notes=notes)
-
-
-# ------------------------------------------------------------------ small helpers
-
-
-def _rank_agreement(model: nn.Module, sync_ranks: bool | None, sharded: bool | None) -> bool:
-    """sync_ranks as given; unset, on exactly where a snapshot is a folder every rank writes (FSDP2, sharded=True),
-    which needs every rank to stop at the same check. Off there: refused now, never found out at the failure."""
-    folder = bool(sharded) or sharded_capture.wanted(model, sharded)
-    if sync_ranks is None:
-        return folder
-    if not sync_ranks and folder:
-        raise GuardError("NanGuard(..., sync_ranks=False) on a sharded model: its snapshot is one folder every rank "
-                         "writes, so every rank must stop at the same step; leave sync_ranks unset (it is on for "
-                         "sharded models) or pass sharded=False for one file per rank")
-    return bool(sync_ranks)
-
-
-def _rank() -> int | None:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
-
-
-def _total_norm(model: nn.Module, dtype: torch.dtype = torch.float32) -> float:
-    """The global gradient norm; in float64 it cannot overflow for any finite float32/fp16/bf16 gradients."""
-    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return 0.0
-    norms = ti.foreach_norm(grads, dtype)
-    return float(torch.linalg.vector_norm(torch.stack([n.to(dtype) for n in norms])))
-
-
-def _all_grads_finite(model: nn.Module) -> bool:
-    """Every gradient entry finite (False when there are no gradients to look at)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return bool(grads) and all(bool(torch.isfinite(g).all()) for g in grads)
-
-
-def _autocast_state(model: nn.Module) -> dict | None:
-    p = next(model.parameters(), None)
-    dev = p.device.type if p is not None else "cpu"
-    if dev not in ("cpu", "cuda", "xpu", "mps") or not torch.is_autocast_enabled(dev):
-        return None
-    return {"device_type": dev, "dtype": str(torch.get_autocast_dtype(dev)).removeprefix("torch."), "enabled": True}
-
-
-def _autocast_arg(autocast: dict | bool | None) -> dict | bool | None:
-    if isinstance(autocast, dict):
-        dt = autocast.get("dtype", torch.float16)
-        return {"device_type": autocast.get("device_type", "cuda"), "dtype": str(dt).removeprefix("torch."),
-                "enabled": True}
-    return False if autocast is False else None
-
-
-def _saved_low_precision(loss: torch.Tensor, model: nn.Module, limit: int = 20000) -> dict | None:
-    """The autocast the forward evidently ran under: ops that saved fp16/bf16 tensors while the weights are
-    fp32 (loss_ok() was called after the autocast block). Walks the autograd graph once, first step only."""
-    p = next(model.parameters(), None)
-    if p is None or p.dtype != torch.float32 or loss.grad_fn is None:
-        return None
-    try:
-        for node in ti.autograd_nodes(loss.grad_fn, limit):
-            for v in ti.saved_tensors_of(node):
-                if v.dtype in (torch.float16, torch.bfloat16):
-                    return {"device_type": v.device.type, "dtype": str(v.dtype).removeprefix("torch."), "enabled": True}
-    except Exception as e:  # noqa: BLE001 - an observer must never break the training step
-        log.debug("nanreplay: could not inspect the autograd graph: %s", e)
-    return None

@@ -44,6 +44,8 @@ from nanreplay.replay.recorder import call_name
 CONTEXT = 4  # source lines kept above and below each recorded line
 _LIFT = {"aten.lift_fresh.default", "aten.lift_fresh_copy.default", "aten.lift.default"}
 _CONVERSIONS = {"to", "half", "float", "double", "bfloat16", "type", "type_as", "_to_copy"}
+_NAMED_DTYPE = {"half", "float", "double", "bfloat16"}  # the call itself names its dtype: it never follows one
+_DTYPE_GET = torch.Tensor.dtype  # `t.dtype`, which the function mode sees as this descriptor's __get__
 _LAYOUT_NAMES = {v: k for k, v in LAYOUTS.items()}
 _MEMFMT_NAMES = {v: k for k, v in MEMORY_FORMATS.items()}
 
@@ -81,7 +83,9 @@ class _Recorder:
         self.calls: list[str] = [""]
         self.call_funcs: list[Any] = [None]
         self.current_call = 0
-        self.call_autocast = False  # was autocast on when the current user-level call began?
+        self.call_autocast: torch.dtype | None = None  # autocast's dtype when the current user-level call began
+        self.call_follows: set[torch.dtype] = set()  # dtypes of the call's tensor arguments after the first
+        self.read_dtypes: set[torch.dtype] = set()  # dtypes the step read off a float tensor (`q.dtype`)
         self.phase = "forward"
         self.busy = False
         self.error: str | None = None
@@ -167,7 +171,7 @@ class _Recorder:
         if not tensors_out:
             return  # .item(), comparisons returning bools: nothing downstream refers to them
         if name in _LIFT:  # torch.tensor(data): its value is a constant
-            self.refs[out] = self.ref_of_constant(out)
+            self.refs[out] = self.ref_of_constant(out, self._follows_autocast([out.dtype]))
             return
         if name not in ALLOWED_OPS:
             raise NotRecordable(f"the step uses {name}, which is not on nanreplay's allowlist of pure tensor ops")
@@ -184,7 +188,7 @@ class _Recorder:
         node["out"], node["meta"] = self._outputs(out)
         if not torch.is_grad_enabled():
             node["grad"] = False
-        if name == "aten._to_copy.default" and self._autocast_cast(kwargs):
+        if self._autocast_cast(name, kwargs) or self._follows_autocast(_dtype_literals(args, kwargs)):
             node["cast"] = True
         if self.phase == "loss":
             node["module"] = self.module_id("<loss>")
@@ -200,12 +204,14 @@ class _Recorder:
             node["call"] = self.current_call
         self.nodes.append(node)
 
-    def ref_of_constant(self, t: torch.Tensor) -> int:
+    def ref_of_constant(self, t: torch.Tensor, cast: bool = False) -> int:
         self.refs.pop(t, None)
         r = self._new_ref()
         name = self.constant(t, "c")
-        self.leaves.append({"ref": r, "kind": "constant", "name": name, "shape": list(t.shape),
-                            "dtype": DTYPE_NAMES[t.dtype]})
+        leaf = {"ref": r, "kind": "constant", "name": name, "shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype]}
+        if cast:
+            leaf["cast"] = True
+        self.leaves.append(leaf)
         self.keep.append(t)
         return r
 
@@ -226,24 +232,47 @@ class _Recorder:
             return [one(t) for t in out], meta
         return one(out), meta
 
-    def _autocast_cast(self, kwargs: dict) -> bool:
-        """A dtype-only _to_copy that autocast inserted (not the user's own .to()/.half())."""
-        if set(kwargs) - {"dtype"} or "dtype" not in kwargs:
-            return False
+    def _call_base(self) -> str:
         fn = self.call_funcs[self.current_call] if self.current_call < len(self.call_funcs) else None
-        base = getattr(fn, "__name__", "") or ""
-        return base not in _CONVERSIONS and self.call_autocast
+        return getattr(fn, "__name__", "") or ""
+
+    def _autocast_cast(self, name: str, kwargs: dict) -> bool:
+        """A dtype-only _to_copy that autocast inserted (not the user's own .to()/.half())."""
+        if name != "aten._to_copy.default" or set(kwargs) - {"dtype"} or "dtype" not in kwargs:
+            return False
+        return self.call_autocast is not None and self._call_base() not in _CONVERSIONS
+
+    def _follows_autocast(self, dtypes: list[torch.dtype]) -> bool:
+        """A dtype literal that stands for autocast's dtype: under autocast, equal to it, and taken from a float
+        tensor — read off one during the step (`torch.zeros(..., dtype=q.dtype)`, `x.to(q.dtype)`) or given as
+        one (`x.type_as(q)`) — in a call that does not name its dtype itself (`.half()`). A replay in another
+        dtype maps it as it maps autocast's own casts; kept as recorded, a bf16/fp32/fp64 replay would mix it
+        with the tensors it was meant to match."""
+        low = self.call_autocast
+        if low is None or low not in dtypes or self._call_base() in _NAMED_DTYPE:
+            return False
+        return low in self.read_dtypes or low in self.call_follows
 
 
 def autocast_enabled() -> bool:
     """Is autocast on for any device? (Asked above the dispatcher: below it autocast reads as off.)"""
+    return autocast_dtype() is not None
+
+
+def autocast_dtype() -> torch.dtype | None:
+    """The dtype of the autocast that is on (the first device that has one on), or None."""
     for device in ("cpu", "cuda", "xpu", "mps"):
         try:
             if torch.is_autocast_enabled(device):
-                return True
+                return torch.get_autocast_dtype(device)
         except Exception:  # noqa: BLE001,S112 - a device type this torch does not know
             continue
-    return False
+    return None
+
+
+def _dtype_literals(args: tuple, kwargs: dict) -> list[torch.dtype]:
+    """The floating dtypes among an op's literal arguments."""
+    return [v for v in (*args, *kwargs.values()) if isinstance(v, torch.dtype) and v.is_floating_point]
 
 
 def _flat_tensors(out: Any) -> list[torch.Tensor]:
@@ -302,12 +331,18 @@ class _CallMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         rec = self.rec
+        if getattr(func, "__self__", None) is _DTYPE_GET:  # `t.dtype`: no op runs; a literal may follow it
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.dtype) and out.is_floating_point and not rec.busy:
+                rec.read_dtypes.add(out)
+            return out
         if rec.busy or rec.current_call:
             return func(*args, **kwargs)  # only the outermost torch call of the user's line counts
         rec.call_funcs.append(func)
         rec.calls.append(call_name(func))
         rec.current_call = len(rec.calls) - 1
-        rec.call_autocast = autocast_enabled()
+        rec.call_autocast = autocast_dtype()
+        rec.call_follows = {t.dtype for t in (*args[1:], *kwargs.values()) if isinstance(t, torch.Tensor)}
         try:
             return func(*args, **kwargs)
         finally:

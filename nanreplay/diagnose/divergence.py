@@ -23,10 +23,13 @@ NORM_CLIMB = 100.0  # ... or the last gradient norm at least this many times the
 @dataclass
 class Divergence:
     onset: int  # the first step of the climb
-    loss: tuple[tuple[int, float], tuple[int, float]] | None  # (step, loss) healthy minimum, last
-    grad_norm: tuple[tuple[int, float], tuple[int, float]] | None  # (step, norm) healthy median, last
+    loss: tuple[tuple[int, float], tuple[int, float]] | None  # (step, loss) healthy minimum, peak after the onset
+    grad_norm: tuple[tuple[int, float], tuple[int, float]] | None  # (step, norm) healthy median, peak
     healthy_grad_norm: float | None  # median gradient norm of the steps before the climb
     healthy_steps: tuple[int, int] | None
+    lr_at_onset: float | None = None  # the learning rate the schedule gave at the onset
+    base_lr: float | None = None  # the configured learning rate (the scheduler's initial_lr)
+    clip: float | None = None  # the max_norm gradients were already clipped to
 
     @property
     def story(self) -> str:
@@ -37,14 +40,16 @@ class Divergence:
         if self.grad_norm:
             (s0, a), (s1, b) = self.grad_norm
             parts.append(f"the gradient norm from {a:.3g} to {b:.3g} (step {s1})")
-        return " and ".join(parts) + f", starting at step {self.onset}"
+        lr = f" (learning rate {self.lr_at_onset:.3g})" if self.lr_at_onset is not None else ""
+        return " and ".join(parts) + f", starting at step {self.onset}{lr}"
 
     def to_json(self) -> dict:
         return {"onset_step": self.onset,
                 "loss": [{"step": s, "loss": v} for s, v in self.loss] if self.loss else None,
                 "grad_norm": [{"step": s, "grad_norm": v} for s, v in self.grad_norm] if self.grad_norm else None,
                 "healthy_grad_norm": self.healthy_grad_norm,
-                "healthy_steps": list(self.healthy_steps) if self.healthy_steps else None}
+                "healthy_steps": list(self.healthy_steps) if self.healthy_steps else None,
+                "lr_at_onset": self.lr_at_onset, "base_lr": self.base_lr, "clip": self.clip}
 
 
 def _series(rows: list[dict], key: str) -> list[tuple[int, float]]:
@@ -52,7 +57,9 @@ def _series(rows: list[dict], key: str) -> list[tuple[int, float]]:
 
 
 def divergence(info: dict) -> Divergence | None:
-    """The climb in the snapshot's history, or None when the history is short or healthy."""
+    """The climb in the snapshot's history, or None when the history is short or healthy. A climb is the peak
+    after the onset orders of magnitude above the steps before it, whatever follows: a loss that climbs and then
+    oscillates, or falls back a little, diverged all the same."""
     rows = history_rows(info)
     if len(rows) < 3:
         return None
@@ -70,18 +77,28 @@ def divergence(info: dict) -> Divergence | None:
         return None
     healthy_l = [(s, v) for s, v in losses if s < onset]
     healthy_g = [(s, v) for s, v in norms if s < onset]
+    later_l = [(s, v) for s, v in losses if s >= onset]
+    later_g = [(s, v) for s, v in norms if s >= onset]
     loss = grad = None
-    if healthy_l and losses and losses[-1][0] >= onset:
+    if healthy_l and later_l:
         low = min(healthy_l, key=lambda sv: sv[1])
-        if low[1] > 0 and losses[-1][1] >= LOSS_CLIMB * low[1] and losses[-1][1] >= 0.5 * max(v for _, v in losses):
-            loss = (low, losses[-1])
+        peak = max(later_l, key=lambda sv: sv[1])
+        if low[1] > 0 and peak[1] >= LOSS_CLIMB * low[1]:
+            loss = (low, peak)
     med = statistics.median(v for _, v in healthy_g) if healthy_g else None
-    if med and norms and norms[-1][0] >= onset and norms[-1][1] >= NORM_CLIMB * med:
-        grad = ((healthy_g[0][0], med), norms[-1])
+    if med and later_g:
+        peak = max(later_g, key=lambda sv: sv[1])
+        if peak[1] >= NORM_CLIMB * med:
+            grad = ((healthy_g[0][0], med), peak)
     if loss is None and grad is None:
         return None
     steps = [s for s, _ in healthy_l + healthy_g]
-    return Divergence(onset, loss, grad, med, (min(steps), max(steps)) if steps else None)
+    at = next((r for i, r in enumerate(rows) if r.get("step", i) == onset), {})
+    before = [r for i, r in enumerate(rows) if r.get("step", i) <= onset]
+    base = next((v for r in reversed(rows) if (v := finite_float(r.get("base_lr"))) is not None), None)
+    clip = next((v for r in reversed(before) if (v := finite_float(r.get("clip"))) is not None), None)
+    return Divergence(onset, loss, grad, med, (min(steps), max(steps)) if steps else None,
+                      finite_float(at.get("lr")), base, clip)
 
 
 def clip_value(x: float) -> float:
@@ -89,20 +106,63 @@ def clip_value(x: float) -> float:
     return float(f"{x:.2g}")
 
 
+TYPO_LR = 1e3  # no optimizer trains at a learning rate this high: a configured one is a typo (2e5 for 2e-5)
+
+
+def _typo(lr: float) -> str | None:
+    """'2e-05' for 2e5: the same digits with the exponent's sign flipped, where that is what was meant."""
+    if lr < TYPO_LR:
+        return None
+    mant, exp = f"{lr:e}".split("e")
+    return f"{float(mant):g}e-{int(exp):02d}"
+
+
+def remedy(d: Divergence) -> str:
+    """What to change, in a few words, from the history: a typo'd learning rate; a lower one where gradients are
+    already clipped; else a lower one (or a warmup) and clipping."""
+    typo = _typo(d.base_lr) if d.base_lr is not None else None
+    if typo:
+        return f"the configured learning rate {d.base_lr:g} is a typo (for {typo}, most likely): fix it"
+    if d.clip is not None:
+        return (f"lower the learning rate (or warm it up) — gradients were already clipped at {d.clip:g}, so "
+                "clipping is not the remedy")
+    return "lower the learning rate (or warm it up), clip gradients"
+
+
 def lr_clip_fix(d: Divergence | None, info: dict) -> Fix:
-    """Lower the learning rate / warm up / clip gradients, with the numbers the history gives."""
+    """Lower the learning rate / warm up / clip gradients, with the numbers the history gives: the learning rate
+    where the climb began (configured and scheduled), a configured one that is a typo, the clip already in force."""
     opt = info.get("optimizer") if isinstance(info.get("optimizer"), dict) else {}
     lr = finite_float(opt.get("lr", info.get("lr")))
+    base = d.base_lr if d and d.base_lr is not None else None
+    typo = _typo(base if base is not None else lr) if (base or lr) else None
+    lines = []
+    if typo:
+        conf = base if base is not None else lr
+        lines.append(f"the configured learning rate is {conf:g}: no optimizer trains at a rate of {TYPO_LR:g} or more — "
+                     f"almost surely a typo for {typo} (the exponent's sign); set learning_rate={typo}")
     clip = clip_value(d.healthy_grad_norm) if d and d.healthy_grad_norm else None
-    lines = ["after backward(), clip the gradient norm:",
-             f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={clip if clip else 1.0:g})"]
-    if d and clip:
-        a, b = d.healthy_steps or (None, None)
-        lines.append(f"(the healthy steps {a}–{b} had a gradient norm around {d.healthy_grad_norm:.3g}; "
-                     f"{'the last one reached ' + format(d.grad_norm[1][1], '.3g') if d.grad_norm else 'then it climbed'})")
-    lr_text = f" (now {lr:g}), e.g. to {lr / 10:g}" if lr else ", e.g. 10× lower"
-    warm = f" or warm it up over more than the {d.onset} steps it took to diverge" if d else " or warm it up"
-    lines.append(f"lower the learning rate{lr_text},{warm}")
+    if d and d.clip is not None:
+        peak = f" (before clipping, the norm reached {d.grad_norm[1][1]:.3g})" if d.grad_norm else ""
+        lines.append(f"gradients were already clipped at max_norm={d.clip:g}{peak}: clipping bounds each step's "
+                     f"gradient, not the step the optimizer takes with it — more clipping will not stop this")
+    else:
+        lines += ["after backward(), clip the gradient norm:",
+                  f"torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm={clip if clip else 1.0:g})"]
+        if d and clip:
+            a, b = d.healthy_steps or (None, None)
+            lines.append(f"(the healthy steps {a}–{b} had a gradient norm around {d.healthy_grad_norm:.3g}; "
+                         f"{'it reached ' + format(d.grad_norm[1][1], '.3g') if d.grad_norm else 'then it climbed'})")
+    if not typo:
+        at = d.lr_at_onset if d else None
+        if at is not None:
+            sched = f" ({at / base:.0%} of the configured {base:g} on the schedule)" if base and base != at else ""
+            lines.append(f"the climb began at step {d.onset} with the learning rate at {at:.3g}{sched}: keep the "
+                         f"peak learning rate below that, e.g. {at / 10:.2g}, or warm up more slowly")
+        else:
+            lr_text = f" (now {lr:g}), e.g. to {lr / 10:g}" if lr else ", e.g. 10× lower"
+            warm = f" or warm it up over more than the {d.onset} steps it took to diverge" if d else " or warm it up"
+            lines.append(f"lower the learning rate{lr_text},{warm}")
     if d:
         lines.append(f"and restart from a checkpoint from before step {d.onset}: the weights are already damaged")
     else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from nanreplay import torch_internals as ti
 from nanreplay import verify
 from nanreplay.diagnose import (
     finite,
@@ -21,6 +22,7 @@ from nanreplay.diagnose.prose import anomaly_sentence
 from nanreplay.diagnose.site import Site
 from nanreplay.enums import FixKind
 from nanreplay.replay import Step
+from nanreplay.replay.recorder import call_name
 
 
 def diagnose(result, subject, step: Step, c: int | None, chain: list[int], *, verify_fixes: bool = True) -> dict:
@@ -32,8 +34,9 @@ def diagnose(result, subject, step: Step, c: int | None, chain: list[int], *, ve
     diag = RULES.answer(site)
     if verify_fixes:
         ref = plausible.Lazy(lambda: plausible.reference(info, step, subject))  # only when a replay is finite
-        chosen, tried = _verify(diag, subject, ref, step)
+        chosen, tried = _verify(diag, subject, ref, step, internal := [])
     else:
+        internal = []
         chosen, tried = diag.fixes[0], []
     explanation = diag.explanation
     out = {"cause": diag.cause, "title": diag.title}
@@ -48,17 +51,49 @@ def diagnose(result, subject, step: Step, c: int | None, chain: list[int], *, ve
         "fix": chosen.to_json(),
         "candidates": [f.to_json() for f in tried],
     })
+    if internal:
+        out["internal_errors"] = internal
     return out
 
 
 _ADVICE_FIRST = (FixKind.NORMALIZE_INPUT,)  # causes a replay of this step cannot test (they are in the data)
 
 
-def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | None = None
-            ) -> tuple[Fix, list[Fix]]:
+class PatchMisplaced(Exception):  # noqa: N818 - raised inside a replay: the patch met another call than its own
+    pass
+
+
+def _landing(patch: dict | None, step: Step | None, landed: list[str]) -> dict | None:
+    """The patch, each call's change applied only where the replay makes the call it was made for (the same
+    function as in the analyzed replay at that number); elsewhere it raises PatchMisplaced — the numbering went
+    wrong, a bug — instead of rewriting some other call ("'int' object has no attribute 'clamp'"). `landed`
+    collects the ops (calls) each change did apply to."""
+    if not patch or step is None:
+        return patch
+    names = step.call_names
+
+    def guard(c: int, fn):
+        want = names[c] if 0 <= c < len(names) else None
+
+        def at(func, args, kwargs):
+            got = call_name(func)
+            if want is not None and got != want:
+                raise PatchMisplaced(f"the patch for call {c} ({want}) met {got}: not the call it was made for")
+            what = str(func) if isinstance(func, ti.OpOverload) else got
+            if what not in landed:
+                landed.append(what)
+            return fn(func, args, kwargs)
+        return at
+    return {c: guard(c, fn) for c, fn in patch.items()}
+
+
+def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | None = None,
+            internal: list[str] | None = None) -> tuple[Fix, list[Fix]]:
     """Try each candidate fix in order; the first that is a no-op where the original was fine and whose replay
     is finite *and* plausible — against a reference of the same step first, the history only where there is
-    none — wins; else the first."""
+    none — wins; else the first. A candidate whose replay raises is nanreplay's bug (a fix it made broke the
+    step's code, or landed on another call): said in `internal`, the analysis's warnings show it."""
+    internal = [] if internal is None else internal
     tried = []
     same = plausible.SameStep()
     if step is not None and step.failure is not None and step.failure.what == "gradient":
@@ -71,8 +106,8 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | N
                      "with an op-level patch at the culprit's call (no line of yours is rewritten)")
             o = probes.pop((fix.kind, f"{fix.epsilon:.0e}"), None) if fix.epsilon is not None else None
             if o is None:
-                o = verify.try_patch(subject, fix.patch, label=label, noop=fix.noop_exempt is None,
-                                     compare_at=fix.compare_at)
+                o = verify.try_patch(subject, _landing(fix.patch, step, fix.patched_ops), label=label,
+                                     noop=fix.noop_exempt is None, compare_at=fix.compare_at)
         elif fix.variant:
             v = fix.variant
             o = verify.try_variant(subject, dtype=v.get("dtype"), autocast=v.get("autocast", "same"),
@@ -85,7 +120,7 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | N
             ok, why = False, f"finite, but not a no-op: it {o.noop.sentence()}"
             fix.verified, fix.verification = False, f"{o.detail} — {why}"
         elif o.ok:
-            ok, why = _judge(fix, o, subject, same, ref, probes, label)
+            ok, why = _judge(fix, o, subject, same, ref, probes, label, step)
             fix.verified = ok is not False  # not judged (nothing to compare with) is said, not hidden
             if o.noop is not None and o.noop.elements:
                 why += f"; {o.noop.sentence()}"
@@ -101,6 +136,9 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | N
                     and o.noop.elements and o.noop.ok:  # its gradient broke, but its loss is this step's own
                 same.exact = (f"the loss of the exact formulation ({fix.kind.value})", o.loss)
         fix.replay = {"loss": o.loss, "grad_norm": o.grad_norm, "plausible": ok, "why": why}
+        if o.raised:
+            internal.append(f"the {fix.kind.value} candidate ({fix.code.splitlines()[0][:120] if fix.code else ''}): "
+                            f"{o.detail}")
         tried.append(fix)
         if fix.verified:
             return fix, tried
@@ -125,7 +163,7 @@ def _finite_loss(step: Step, subject) -> float | None:
 
 
 def _judge(fix: Fix, o: verify.Outcome, subject, same: plausible.SameStep, ref: plausible.Lazy | None,
-           probes: dict, label: str) -> tuple[bool | None, str]:
+           probes: dict, label: str, step: Step | None = None) -> tuple[bool | None, str]:
     """Plausible? An exact reformulation that is a no-op where the original was fine computes this step's own
     value; any other fix must agree with the references of the same step there are (that exact loss, the step's
     own finite loss, the same fix at ε × 100); only with none of those is the history asked. Where the same step
@@ -136,7 +174,8 @@ def _judge(fix: Fix, o: verify.Outcome, subject, same: plausible.SameStep, ref: 
                       "wherever the original was finite" + plausible.unusual_batch(o.loss, history))
     probe_loss = None
     if fix.probe and fix.epsilon is not None:
-        p = verify.try_patch(subject, fix.probe, label=label, noop=fix.noop_exempt is None, compare_at=fix.compare_at)
+        p = verify.try_patch(subject, _landing(fix.probe, step, []), label=label, noop=fix.noop_exempt is None,
+                             compare_at=fix.compare_at)
         probes[(fix.kind, f"{fix.epsilon * 100:.0e}")] = p  # the same replay as the candidate at ε × 100
         probe_loss = p.loss if p.ok else None
     ok, why = plausible.judge_same_step(o.loss, same, probe_loss, fix.epsilon if probe_loss is not None else None)

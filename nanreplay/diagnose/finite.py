@@ -20,7 +20,7 @@ import torch
 
 from nanreplay import replay, stats
 from nanreplay import torch_internals as ti
-from nanreplay.diagnose.divergence import clip_value, divergence, lr_clip_fix
+from nanreplay.diagnose.divergence import clip_value, divergence, lr_clip_fix, remedy
 from nanreplay.diagnose.model import Fix
 from nanreplay.diagnose.plausible import history_rows, norm_squared
 from nanreplay.diagnose.site import finite_float
@@ -93,6 +93,10 @@ def _from_allreduce(result, info: dict, coll: dict) -> dict:
                    collective={"nonfinite_ranks": ranks, "rank": rank, "world_size": info.get("world_size")})
 
 
+def _upper_first(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
 def _norm_overflow(result, info: dict) -> dict:
     """Every gradient entry finite, their float32 norm not: the gradients are astronomically large."""
     d = divergence(info)
@@ -110,8 +114,8 @@ def _norm_overflow(result, info: dict) -> dict:
     expl = (f"Every gradient entry is finite, but the total gradient norm overflowed float32 ({evidence}): the "
             f"gradients are so large that their squares sum past float32's largest value. Training diverged.{climb} "
             f"This step replays finite ({_replayed(result)}); it is not the bug: earlier steps grew the weights and "
-            "activations. Lower the learning rate or warm it up, clip gradients, and restart from a checkpoint "
-            "from before the climb.")
+            f"activations. {_upper_first(remedy(d) if d else 'lower the learning rate or warm it up, clip gradients')}, "
+            "and restart from a checkpoint from before the climb.")
     return _result("training_diverged", "training diverged: the gradient norm overflowed float32", expl,
                    lr_clip_fix(d, info))
 

@@ -45,6 +45,7 @@ class Fix:
     compare_at: list[int] | None = None  # where the no-op check compares (the rewritten expression's end), if not
                                          # at the patched calls themselves (exp(x - max) differs from exp(x))
     noop_exempt: str | None = None  # why the no-op check does not apply (the original's finite values are noise)
+    patched_ops: list[str] = field(default_factory=list)  # the ops (calls) the patch applied to in its replay
     rewrite: InitVar[codefix.Rewrite | None] = None  # the user's line rewritten: becomes code/before/after
 
     def __post_init__(self, rewrite: codefix.Rewrite | None) -> None:
@@ -65,7 +66,7 @@ class Fix:
         return {"kind": self.kind.value, "code": self.code, "epsilon": self.epsilon, "verified": self.verified,
                 "verification": self.verification, "reasoning": self.reasoning, "before": self.before,
                 "after": self.after, "replay": self.replay, "tested_as": self.tested_as,
-                "patched_calls": sorted(self.patch) if self.patch else [],
+                "patched_calls": sorted(self.patch) if self.patch else [], "patched_ops": list(self.patched_ops),
                 "alternatives": [{"code": a, "tested": False, "label": "untested"} for a in self.alternatives]}
 
 

@@ -50,7 +50,8 @@ _RNG = S.record({"cpu": S.optional(S.tensor((torch.uint8,), 1)),
 _HISTORY_ROW = S.record({"step": S.optional(S.integer()), "micro_batch": S.optional(S.integer()),
                          "loss": S.optional(S.number), "grad_norm": S.optional(S.number),
                          "lr": S.optional(S.number), "scale": S.optional(S.number),
-                         "overflow": S.optional(S.boolean)})
+                         "overflow": S.optional(S.boolean), "clip": S.optional(S.number),
+                         "base_lr": S.optional(S.number)})
 _MODEL = S.record({"class": S.optional(S.string(500)), "factory": S.optional(S.string(500)),
                    "factory_source": S.optional(S.string(300)), "arguments": S.optional(S.string(1 << 20))})
 _LOSS_SPEC = S.record({"kind": S.one_of("output", "functional", "module", "callable", "unknown", "step_fn"),

@@ -5,6 +5,7 @@ real tensors by `capture/program.py`), stored as strict JSON next to the snapsho
 
     {"schema": "nanreplay.step/1",
      "leaves":  [{"ref": 0, "kind": "param", "name": "fc1.weight", "shape": [8, 4], "dtype": "float32"}, ...],
+                                      # a constant made in autocast's dtype taken from a tensor: "cast": true
      "nodes":   [{"op": "aten.addmm.default", "args": [{"r": 2}, {"r": 3}, {"r": 0}], "kwargs": {},
                   "out": 7, "meta": [[[16, 8], "float32"]], "module": 1, "frame": 0, "call": 3}, ...],
      "loss": 42,                      # the ref of the scalar loss
@@ -17,7 +18,9 @@ Arguments are a closed grammar of literals: null, booleans, integers, finite flo
 `{"f": "inf" | "-inf" | "nan"}`, `{"r": ref}` (a tensor), `{"dtype": ...}`, `{"device": ...}`,
 `{"layout": ...}`, `{"memory_format": ...}`, lists of these, and strings only where a rule
 for that (op, argument) exists. Node flags: `"grad": false` (ran under no_grad), `"cast": true`
-(a cast autocast inserted), `"random": "<constant>"` (a random op: its recorded value replaces
+(its dtype literal is autocast's dtype: a cast autocast inserted, or a dtype taken from a tensor
+autocast made, `torch.zeros(..., dtype=q.dtype)`; replays in other dtypes map it as autocast's),
+`"random": "<constant>"` (a random op: its recorded value replaces
 it), `"mask": "<constant>"` (native_dropout: output = input * mask * scale).
 
 Nothing here reaches pickle, eval or an import: `decode()` validates every name, type,
@@ -81,7 +84,7 @@ class Node:
     frame: int | None = None
     call: int = 0
     grad: bool = True
-    cast: bool = False  # a cast autocast inserted
+    cast: bool = False  # its dtype literal is autocast's dtype (a cast autocast inserted, or a dtype that follows one)
     random: str | None = None  # constant that replaces a random op's output
     mask: str | None = None  # native_dropout's mask
 
@@ -94,6 +97,7 @@ class Leaf:
     shape: list[int]
     dtype: str
     path: list | None = None  # batch: the keys from the batch's root to this tensor
+    cast: bool = False  # a constant in autocast's dtype that follows a tensor's (replays map it as autocast's)
 
 
 @dataclass
@@ -319,8 +323,11 @@ def _frame(f: Any, i: int) -> dict:
 
 def _leaf(lf: Any, i: int, defined: set[int]) -> Leaf:
     what = f"leaves[{i}]"
-    if not isinstance(lf, dict) or set(lf) - {"ref", "kind", "name", "shape", "dtype", "path"}:
-        raise _Invalid(f"{what} must be an object with ref, kind, name, shape, dtype (and path)")
+    if not isinstance(lf, dict) or set(lf) - {"ref", "kind", "name", "shape", "dtype", "path", "cast"}:
+        raise _Invalid(f"{what} must be an object with ref, kind, name, shape, dtype (and path, cast)")
+    cast = lf.get("cast", False)
+    if not isinstance(cast, bool) or (cast and lf.get("kind") != "constant"):
+        raise _Invalid(f"{what}.cast must be true or false, and true only for a constant")
     ref = _int(lf.get("ref"), f"{what}.ref")
     if ref in defined:
         raise _Invalid(f"{what}: ref {ref} is defined twice")
@@ -334,7 +341,7 @@ def _leaf(lf: Any, i: int, defined: set[int]) -> Leaf:
             raise _Invalid(f"{what}.path must be a short list of keys and indices")
     defined.add(ref)
     return Leaf(ref, kind, _str(lf.get("name"), f"{what}.name"), _shape(lf.get("shape"), f"{what}.shape"),
-                _dtype(lf.get("dtype"), f"{what}.dtype"), path)
+                _dtype(lf.get("dtype"), f"{what}.dtype"), path, cast)
 
 
 _NODE_KEYS = {"op", "args", "kwargs", "out", "meta", "module", "scope", "frame", "call", "grad", "cast", "random",

@@ -132,7 +132,8 @@ REQUIRED = ("format", "version", "world_size", "strategy", "units", "parameters"
 
 _ROW = S.record({"step": S.optional(S.integer()), "micro_batch": S.optional(S.integer()),
                  "loss": S.optional(json_number), "grad_norm": S.optional(json_number), "lr": S.optional(json_number),
-                 "scale": S.optional(json_number), "overflow": S.optional(S.boolean)})
+                 "scale": S.optional(json_number), "overflow": S.optional(S.boolean),
+                 "clip": S.optional(json_number), "base_lr": S.optional(json_number)})
 RANK_FIELDS: dict[str, S.Checker] = {
     "format": S.string(100), "rank": S.integer(0, 10**6), "loss_value": S.optional(json_number),
     "micro_batch": S.optional(S.integer(0)), "batch": S.dict_of(lambda v, w: v, limit=3),

@@ -129,8 +129,13 @@ class StepModule(nn.Module):
 
     def set_policy(self, all_map: dict, cast_map: dict) -> None:
         """Replay in other dtypes: a floating dtype the program names becomes `all_map[d]` everywhere, and
-        `cast_map[d]` in the casts autocast inserted (the caller converts weights, constants and batch)."""
+        `cast_map[d]` where it is autocast's (the casts autocast inserted, literals and constants that follow
+        a tensor autocast made); the caller converts weights, the other constants and the batch."""
         self.__dict__["policy"] = (dict(all_map), dict(cast_map)) if all_map or cast_map else None
+        for lf in self.program.leaves:
+            t = self.constants.get(lf.name) if lf.cast else None
+            if t is not None and t.dtype in cast_map:
+                self.constants[lf.name] = t.to(cast_map[t.dtype])
 
     def train(self, mode: bool = True) -> StepModule:
         self.training = mode  # the mode is baked into the recorded ops
@@ -155,7 +160,13 @@ class StepModule(nn.Module):
         return env[prog.loss]
 
     def _leaves(self, inputs: Any, target: Any, *, params: bool = True) -> dict[int, Any]:
-        """A replay's starting values: the buffers as captured, then every leaf the program names."""
+        """A replay's starting values: the buffers as captured, then every leaf the program names. Made unseen
+        by the replay's call numbering: only the program's own ops are numbered, the same in every replay (a
+        second replay of the same copy restores no buffer that the first left as captured)."""
+        with ti.function_modes_off():
+            return self._leaves_unseen(inputs, target, params)
+
+    def _leaves_unseen(self, inputs: Any, target: Any, params: bool) -> dict[int, Any]:
         self._restore_buffers()
         batch = {"batch": inputs} if self.step_fn else {"inputs": inputs, "target": target}
         env: dict[int, Any] = {}
@@ -180,7 +191,8 @@ class StepModule(nn.Module):
             except Exception as e:
                 op_of(e, f"{node.name} at node {i}")  # "raised ... in aten.x": which recorded op could not run
                 raise
-            self._bind(node, out, env, i)
+            with ti.function_modes_off():
+                self._bind(node, out, env, i)
             for r in dead[i]:  # no later node reads them: let autograd decide what stays alive
                 env.pop(r, None)
 
@@ -263,6 +275,13 @@ class StepModule(nn.Module):
         return all_map.get(d, d)
 
     def _run(self, node: Node, env: dict) -> Any:
+        with ti.function_modes_off():  # the checks read values: unseen by the call numbering, as in _leaves
+            args, kwargs = self._checked_args(node, env)
+        if node.random is not None or node.mask is not None or node.name in _FILL_ZERO:
+            return self._run_special(node, args, kwargs)
+        return node.op(*args, **kwargs)
+
+    def _checked_args(self, node: Node, env: dict) -> tuple[list, dict]:
         args = [self._arg(a, node, env) for a in node.args]
         kwargs = with_output_size(node, {k: self._arg(v, node, env) for k, v in node.kwargs.items()})
         try:  # what the op's kernel would trust, with the values this replay computed (formats/opchecks.py)
@@ -270,6 +289,16 @@ class StepModule(nn.Module):
         except opchecks.Refused as e:
             raise SnapshotError(f"invalid step program: node {self._node} ({node.name}): {e}; nothing was "
                                 "run with it") from None
+        refused = check_values(node.op, node.name, args, kwargs)
+        if refused:
+            raise SnapshotError(f"invalid step program: {node.name}: {refused}")
+        if self.policy is not None and node.name in _HALF_TO_FLOAT and len(args) > 2 and args[2]:
+            args[2] = args[0].dtype == torch.float16  # half_to_float only applies to half inputs
+        return args, kwargs
+
+    def _run_special(self, node: Node, args: list, kwargs: dict) -> Any:
+        """A random op (its recorded value), native_dropout (its recorded mask), an op that makes uninitialised
+        memory (zeros)."""
         if node.random is not None:
             value = self.constants[node.random].clone()
             if ti.op_mutated_args(node.op)[0]:  # bernoulli_ / normal_ on a buffer: write the recorded value into it
@@ -283,17 +312,10 @@ class StepModule(nn.Module):
             scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
             out = torch.ops.aten.mul.Tensor(torch.ops.aten.mul.Tensor(x, mask.to(x.dtype)), scale)
             return out, mask
-        refused = check_values(node.op, node.name, args, kwargs)
-        if refused:
-            raise SnapshotError(f"invalid step program: {node.name}: {refused}")
-        if self.policy is not None and node.name in _HALF_TO_FLOAT and len(args) > 2 and args[2]:
-            args[2] = args[0].dtype == torch.float16  # half_to_float only applies to half inputs
-        if node.name in _FILL_ZERO:  # made and zeroed out of the replay's sight: it never sees the uninitialised memory
-            with ti.dispatch_modes_off(), torch.no_grad():
-                out = node.op(*args, **kwargs)
-                out.zero_()
-            return out
-        return node.op(*args, **kwargs)
+        with ti.dispatch_modes_off(), torch.no_grad():  # made and zeroed out of the replay's sight: it never
+            out = node.op(*args, **kwargs)  # sees the uninitialised memory
+            out.zero_()
+        return out
 
     def _bind(self, node: Node, out: Any, env: dict, i: int) -> None:
         refs = node.out if isinstance(node.out, list) else [node.out]

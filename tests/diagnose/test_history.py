@@ -97,7 +97,8 @@ def test_divergence_is_named_with_the_histories_numbers(runs):
     healthy = [r["grad_norm"] for r in rows if r["step"] < div["onset_step"]]
     assert div["healthy_grad_norm"] == pytest.approx(statistics.median(healthy))
     assert f"max_norm={clip_value(statistics.median(healthy)):g}" in diag["fix"]["code"]
-    assert f"more than the {div['onset_step']} steps" in diag["fix"]["code"]
+    assert div["lr_at_onset"] == pytest.approx(30.0) and div["clip"] is None  # lr 30, nothing clipped
+    assert f"the climb began at step {div['onset_step']} with the learning rate at 30" in diag["fix"]["code"]
     assert diag["fix"]["verified"] is None and "not replayed" in diag["fix"]["verification"]
     assert diag["magnitude_origin"]["output_absmax"] > 1e19  # where the values became huge, told too
     assert "made huge by" in expl

@@ -191,6 +191,8 @@ def test_sqrt_at_zero_in_training_step(runs, case):
     assert d["verdict"] == "culprit_found"
     assert _culprit_line(d) == ("lightmod.py", marker_line(TRAINING_CODE, "sqrt"))
     assert d["diagnosis"]["cause"] == "sqrt_at_zero"
+    # the op ran in training_step, the loss/step code, not inside a submodule: "where it ran" says so (#28)
+    assert d["culprit"]["module"] == "" and "in training_step(), the loss/step code" in d["diagnosis"]["explanation"]
     a, b = snap["batch"]["batch"]
     assert bool((a == b).all(-1).any()), "the snapshot holds the batch with the duplicated pair"
 

@@ -11,7 +11,7 @@ import math
 import torch
 
 from nanreplay.diagnose import magnitude, plausible
-from nanreplay.diagnose.divergence import divergence, lr_clip_fix
+from nanreplay.diagnose.divergence import divergence, lr_clip_fix, remedy
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.site import Site, finite_float, packet
 from nanreplay.enums import FixKind
@@ -56,8 +56,7 @@ def _diverged(s: Site) -> Diagnosis | None:
     what = {"nan": "NaN (e.g. inf − inf inside the op)", "inf": "Inf"}[s.event.kind]
     expl = (f"Training diverged: {d.story}. By this step {'; '.join(facts)}, and {s.event.op} made {what} at "
             f"{s.where}. The op is where it finally broke, not the bug: the updates were too large for this model "
-            f"— lower the learning rate (or warm it up), clip gradients, and restart from a checkpoint from before "
-            f"step {d.onset}.")
+            f"— {remedy(d)}, and restart from a checkpoint from before step {d.onset}.")
     if origin is not None:
         expl += " " + magnitude.sentence(origin, s)
     extra = {"divergence": d.to_json()}

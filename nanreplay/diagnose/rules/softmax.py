@@ -126,10 +126,17 @@ def _exp_overflow(s: Site) -> Diagnosis | None:
     fixes = []
     # exp(87) is finite, but what consumes it may not be (a sum, a square, a product): tighter bounds follow, each
     # verified like the first — and the no-op check rejects a bound that changes exps that were finite
-    for b in dict.fromkeys((lim, lim // 2, 20, 10)):
+    leaf = s.leaf(0)
+    param = leaf[1] if leaf and leaf[0] == "parameter" else None  # a learned log-scale (CLIP's logit_scale)
+    for b in dict.fromkeys((lim, lim // 2, 20, 10, 5)):
         rw = s.rewrite(codefix.with_operand("input", lambda t, b=b: f"{codefix.paren(t)}.clamp(max={b})"))
         fn = operand_fn(rw) or (lambda t, b=b: t.clamp(max=b))
-        fixes.append(Fix(FixKind.CLAMP, "", rewrite=rw, guidance=f"clamp exp's input to at most {b} at {s.where}",
+        where = f"clamp exp's input to at most {b} at {s.where}"
+        if param and rw is None:  # library code: what the user can change is the parameter itself
+            where += (f"\nthe input is the learned parameter {param}: keep it at most {b} after every optimizer "
+                      f"step, e.g. `with torch.no_grad(): model.{param}.clamp_(max={b})` (CLIP caps its logit "
+                      f"scale at ln(100) ≈ 4.6)")
+        fixes.append(Fix(FixKind.CLAMP, "", rewrite=rw, guidance=where,
                          patch=s.at_calls(replace_arg(0, fn), rewrite=rw),
                          reasoning=f"exp(x) overflows {s.dtype} above x ≈ {math.log(s.finfo.max):.1f}" + (
                              "" if b == lim else f"; a bound of {b} also keeps what consumes exp (a sum of "
