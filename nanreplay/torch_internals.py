@@ -24,6 +24,8 @@ What degrades when an accessor fails:
 * `fsdp_recompute_state`: a step of an FSDP2 model cannot be recorded (the sharded snapshot says why).
 * `fsdp_traffic_unseen`: `nanreplay analyze DIR --nproc N` refuses FSDP2 snapshots (single-process analysis works).
 * `dispatch_modes_off`: used only by the two above.
+* `decomposition`: the kernel differential (differential/reference.py) has no reference composition for the
+  fused norms (`native_layer_norm`, `native_group_norm`, `native_batch_norm`): those rows say `skipped`.
 """
 
 from __future__ import annotations
@@ -352,6 +354,21 @@ def fsdp_group_name(group: Any) -> str | None:
 
 
 # ------------------------------------------------------------------ probe
+
+
+# ------------------------------------------------------------------ decompositions
+
+
+def decomposition(op: Any) -> Callable | None:
+    """torch's own decomposition of an aten op into smaller ops (`torch._decomp`), or None: the reference
+    composition a fused kernel is compared with (differential/reference.py)."""
+    try:
+        from torch._decomp import decomposition_table
+
+        return decomposition_table.get(op)
+    except Exception as e:  # noqa: BLE001
+        _note("decomposition", e)
+        return None
 
 
 def probe() -> dict[str, str]:
