@@ -236,14 +236,15 @@ def _replay(copy: Subject, intercepts: dict[int, Callable] | None, label: str, s
 
 
 def try_variant(subject: Subject, *, dtype: torch.dtype | None = None, autocast: dict | None | str = "same",
-                label: str = "", context: Callable[[], contextlib.AbstractContextManager] | None = None) -> Outcome:
+                label: str = "", context: Callable[[Subject], contextlib.AbstractContextManager] | None = None
+                ) -> Outcome:
     """The whole step with model and batch in `dtype` and/or another autocast setting (an independent copy), and
-    under `context()` where given (a kernel forced to its reference: differential/reference.py)."""
+    under `context(that copy)` where given (a kernel forced to its reference: differential/reference.py)."""
     try:
         variant = subject.converted(dtype, autocast)
     except Exception as e:  # noqa: BLE001
         return Outcome(False, f"converting the step {label} raised {raised(e)}")
-    with context() if context is not None else contextlib.nullcontext():
+    with context(variant) if context is not None else contextlib.nullcontext():
         return _replay(variant, None, label or "with the fix", subject.loss_scale)
 
 
@@ -411,7 +412,8 @@ def _probe_one(subject: Subject, dtype, autocast, failure: str | None, culprit: 
     checkpointed = getattr(variant.model, "checkpointed", None)  # a step program's StepModule
     lean = lean and failure != "loss" and checkpointed is not None and checkpointed()
     # a kernel with no float64 kernel (oneDNN's LSTM layer) runs as its reference composition in float64
-    mode = reference.Substituted(reference.NO_FLOAT64) if dtype == torch.float64 else None
+    mode = reference.Substituted(reference.NO_FLOAT64, getattr(variant.model, "current_output_shapes", None)) \
+        if dtype == torch.float64 else None
     try:
         with mode if mode is not None else contextlib.nullcontext():
             row = plain_step(variant, forward_first=forward_first, stop_at=culprit, failure=failure)

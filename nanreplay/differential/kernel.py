@@ -203,10 +203,15 @@ def _compare(name: str, got: list, want: list) -> verify_mod.NoOp:
 
 def _verify_fix(subject: Any, row: ref_mod.Row, wide: verify_mod.NoOp) -> dict:
     """The reference in place of every call of the kernel in the whole step (what forcing the backend does)."""
-    mode = ref_mod.Substituted([row])
-    o = verify_mod.try_variant(subject, context=lambda: ref_mod.forcing([row], mode),
+    modes: list[ref_mod.Substituted] = []
+
+    def forced(variant):
+        modes.append(ref_mod.Substituted([row], getattr(variant.model, "current_output_shapes", None)))
+        return ref_mod.forcing([row], modes[-1])
+
+    o = verify_mod.try_variant(subject, context=forced,
                                label=f"with {row.name} in place of {_short(row.op)}")
-    hits = mode.hits.get(row.op, 0)
+    hits = sum(m.hits.get(row.op, 0) for m in modes)
     applied = hits > 0 or row.user_context is not None
     ok = o.ok and wide.ok and applied
     if not wide.ok:

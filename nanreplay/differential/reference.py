@@ -111,7 +111,8 @@ def _qkv(L: int = 5, S: int = 5, mask: bool = False) -> dict:
 
 def _attention_row(op: str, mask: str | None, example: Callable[[], dict]) -> Row:
     return Row(op, "the math SDPA", "aten._scaled_dot_product_attention_math: softmax(q·kᵀ·scale + mask)·v with q "
-               "and k each scaled by √scale first, what sdpa_kernel(SDPBackend.MATH) runs", lambda a: _math_sdpa(a, mask), _SDPA_FIX,
+               "and k each scaled by √scale first, what sdpa_kernel(SDPBackend.MATH) runs",
+               lambda a: _math_sdpa(a, mask), _SDPA_FIX,
                "force the math attention backend (torch.nn.attention.sdpa_kernel(SDPBackend.MATH))", example,
                _math_sdpa_context)
 
@@ -207,8 +208,8 @@ def _lstm(a: dict) -> tuple | None:
 
 def _lstm_example(reverse: bool = False) -> dict:
     g = torch.Generator().manual_seed(0)
-    T, B, I, H = 4, 2, 3, 5
-    return {"input": torch.randn(T, B, I, generator=g), "weight0": torch.randn(4 * H, I, generator=g) * 0.5,
+    T, B, n_in, H = 4, 2, 3, 5
+    return {"input": torch.randn(T, B, n_in, generator=g), "weight0": torch.randn(4 * H, n_in, generator=g) * 0.5,
             "weight1": torch.randn(4 * H, H, generator=g) * 0.5, "weight2": torch.randn(4 * H, generator=g),
             "weight3": torch.randn(4 * H, generator=g), "hx_": torch.randn(B, H, generator=g),
             "cx_": torch.randn(B, H, generator=g), "reverse": reverse, "batch_sizes": [], "mode": 2,
@@ -237,8 +238,8 @@ TABLE: dict[str, Row] = {r.op: r for r in (
     Row("aten.addmm.default", "mm, then add", "the matrix product and the addition as two ops (aten.mm, then aten.add): no fused "
         "epilogue", _addmm, "y = x @ weight.T\ny = y + bias  # instead of F.linear / torch.addmm",
         "compute the product and the bias addition as separate ops", _addmm_example),
-    Row("aten.mkldnn_rnn_layer.default", "the native LSTM ops", "the native LSTM ops (the LSTM cell written out: x·W_ihᵀ + h·W_hhᵀ + b, "
-        "sigmoid/tanh gates), what torch runs with oneDNN off", _lstm,
+    Row("aten.mkldnn_rnn_layer.default", "the native LSTM ops", "the native LSTM ops (the LSTM cell written out: "
+        "x·W_ihᵀ + h·W_hhᵀ + b, sigmoid/tanh gates), what torch runs with oneDNN off", _lstm,
         "with torch.backends.mkldnn.flags(enabled=False):  # the native LSTM kernels, not oneDNN's\n"
         "    loss = loss_fn(model(x), y)",
         "run the LSTM on the native kernels (torch.backends.mkldnn.flags(enabled=False))", _lstm_example,
@@ -252,9 +253,10 @@ def row_for(op: str) -> Row | None:
     return TABLE.get(op)
 
 
-def replace(row: Row, func: Any, args: tuple, kwargs: dict) -> Any:
+def replace(row: Row, func: Any, args: tuple, kwargs: dict, shapes: list | None = None) -> Any:
     """The kernel's outputs, computed by the reference: the outputs it computes, zeros of the kernel's own shapes
-    (from its meta kernel) for the others. The kernel itself where the reference cannot (None from compose)."""
+    for the others (`shapes` where the caller knows them — a step program declares them; else the meta kernel's,
+    which can differ for a workspace). The kernel itself where the reference cannot (None from compose)."""
     a = bind(func, args, kwargs)
     got = row.compose(a)
     if got is None:
@@ -262,6 +264,9 @@ def replace(row: Row, func: Any, args: tuple, kwargs: dict) -> Any:
     with torch.no_grad():
         meta = func(*_to_meta(args), **_to_meta(kwargs))
     metas = list(meta) if isinstance(meta, (tuple, list)) else [meta]
+    if shapes is not None and len(shapes) == len(metas):
+        metas = [torch.empty(sh, dtype=m.dtype, device="meta") if isinstance(m, torch.Tensor) else m
+                 for sh, m in zip(shapes, metas, strict=True)]
     outs = [g if i < len(got) else _zeros(m, args) for i, (g, m) in enumerate(zip(
         list(got) + [None] * (len(metas) - len(got)), metas, strict=True))]
     return tuple(outs) if isinstance(meta, (tuple, list)) else outs[0]
@@ -298,10 +303,11 @@ class Substituted(TorchFunctionMode):
     `hits` counts the calls replaced, per op. Inside the user's own code the kernel is chosen below the calls
     this sees: `forcing()` adds each row's `user_context` for that."""
 
-    def __init__(self, rows: tuple[Row, ...] | list[Row]):
+    def __init__(self, rows: tuple[Row, ...] | list[Row], shapes: Callable[[], list | None] | None = None):
         super().__init__()
         self.rows = {r.op: r for r in rows}
         self.hits: dict[str, int] = {}
+        self.shapes = shapes  # the running call's declared output shapes (StepModule.current_output_shapes)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -311,7 +317,7 @@ class Substituted(TorchFunctionMode):
         self.hits[row.op] = self.hits.get(row.op, 0) + 1
         _REPLACING[0] += 1
         try:
-            return replace(row, func, args, kwargs)
+            return replace(row, func, args, kwargs, self.shapes() if self.shapes is not None else None)
         finally:
             _REPLACING[0] -= 1
 

@@ -20,6 +20,7 @@ from nanreplay.analysis.result import Analysis
 from nanreplay.report.format import Seg
 from nanreplay.report.views.banner import Banner, anomaly_short, banner, failure_text
 from nanreplay.report.views.environment import environment_line
+from nanreplay.report.views.kernel import kernel_line
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\u202a-\u202e\u2066-\u2069]")
 _SPECIAL = re.compile(r"([\\`*_\[\]<>|~@])")  # what could format, link, mention or open HTML mid-line
@@ -120,6 +121,9 @@ def markdown_summary(a: Analysis | dict) -> str:
     fix = _fix_lines(b)
     if fix:
         out += ["", *fix]
+    kl = kernel_line(d)
+    if kl:
+        out += ["", f"**Kernel replay:** {escape(kl)}."]
     am = anomaly_short(d)
     if am:
         out += ["", f"**Anomaly detection:** {code('set_detect_anomaly(True)')} {escape(am)}."]

@@ -25,6 +25,7 @@ from nanreplay.report.views.environment import (
     precision_view,
     reproduce_view,
 )
+from nanreplay.report.views.kernel import KernelView, kernel_view
 from nanreplay.report.views.source import SourceView, source_view
 from nanreplay.report.views.tables import (
     GradTable,
@@ -62,6 +63,7 @@ class ReportView:
     precision: PrecisionView | None
     environment: EnvironmentView
     reproduce: ReproduceView
+    kernel: KernelView | None = None  # the kernel differential: under the verdict where it decides the diagnosis
     sections: list[Section] = field(default_factory=list)
     index: str = ""  # a link back to the triage index this report belongs to ("" when it stands alone)
 
@@ -91,13 +93,17 @@ def build_view(a: Analysis | dict, sources: Sources, *, index: str = "") -> Repo
         precision=precision_view(d),
         environment=environment_view(d),
         reproduce=reproduce_view(d),
+        kernel=kernel_view(d),
         index=index,
     )
-    present = [("verdict", "Verdict", True), ("anomaly", "Anomaly detection", True), ("source", "Source", v.source),
+    kernel = [("kernel", "Kernel vs reference", True)] if v.kernel else []
+    present = [("verdict", "Verdict", True), *(kernel if v.kernel and v.kernel.decides else []),
+               ("anomaly", "Anomaly detection", True), ("source", "Source", v.source),
                ("chain", "Causal chain", v.chain), ("culprit-stats", "Culprit inputs", v.stats),
                ("leaves", "Non-finite leaves", v.leaves), ("activations", "Activations", v.activations),
                ("gradients", "Gradients", v.gradients), ("shapes", "Gradient shapes", v.shapes),
                ("history", "History", v.history), ("precision", "Precision", v.precision),
+               *(kernel if v.kernel and not v.kernel.decides else []),
                ("environment", "Environment", True), ("reproduce", "Reproduce", True)]
     v.sections = [Section(i, t) for i, t, on in present if on]
     return v
