@@ -235,8 +235,9 @@ def _verify_fix(subject: Any, row: ref_mod.Row, wide: verify_mod.NoOp) -> dict:
 
 
 def _decide(diagnosis: dict, d: dict) -> None:
-    """The kernel verdict in the diagnosis: a verified fix makes it the cause; otherwise a sentence."""
-    if not d.get("sentence") or d["verdict"] in ("skipped", "not_reproduced"):
+    """The kernel verdict in the diagnosis: a verified fix makes it the cause; a kernel that differs without one is
+    a sentence. Your math (`reference_agrees`) leaves the diagnosis as the rules made it: that is what it says."""
+    if not d.get("sentence") or d["verdict"] != "kernel_differs":
         return
     fix = d.get("fix")
     if d["verdict"] == "kernel_differs" and fix and fix.get("verified"):
