@@ -124,27 +124,29 @@ def test_lstm_reference_runs_reversed_and_without_biases():
 
 
 class Attn(nn.Module):
-    """One attention layer whose queries and keys are about `gain` (a run whose q/k projections grew)."""
+    """One attention layer whose queries and keys are about `gain` (a run whose q/k projections grew); `scale`
+    is the attention's own (None: 1/√64). `random`: q/k weights random (random-signed scores), not constant."""
 
-    def __init__(self, gain: float):
+    def __init__(self, gain: float, scale: float | None = None, random: bool = False):
         super().__init__()
         self.q, self.k, self.v, self.head = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 1)
+        self.scale = scale
         with torch.no_grad():
             for lin in (self.q, self.k):
-                lin.weight.fill_(gain / 64)
+                lin.weight.copy_(torch.randn(64, 64) * gain / 8 if random else torch.full((64, 64), gain / 64))
                 lin.bias.zero_()
 
     def forward(self, x):
         b, t, d = x.shape
         q, k, v = (f(x).view(b, t, 1, d).transpose(1, 2) for f in (self.q, self.k, self.v))
-        a = F.scaled_dot_product_attention(q, k, v)  # CULPRIT: the CPU flash kernel
+        a = F.scaled_dot_product_attention(q, k, v, scale=self.scale)  # CULPRIT: the CPU flash kernel
         return self.head(a.transpose(1, 2).reshape(b, t, d)).mean()
 
 
-def _snapshot(tmp_path, gain: float):
+def _snapshot(tmp_path, gain: float, scale: float | None = None, random: bool = False):
     torch.manual_seed(0)
-    model = Attn(gain)
-    x = torch.ones(2, 4, 64) + 0.01 * torch.rand(2, 4, 64)
+    model = Attn(gain, scale, random)
+    x = torch.randn(2, 4, 64) if random else torch.ones(2, 4, 64) + 0.01 * torch.rand(2, 4, 64)
     guard = NanGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), folder=tmp_path)
     guard.begin(x, None, step=0)
     assert not guard.step(model(x))
@@ -173,6 +175,20 @@ def test_kernel_differs_and_the_math_backend_fix_is_verified(tmp_path):
     assert [s.id for s in view.sections][:2] == ["verdict", "kernel"] and view.kernel.decides
     assert "the kernel, not your math" in terminal_summary(d, None)
     assert "**Kernel replay:**" in markdown_summary(d)
+
+
+def test_a_backward_kernel_culprit_is_replayed_with_the_gradient_that_reached_it(tmp_path):
+    """A tiny `scale` keeps the forward finite, but the flash kernel's backward recomputes q·kᵀ unscaled: the
+    culprit is its backward op; the node is replayed forward and backward with the incoming gradient recorded
+    in a re-run of the step, and the math backward is finite on the same inputs."""
+    d = analyze(_snapshot(tmp_path, 2e19, scale=1e-10, random=True)).to_json()
+    assert d["culprit"]["phase"] == "backward" and d["culprit"]["forward_op"] == FLASH
+    k = d["differential"]["kernel"]
+    assert k["phase"] == "backward" and k["verdict"] == "kernel_differs"
+    assert [(r["what"], r["outputs"], r["grads_finite"]) for r in k["ran"]] == [
+        ("kernel", "input gradients", False), ("reference", "input gradients", True),
+        ("reference", "input gradients", True)]
+    assert k["fix"]["verified"] is True and d["diagnosis"]["cause"] == "kernel_differs"
 
 
 def test_reference_agrees_when_the_math_breaks_too(tmp_path):
