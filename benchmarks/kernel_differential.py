@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 
 import torch
 import torch.nn as nn
