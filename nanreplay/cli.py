@@ -142,7 +142,7 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
                 write_atomic(json_dest, text, "the JSON")
             if md is not None and md_dest is not None:
                 write_atomic(md_dest, md, "the Markdown summary")
-    except limits.DeadlineExceeded:  # only in-process (click's test runner): the command stops in interrupt.py
+    except interrupt.DeadlineExceeded:  # only in-process (click's test runner): the command stops in interrupt.py
         _fail(TimeLimitError(message.removeprefix("nanreplay: error: ")))
     except NanReplayError as e:
         _fail(e)

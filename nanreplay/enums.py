@@ -75,5 +75,6 @@ class FixKind(StrEnum):
     RESTORE_OPTIMIZER_STATE = "restore_optimizer_state"  # the optimizer state itself is NaN/Inf
     LR_SCHEDULE = "lr_schedule"  # the learning rate (a scheduler's) is NaN/Inf
     OPTIMIZER_IMPLEMENTATION = "optimizer_implementation"  # foreach/fused path differs from the single-tensor one
+    COMPILER = "compiler"  # a compiled region changed (wider dtype, compiler.disable, backend): differential/compiler.py
     REFERENCE_BACKEND = "reference_backend"  # a fused kernel forced to its reference composition (differential/kernel.py)
     NONE = "none"

@@ -137,23 +137,32 @@ def deadline(seconds: float | None, line: str, *, grace: float = 2.0) -> Iterato
     SIGALRM stops at the next bytecode; one long call into C delays that, so a watchdog thread
     stops the process `grace` seconds later if it still runs. The limit starts when the block does:
     enter it first, and the imports count too. Without `install()` (the command driven in-process, by
-    click's test runner) it is `limits.time_limit`: DeadlineExceeded is raised for the caller to report.
+    click's test runner) it is `time_limit`: DeadlineExceeded is raised for the caller to report.
     """
     if not seconds or seconds <= 0:
         yield
         return
     if not installed():
-        from nanreplay.limits import time_limit
-
         with time_limit(seconds, line):
             yield
         return
+    with alarm(seconds, lambda: request(line, 1), lambda: request(line, 1), grace=grace):
+        yield
+
+
+@contextmanager
+def alarm(seconds: float, on_alarm: Callable[[], object], on_late: Callable[[], object], *,
+          grace: float) -> Iterator[None]:
+    """Call `on_alarm` in the main thread (SIGALRM) when `seconds` have passed, and `on_late` from a watchdog
+    thread `grace` seconds after that if the body still runs (one long call into C delays a signal handler).
+    Off the main thread there is no SIGALRM: the watchdog fires at `seconds`. The one arming of a time limit:
+    `deadline` and `time_limit` (in-process analyses) both use it."""
     use_alarm = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
     old = None
     if use_alarm:
-        old = signal.signal(signal.SIGALRM, lambda signum, frame: request(line, 1))
+        old = signal.signal(signal.SIGALRM, lambda signum, frame: on_alarm())
         signal.setitimer(signal.ITIMER_REAL, seconds)
-    watchdog = threading.Timer(seconds + (grace if use_alarm else 0), request, args=(line, 1))
+    watchdog = threading.Timer(seconds + (grace if use_alarm else 0), on_late)
     watchdog.daemon = True
     watchdog.start()
     try:
@@ -163,6 +172,42 @@ def deadline(seconds: float | None, line: str, *, grace: float = 2.0) -> Iterato
         if use_alarm:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old if old is not None else signal.SIG_DFL)
+
+
+class DeadlineExceeded(BaseException):
+    """Raised in the main thread when a `time_limit` runs out.
+
+    A BaseException, like KeyboardInterrupt: code that catches `Exception` (a user's
+    model, a replay that turns errors into data) must not swallow it.
+    """
+
+
+@contextmanager
+def time_limit(seconds: float | None, message: str, *, grace: float = 10.0) -> Iterator[None]:
+    """Run the body for at most `seconds` (None or 0: no limit).
+
+    When the time is up, DeadlineExceeded is raised in the main thread (SIGALRM); the
+    body's cleanup runs as for Ctrl-C. Python cannot interrupt one long call into C, so
+    a watchdog thread ends the process `grace` seconds later if the body still runs:
+    it writes `message` as one line on stderr and exits with code 1.
+    """
+    if not seconds or seconds <= 0:
+        yield
+        return
+    with alarm(seconds, _raise_deadline, lambda: _hard_stop(message), grace=grace):
+        yield
+
+
+def _raise_deadline() -> None:
+    raise DeadlineExceeded()
+
+
+def _hard_stop(message: str) -> None:  # pragma: no cover - runs in a process that then ends
+    try:
+        sys.stderr.flush()
+        os.write(2, (message.replace("\n", " ") + "\n").encode("utf-8", "replace"))
+    finally:
+        os._exit(1)
 
 
 def _isatty(fd: int) -> bool:

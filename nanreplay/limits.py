@@ -1,8 +1,8 @@
-"""Resource limits of an analysis: how much memory a snapshot may claim, how long an analysis may run.
+"""Resource limits of an analysis: how much memory a snapshot may claim, and handing freed memory back between passes
+(the time limit, `--timeout`, is interrupt.py's).
 
     parse_size("8G")         -> 8 * 2**30 (the `--max-memory SIZE` flag)
     default_max_memory()     -> a share of this machine's available memory
-    time_limit(seconds, msg) -> a context in which the analysis must finish (`analyze --timeout`)
 
 Light to import (no torch): triage's parent process uses it.
 """
@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 DEFAULT_SHARE = 0.6  # of the memory available when the command starts
 FALLBACK_MEMORY = 8 << 30  # where the machine cannot say what it has
@@ -82,55 +78,6 @@ def default_max_memory(share: float = DEFAULT_SHARE) -> int:
     """The default `--max-memory`: `share` of the memory available now (8 GiB where that is unknown)."""
     avail = available_memory()
     return FALLBACK_MEMORY if avail is None else max(1 << 20, int(avail * share))
-
-
-class DeadlineExceeded(BaseException):
-    """Raised in the main thread when a `time_limit` runs out.
-
-    A BaseException, like KeyboardInterrupt: code that catches `Exception` (a user's
-    model, a replay that turns errors into data) must not swallow it.
-    """
-
-
-@contextmanager
-def time_limit(seconds: float | None, message: str, *, grace: float = 10.0) -> Iterator[None]:
-    """Run the body for at most `seconds` (None or 0: no limit).
-
-    When the time is up, DeadlineExceeded is raised in the main thread (SIGALRM); the
-    body's cleanup runs as for Ctrl-C. Python cannot interrupt one long call into C, so
-    a watchdog thread ends the process `grace` seconds later if the body still runs:
-    it writes `message` as one line on stderr and exits with code 1.
-    """
-    if not seconds or seconds <= 0:
-        yield
-        return
-    use_alarm = hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
-    old = None
-    if use_alarm:
-        old = signal.signal(signal.SIGALRM, _raise_deadline)
-        signal.setitimer(signal.ITIMER_REAL, seconds)
-    watchdog = threading.Timer(seconds + (grace if use_alarm else 0), _hard_stop, args=(message,))
-    watchdog.daemon = True
-    watchdog.start()
-    try:
-        yield
-    finally:
-        watchdog.cancel()
-        if use_alarm:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old if old is not None else signal.SIG_DFL)
-
-
-def _raise_deadline(signum, frame) -> None:
-    raise DeadlineExceeded()
-
-
-def _hard_stop(message: str) -> None:  # pragma: no cover - runs in a process that then ends
-    try:
-        sys.stderr.flush()
-        os.write(2, (message.replace("\n", " ") + "\n").encode("utf-8", "replace"))
-    finally:
-        os._exit(1)
 
 
 def release_memory() -> None:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from nanreplay import limits
+from nanreplay import interrupt, limits
 
 
 @pytest.mark.parametrize("text,size", [("8G", 8 << 30), ("512M", 512 << 20), ("1.5GiB", 3 << 29), ("100000", 100000),
@@ -34,15 +34,15 @@ def test_default_max_memory_is_a_share_of_what_is_available(monkeypatch):
 def test_time_limit_interrupts_a_sleep_and_a_busy_loop_and_code_that_catches_exception():
     for body in (lambda: time.sleep(30), _busy, _swallowing):
         t0 = time.monotonic()
-        with pytest.raises(limits.DeadlineExceeded), limits.time_limit(0.3, "unused"):
+        with pytest.raises(interrupt.DeadlineExceeded), interrupt.time_limit(0.3, "unused"):
             body()
         assert time.monotonic() - t0 < 5
 
 
 def test_time_limit_off_and_restored():
-    with limits.time_limit(0, "unused"):
+    with interrupt.time_limit(0, "unused"):
         time.sleep(0.05)
-    with limits.time_limit(5, "unused"):
+    with interrupt.time_limit(5, "unused"):
         pass
     time.sleep(0.1)  # no alarm left behind
 

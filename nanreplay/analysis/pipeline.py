@@ -31,6 +31,7 @@ from nanreplay.analysis.contract import (
 from nanreplay.diagnose.plausible import history_rows
 from nanreplay.diagnose.site import finite_float
 from nanreplay.diagnose.update import diagnose_update
+from nanreplay.differential import compiler as compiler_replay
 from nanreplay.differential import kernel as kernel_diff
 from nanreplay.enums import Verdict
 from nanreplay.errors import LimitError, NanReplayError, UsageError, first_line
@@ -179,6 +180,7 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
                               for m, o, g in step.grad_shapes]
     tell("culprit", result)
     result.diagnosis = diagnose.diagnose(result, subject, step, c, chain, verify_fixes=verify)
+    compiler_replay.attach(result, subject, verify=verify)  # a compiled run that replays finite: replay it compiled
     if c is not None:
         result.culprit["forward_inputs"] = forward_inputs_json(subject, step, step.events[c])
     kernel_diff.attach(result, subject, step, c, verify=verify)  # a fused kernel's culprit only: the kernel vs its reference

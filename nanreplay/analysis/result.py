@@ -35,7 +35,8 @@ class Analysis:
     environment: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)  # ops, events, timings
     warnings: list[str] = field(default_factory=list)
-    step: Step | None = field(default=None, repr=False)  # the raw replay, for in-process callers; not in JSON (renderers read none of it)
+    # the raw replay, for in-process callers; not in JSON (renderers read none of it)
+    step: Step | None = field(default=None, repr=False)
     snapshot_info: dict = field(default_factory=dict)
     precision: list[dict] = field(default_factory=list)  # the step replayed in other dtypes
     activations: list[dict] = field(default_factory=list)  # max |output| per module call, forward order

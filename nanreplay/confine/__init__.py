@@ -57,7 +57,29 @@ def analyze(path: str, *, device: str | None = None, verify: bool = True, max_me
            "max_memory": max_memory, "loss": loss, "threads": threads, "timeout": timeout,
            "source": [os.path.abspath(s) for s in source] if source is not None else None,
            "cpu_seconds": _cpu_seconds(timeout, threads), "progress": progress is not None}
-    return run(job, fork=fork, progress=progress)
+    d = run(job, fork=fork, progress=progress)
+    return _compiled_replay(d, job) if _wants_compile(d) else d
+
+
+def _wants_compile(d: dict) -> bool:
+    """The analysis asked the compiler's question and could not answer it in this child (no folder to compile in)."""
+    c = (d.get("differential") or {}).get("compiler")
+    return isinstance(c, dict) and c.get("skipped_for") == "sandbox"
+
+
+def _compiled_replay(d: dict, job: dict) -> dict:
+    """The same analysis in a compile child: a fresh Python whose sandbox also lets it write (files of at most
+    child.COMPILE_FSIZE) in a scratch folder of its own, removed afterwards, and run the C++ compiler there — the
+    only widening, for the one analysis that needs it (docs/trust.md). Where that child fails, the first
+    analysis stands, its compiler record saying why in one line."""
+    try:
+        return run({**job, "compile": True, "progress": False})
+    except (errors.NanReplayError, ConfinedCrash, RuntimeError) as e:
+        c = d["differential"]["compiler"]
+        c["skipped"] = f"the compile child failed: {errors.first_line(e, 300)}"
+        c["sentence"] = f"Not replayed compiled here: {c['skipped']}."
+        d["diagnosis"]["explanation"] = f"{d['diagnosis'].get('explanation', '')} {c['sentence']}".strip()
+        return d
 
 
 def _check_kind(path: str) -> None:
@@ -80,16 +102,22 @@ def run(job: dict, *, fork: bool = False, entry: str = "nanreplay.confine", prog
     job = {**job, "parent": os.getpid()}
     work = tempfile.mkdtemp(prefix="nanreplay-confined-")
     os.chmod(work, 0o500)  # empty, and stays so: the child cannot write there either
+    scratch = tempfile.mkdtemp(prefix="nanreplay-compile-") if job.get("compile") else None  # mode 0700, ours
+    if scratch:
+        job["scratch"] = scratch
     page = os.memfd_create("nanreplay-progress")
     try:
         os.ftruncate(page, 4096)
         reader = _Messages(job, progress)
-        status, text = _fork(job, work, page, reader) if fork else _spawn(job, work, page, entry, reader)
+        status, text = _fork(job, work, page, reader) if fork and not scratch else \
+            _spawn(job, work, page, entry, reader)
         return _result(job, status, text, page, job.get("timeout"), job.get("max_memory"))
     finally:
         os.close(page)
         os.chmod(work, 0o700)
         shutil.rmtree(work, ignore_errors=True)
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _cpu_seconds(timeout: float | None, threads: int | None) -> int | None:
@@ -99,14 +127,18 @@ def _cpu_seconds(timeout: float | None, threads: int | None) -> int | None:
     return int(timeout * (threads or os.cpu_count() or 1)) + 1
 
 
-def minimal_env(work: str) -> dict[str, str]:
+def minimal_env(work: str, scratch: str | None = None) -> dict[str, str]:
     """What the child may know of the analyst's environment: nothing but where nanreplay is and torch's thread
-    settings."""
+    settings. A compile child's temporary files and inductor's cache go to its scratch folder, and inductor
+    compiles in this process (one compile thread: no pool of workers)."""
     import nanreplay
 
     env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8", "HOME": work, "TMPDIR": work, "TORCHINDUCTOR_CACHE_DIR": work,
            "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(nanreplay.__file__))),
            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1"}
+    if scratch:
+        env.update(TMPDIR=scratch, TORCHINDUCTOR_CACHE_DIR=os.path.join(scratch, "inductor"),
+                   TORCHINDUCTOR_COMPILE_THREADS="1", TRITON_CACHE_DIR=os.path.join(scratch, "triton"))
     env.update({k: os.environ[k] for k in _THREAD_VARS if k in os.environ})
     return env
 
@@ -116,7 +148,8 @@ def _spawn(job: dict, work: str, page: int, entry: str, reader: _Messages) -> tu
     job = {**job, "result_fd": w, "progress_fd": page}
     try:
         cmd = [sys.executable, "-s", "-B", *([entry] if entry.endswith(".py") else ["-m", entry]), json.dumps(job)]
-        proc = subprocess.Popen(cmd, cwd=work, env=minimal_env(work), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        proc = subprocess.Popen(cmd, cwd=work, env=minimal_env(work, job.get("scratch")), stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, close_fds=True, pass_fds=(w, page), start_new_session=True)
     except BaseException:
         os.close(r)

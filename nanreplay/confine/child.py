@@ -15,8 +15,10 @@ import traceback
 
 # Imported before the filter; anything else (torch._dynamo: ~1 s, only a replay needs it) lazily after it, the
 # installation staying readable. (torch._dynamo's import asks for a cache folder: TORCHINDUCTOR_CACHE_DIR names the
-# child's own, read-only one, so it needs no writable temporary folder; nothing is ever compiled.)
+# child's own, read-only one, so it needs no writable temporary folder; nothing is compiled there — only the compile
+# child, which has a scratch folder of its own, compiles: differential/compiler.py, docs/trust.md.)
 PRELOAD = ("torch", "nanreplay.analysis.pipeline")
+COMPILE_FSIZE = 256 << 20  # the compile child: no file it writes (a kernel's source, object, library) beyond this
 
 
 def main(job: dict) -> None:
@@ -84,8 +86,13 @@ def confine_self(job: dict) -> dict:
     gpu = parse_device(job.get("device")).type != "cpu"
     limit = job.get("max_memory")
     reads = [job["path"], *(job.get("source") or [])]
+    scratch = job.get("scratch")  # the compile child only (differential/compiler.py; docs/trust.md)
+    from nanreplay.differential import compiler
+
+    compiler.SANDBOX.update(confined=True, scratch=scratch)
     state = filters.enter(None if gpu else reads, cpu_seconds=job.get("cpu_seconds"),
-                          address_space=None if gpu or not limit else _address_space(limit))
+                          address_space=None if gpu or not limit else _address_space(limit),
+                          writes=[scratch, "/dev/null"] if scratch else [], fsize=COMPILE_FSIZE if scratch else 0)
     if gpu:
         state["lost"] = (f"--device {job.get('device')}: no file filter and no address-space limit (the GPU driver "
                          "opens its device files and maps far more address space than it uses)"

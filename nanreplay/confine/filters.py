@@ -30,13 +30,14 @@ import sys
 CPU_GRACE = 5  # seconds between SIGXCPU (soft) and SIGKILL (hard)
 
 
-def set_rlimits(*, address_space: int | None, cpu_seconds: int | None) -> dict:
-    """No core file, no file growth (a write to a regular file fails with EFBIG; the result channel is a pipe),
-    and where given an address-space and a CPU-time limit. Returns what was set."""
+def set_rlimits(*, address_space: int | None, cpu_seconds: int | None, fsize: int = 0) -> dict:
+    """No core file, no file growth (a write to a regular file fails with EFBIG; the result channel is a pipe) —
+    or files of at most `fsize` bytes (the compile child's scratch folder) — and where given an address-space and
+    a CPU-time limit. Returns what was set."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death: a write is an error, not a crash
-    done: dict = {"core": 0, "fsize": 0}
+    done: dict = {"core": 0, "fsize": fsize}
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
     if address_space:
         resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
         done["as"] = address_space
@@ -63,6 +64,7 @@ _RULE_PATH_BENEATH = 1
 _VERSION = 1 << 0  # landlock_create_ruleset flag: return the ABI version
 
 EXECUTE, WRITE_FILE, READ_FILE, READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+_TRUNCATE = 1 << 14  # ABI >= 3
 _FS_BY_ABI = {1: (1 << 13) - 1, 2: (1 << 14) - 1, 3: (1 << 15) - 1, 5: (1 << 16) - 1}  # all rights each ABI knows
 _NET_ALL = 0b11  # ABI >= 4: bind and connect TCP
 _SCOPE_ALL = 0b11  # ABI >= 6: abstract UNIX sockets, signals
@@ -82,10 +84,11 @@ def landlock_abi() -> int | None:
     return v if v > 0 else None
 
 
-def landlock(reads: list[str]) -> int | None:
-    """Allow only reading (files, folders, executing libraries) under `reads`; deny every other file access this
-    ABI can name, TCP (ABI >= 4), abstract UNIX sockets and signals out of the sandbox (ABI >= 6). The ABI, or
-    None when the kernel has no Landlock."""
+def landlock(reads: list[str], writes: list[str] = ()) -> int | None:
+    """Allow only reading (files, folders, executing libraries) under `reads` — and every file access under
+    `writes` (the compile child's own scratch folder); deny every other file access this ABI can name, TCP
+    (ABI >= 4), abstract UNIX sockets and signals out of the sandbox (ABI >= 6). The ABI, or None when the kernel
+    has no Landlock."""
     abi = landlock_abi()
     if abi is None:
         return None
@@ -97,14 +100,17 @@ def landlock(reads: list[str]) -> int | None:
     if ruleset < 0:
         raise OSError(ctypes.get_errno(), f"landlock_create_ruleset: {os.strerror(ctypes.get_errno())}")
     try:
-        for path in dict.fromkeys(reads):  # each once, in order
+        for path, full in [*((p, False) for p in dict.fromkeys(reads)), *((p, True) for p in writes)]:
             try:
                 fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
             except OSError:
                 continue  # not on this machine: nothing to allow
             try:
                 is_dir = os.path.isdir(f"/proc/self/fd/{fd}")
-                allowed = (EXECUTE | READ_FILE | READ_DIR) if is_dir else (EXECUTE | READ_FILE)
+                if full:  # a folder: everything beneath it; a file (/dev/null): read and write it, nothing else
+                    allowed = fs if is_dir else READ_FILE | WRITE_FILE | (_TRUNCATE if abi >= 3 else 0)
+                else:
+                    allowed = (EXECUTE | READ_FILE | READ_DIR) if is_dir else (EXECUTE | READ_FILE)
                 rule = struct.pack("<Qi", allowed & fs, fd)  # struct landlock_path_beneath_attr (packed)
                 if libc.syscall(_SYS_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(_RULE_PATH_BENEATH), rule,
                                 ctypes.c_uint32(0)) < 0:
@@ -165,15 +171,19 @@ def seccomp_no_sockets() -> bool:
 # ---------------------------------------------------------------- all together
 
 
-def enter(reads: list[str] | None, *, address_space: int | None, cpu_seconds: int | None) -> dict:
-    """Confine this process: the limits, then Landlock (reads only under `reads` + SYSTEM_READS + this Python;
-    None: no file filter), then seccomp. Returns what is in force (`environment.confinement` of the JSON)."""
-    state: dict = {"process": True, "rlimits": set_rlimits(address_space=address_space, cpu_seconds=cpu_seconds),
-                   "landlock": None}
+def enter(reads: list[str] | None, *, address_space: int | None, cpu_seconds: int | None,
+          writes: list[str] = (), fsize: int = 0) -> dict:
+    """Confine this process: the limits, then Landlock (reads only under `reads` + SYSTEM_READS + this Python,
+    writes only under `writes`; None: no file filter), then seccomp. Returns what is in force
+    (`environment.confinement` of the JSON)."""
+    state: dict = {"process": True, "landlock": None,
+                   "rlimits": set_rlimits(address_space=address_space, cpu_seconds=cpu_seconds, fsize=fsize)}
+    if writes:
+        state["writes"] = ["the compile child's own scratch folder" if os.path.isdir(w) else w for w in writes]
     lost = []
     try:
         if reads is not None:
-            abi = landlock([*reads, *python_reads(), *SYSTEM_READS])
+            abi = landlock([*reads, *python_reads(), *SYSTEM_READS], list(writes))
             state["landlock"] = f"abi {abi}" if abi else None
     except OSError as e:
         lost.append(f"landlock failed: {e}")

@@ -19,6 +19,7 @@ from pathlib import Path
 from nanreplay.analysis.result import Analysis
 from nanreplay.report.format import Seg
 from nanreplay.report.views.banner import Banner, anomaly_short, banner, failure_text
+from nanreplay.report.views.compiler import compiler_line
 from nanreplay.report.views.environment import environment_line
 from nanreplay.report.views.kernel import kernel_line
 
@@ -121,6 +122,9 @@ def markdown_summary(a: Analysis | dict) -> str:
     fix = _fix_lines(b)
     if fix:
         out += ["", *fix]
+    compiled = compiler_line(d)
+    if compiled:
+        out += ["", f"**Compiled replay:** {escape(compiled)}."]
     kl = kernel_line(d)
     if kl:
         out += ["", f"**Kernel replay:** {escape(kl)}."]

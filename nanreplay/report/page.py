@@ -17,6 +17,7 @@ from nanreplay.report.views.anomaly import AnomalyView, anomaly_view
 from nanreplay.report.views.banner import Banner, banner
 from nanreplay.report.views.chain import ChainView, chain_view
 from nanreplay.report.views.charts import ActivationView, HistoryView, activation_view, history_view
+from nanreplay.report.views.compiler import CompilerView, compiler_view
 from nanreplay.report.views.environment import (
     EnvironmentView,
     PrecisionView,
@@ -63,6 +64,7 @@ class ReportView:
     precision: PrecisionView | None
     environment: EnvironmentView
     reproduce: ReproduceView
+    compiler: CompilerView | None = None  # differential.compiler: the step replayed compiled
     kernel: KernelView | None = None  # the kernel differential: under the verdict where it decides the diagnosis
     sections: list[Section] = field(default_factory=list)
     index: str = ""  # a link back to the triage index this report belongs to ("" when it stands alone)
@@ -93,6 +95,7 @@ def build_view(a: Analysis | dict, sources: Sources, *, index: str = "") -> Repo
         precision=precision_view(d),
         environment=environment_view(d),
         reproduce=reproduce_view(d),
+        compiler=compiler_view(d),
         kernel=kernel_view(d),
         index=index,
     )
@@ -103,6 +106,7 @@ def build_view(a: Analysis | dict, sources: Sources, *, index: str = "") -> Repo
                ("leaves", "Non-finite leaves", v.leaves), ("activations", "Activations", v.activations),
                ("gradients", "Gradients", v.gradients), ("shapes", "Gradient shapes", v.shapes),
                ("history", "History", v.history), ("precision", "Precision", v.precision),
+               ("compiler", "Compiled replay", v.compiler),
                *(kernel if v.kernel and not v.kernel.decides else []),
                ("environment", "Environment", True), ("reproduce", "Reproduce", True)]
     v.sections = [Section(i, t) for i, t, on in present if on]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from nanreplay.analysis.result import Analysis
 from nanreplay.report.format import kind_text, module_label, where
 from nanreplay.report.views.banner import anomaly_short, banner, failure_text, loss_source_note
+from nanreplay.report.views.compiler import compiler_line
 from nanreplay.report.views.kernel import kernel_line
 from nanreplay.sanitize import one_line
 
@@ -65,6 +66,9 @@ def _lines(d: dict, b, report_path: str | None, *, block_only: bool = False) -> 
         lines += [f"           {ln}" for ln in rest[:3]]
         if b.fix.badge.tone != "ok" and b.fix.verification:
             lines.append(f"           ({b.fix.verification})")
+    compiled = compiler_line(d)
+    if compiled:
+        lines.append(f"  compiled {compiled}")
     kl = kernel_line(d)
     if kl:
         lines.append(f"  kernel   {kl}")

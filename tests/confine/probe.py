@@ -39,6 +39,22 @@ def attempts(job: dict) -> dict:
     return out
 
 
+def compile_in(scratch: str) -> str:
+    """Write a C file in the scratch folder, build it into a shared library with the C compiler, load it, call it."""
+    import ctypes
+    import subprocess
+
+    src = os.path.join(scratch, "k.c")
+    try:
+        with open(src, "w") as f:
+            f.write("int twice(int x) { return 2 * x; }\n")
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", os.path.join(scratch, "k.so"), src], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        return f"compiled and ran: {ctypes.CDLL(os.path.join(scratch, 'k.so')).twice(21)}"
+    except (OSError, subprocess.CalledProcessError) as e:
+        return f"failed: {e} {getattr(e, 'stderr', b'')[-300:]!r}"
+
+
 def _fds() -> dict:
     out = {}
     for f in os.listdir("/proc/self/fd"):
@@ -56,6 +72,10 @@ def fake_analyze(job: dict) -> dict:
         os.kill(os.getpid(), signal.SIGSEGV)
     if job["probe"] == "memory":
         return {"block": len(bytearray(8 << 30))}  # far past --max-memory and the headroom
+    if job["probe"] == "compile":  # the compile child (differential/compiler.py): what inductor does, in miniature
+        return {"schema": "probe", "snapshot": job["path"], "verdict": "probe", "diagnosis": {}, "stats": {},
+                "environment": {"confinement": state, "env": dict(os.environ)},
+                "attempts": {**attempts(job), "scratch": compile_in(job["scratch"])}}
     return {"schema": "probe", "snapshot": job["path"], "verdict": "probe", "diagnosis": {}, "stats": {},
             "environment": {"confinement": state, "cwd": os.getcwd(), "env": sorted(os.environ),
                             "fds": _fds()},

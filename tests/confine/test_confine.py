@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn as nn
 from clirun import one_line_error, run
+from crafting import LogNet
 
 from nanreplay import NanGuard, confine
 from nanreplay.confine import filters
@@ -103,15 +103,6 @@ def test_the_address_space_limit_is_one_line(tmp_path):
 
 
 # ---------------------------------------------------------------- the commands
-
-
-class LogNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 3)
-
-    def forward(self, x):
-        return torch.log(torch.relu(self.fc(x))).mean()
 
 
 @pytest.fixture

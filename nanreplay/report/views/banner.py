@@ -25,6 +25,7 @@ from nanreplay.report.format import (
     to_float,
     where,
 )
+from nanreplay.report.views.compiler import compiled_verdict
 from nanreplay.report.views.elements import Badge, Fact
 
 
@@ -235,6 +236,11 @@ def banner(d: dict) -> Banner:
         headline = "The step replayed finite: loss and every parameter gradient"
         if d.get("loss") is not None:
             subline = f"loss {num(d.get('loss'))}"
+    label = _VERDICT_LABEL.get(verdict, verdict.replace("_", " "))
+    compiled = compiled_verdict(d)  # the compiled replay decided it: finite eager, non-finite compiled
+    if compiled:
+        label, headline, tone = "reproduced compiled (finite in eager)", compiled, "bad"
+        subline = f"eager loss {num(d.get('loss'))}" if d.get("loss") is not None else subline
     fail = failure_text(d)
     if fail:
         facts.append(Fact("failure", fail))
@@ -247,7 +253,7 @@ def banner(d: dict) -> Banner:
     no_fix = "No automatic fix for this pattern: the inputs table shows what the op saw." if c and not fix else ""
     explanation = explanation_of(d)
     why, rest = why_and_details(d, explanation)
-    return Banner(verdict=verdict, verdict_label=_VERDICT_LABEL.get(verdict, verdict.replace("_", " ")), tone=tone,
+    return Banner(verdict=verdict, verdict_label=label, tone=tone,
                   headline=headline, subline=subline, cause=diag.get("title") or "",
                   explanation=explanation, facts=facts, fix=fix, other_fixes=others,
                   snapshot=d.get("snapshot") or "", no_fix=no_fix, line=line, why=segments(why),
