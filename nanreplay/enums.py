@@ -76,4 +76,5 @@ class FixKind(StrEnum):
     LR_SCHEDULE = "lr_schedule"  # the learning rate (a scheduler's) is NaN/Inf
     OPTIMIZER_IMPLEMENTATION = "optimizer_implementation"  # foreach/fused path differs from the single-tensor one
     COMPILER = "compiler"  # a compiled region changed (wider dtype, compiler.disable, backend): differential/compiler.py
+    REFERENCE_BACKEND = "reference_backend"  # a fused kernel forced to its reference composition (differential/kernel.py)
     NONE = "none"

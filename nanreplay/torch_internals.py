@@ -27,6 +27,8 @@ What degrades when an accessor fails:
 * `function_modes_off`: a step program's own bookkeeping (restoring buffers, checking arguments) is seen by
   the replay's call numbering; a fix's patch, keyed by call number, can then land on another call in a
   second replay of the same copy (the engine's landing check refuses it, and says so).
+* `decomposition`: the kernel differential (differential/reference.py) has no reference composition for the
+  fused norms (`native_layer_norm`, `native_group_norm`, `native_batch_norm`): those rows say `skipped`.
 """
 
 from __future__ import annotations
@@ -365,6 +367,21 @@ def fsdp_group_name(group: Any) -> str | None:
 
 
 # ------------------------------------------------------------------ probe
+
+
+# ------------------------------------------------------------------ decompositions
+
+
+def decomposition(op: Any) -> Callable | None:
+    """torch's own decomposition of an aten op into smaller ops (`torch._decomp`), or None: the reference
+    composition a fused kernel is compared with (differential/reference.py)."""
+    try:
+        from torch._decomp import decomposition_table
+
+        return decomposition_table.get(op)
+    except Exception as e:  # noqa: BLE001
+        _note("decomposition", e)
+        return None
 
 
 def probe() -> dict[str, str]:

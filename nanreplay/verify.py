@@ -23,6 +23,7 @@ import torch
 from nanreplay import culprit as culprit_mod
 from nanreplay import replay, stats
 from nanreplay import torch_internals as ti
+from nanreplay.differential import reference
 from nanreplay.errors import raised
 from nanreplay.formats.stepmodel import recomputing
 from nanreplay.limits import release_memory
@@ -236,13 +237,16 @@ def _replay(copy: Subject, intercepts: dict[int, Callable] | None, label: str, s
 
 
 def try_variant(subject: Subject, *, dtype: torch.dtype | None = None, autocast: dict | None | str = "same",
-                label: str = "") -> Outcome:
-    """The whole step with model and batch in `dtype` and/or another autocast setting (an independent copy)."""
+                label: str = "", context: Callable[[Subject], contextlib.AbstractContextManager] | None = None
+                ) -> Outcome:
+    """The whole step with model and batch in `dtype` and/or another autocast setting (an independent copy), and
+    under `context(that copy)` where given (a kernel forced to its reference: differential/reference.py)."""
     try:
         variant = subject.converted(dtype, autocast)
     except Exception as e:  # noqa: BLE001
         return Outcome(False, f"converting the step {label} raised {raised(e)}", raised=True)
-    return _replay(variant, None, label or "with the fix", subject.loss_scale)
+    with context(variant) if context is not None else contextlib.nullcontext():
+        return _replay(variant, None, label or "with the fix", subject.loss_scale)
 
 
 def plain_step(subject: Subject, *, forward_first: bool = False, stop_at: Culprit | None = None,
@@ -338,8 +342,8 @@ class _StopAt(ti.TorchDispatchMode):
         self.call_by_seq: dict[int, tuple[str, int]] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if recomputing():  # a checkpointed replay's forward again, inside backward: not the step's ops
-            return func(*args, **(kwargs or {}))
+        if recomputing() or reference.replacing():  # a checkpointed replay's forward again, inside backward, or a
+            return func(*args, **(kwargs or {}))      # reference standing in for a kernel: not the step's ops
         c = self.culprit
         node = ti.current_autograd_node()
         seq = ti.sequence_nr() if node is None else -1
@@ -408,8 +412,15 @@ def _probe_one(subject: Subject, dtype, autocast, failure: str | None, culprit: 
     forward_first = failure == "loss" or (failure == "gradient" and culprit is not None and culprit.phase == "forward")
     checkpointed = getattr(variant.model, "checkpointed", None)  # a step program's StepModule
     lean = lean and failure != "loss" and checkpointed is not None and checkpointed()
+    # a kernel with no float64 kernel (oneDNN's LSTM layer) runs as its reference composition in float64
+    mode = reference.Substituted(reference.NO_FLOAT64, getattr(variant.model, "current_output_shapes", None)) \
+        if dtype == torch.float64 else None
     try:
-        return plain_step(variant, forward_first=forward_first, stop_at=culprit, failure=failure)
+        with mode if mode is not None else contextlib.nullcontext():
+            row = plain_step(variant, forward_first=forward_first, stop_at=culprit, failure=failure)
+        if mode is not None and mode.hits:
+            row["replaced"] = {op: reference.TABLE[op].reference for op in mode.hits}
+        return row
     except Exception:  # noqa: BLE001 - retried without checkpointing, which raises what is real
         if not lean:
             raise

@@ -32,6 +32,7 @@ from nanreplay.diagnose.plausible import history_rows
 from nanreplay.diagnose.site import finite_float
 from nanreplay.diagnose.update import diagnose_update
 from nanreplay.differential import compiler as compiler_replay
+from nanreplay.differential import kernel as kernel_diff
 from nanreplay.differential import machine
 from nanreplay.enums import Verdict
 from nanreplay.errors import LimitError, NanReplayError, UsageError, first_line
@@ -185,6 +186,7 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
     result.warnings += [f"internal error (please report): {e}" for e in result.diagnosis.get("internal_errors", [])]
     if c is not None:
         result.culprit["forward_inputs"] = forward_inputs_json(subject, step, step.events[c])
+    kernel_diff.attach(result, subject, step, c, verify=verify)  # a fused kernel's culprit only: the kernel vs its reference
     release_memory()
     t_diag = time.perf_counter()
     tell("diagnosis", result)

@@ -331,6 +331,11 @@ class StepModule(nn.Module):
                                   "the step program does not match this torch")
             env[r] = t
 
+    def current_output_shapes(self) -> list[list[int]] | None:
+        """The shapes the file declares for the running node's outputs (a kernel's stand-in makes them so)."""
+        i = self._node
+        return [shape for shape, _dtype in self.program.nodes[i].meta] if i is not None else None
+
     # ---- attribution for the replay's Recorder
     def current_user_call(self) -> str | None:
         """The user-level call (`F.linear`, `Tensor.sqrt`) the running node was recorded in."""

@@ -21,6 +21,7 @@ from nanreplay.report.format import Seg
 from nanreplay.report.views.banner import Banner, anomaly_short, banner, failure_text
 from nanreplay.report.views.compiler import compiler_line
 from nanreplay.report.views.environment import environment_line
+from nanreplay.report.views.kernel import kernel_line
 from nanreplay.report.views.machine import machine_view
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\u202a-\u202e\u2066-\u2069]")
@@ -128,6 +129,9 @@ def markdown_summary(a: Analysis | dict) -> str:
     compiled = compiler_line(d)
     if compiled:
         out += ["", f"**Compiled replay:** {escape(compiled)}."]
+    kl = kernel_line(d)
+    if kl:
+        out += ["", f"**Kernel replay:** {escape(kl)}."]
     am = anomaly_short(d)
     if am:
         out += ["", f"**Anomaly detection:** {code('set_detect_anomaly(True)')} {escape(am)}."]

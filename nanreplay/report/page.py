@@ -26,6 +26,7 @@ from nanreplay.report.views.environment import (
     precision_view,
     reproduce_view,
 )
+from nanreplay.report.views.kernel import KernelView, kernel_view
 from nanreplay.report.views.machine import MachineView, machine_view
 from nanreplay.report.views.source import SourceView, source_view
 from nanreplay.report.views.tables import (
@@ -66,6 +67,7 @@ class ReportView:
     reproduce: ReproduceView
     compiler: CompilerView | None = None  # differential.compiler: the step replayed compiled
     machine: MachineView | None = None  # the guard's re-run beside the training step (differential/machine.py)
+    kernel: KernelView | None = None  # the kernel differential: under the verdict where it decides the diagnosis
     sections: list[Section] = field(default_factory=list)
     index: str = ""  # a link back to the triage index this report belongs to ("" when it stands alone)
 
@@ -97,15 +99,19 @@ def build_view(a: Analysis | dict, sources: Sources, *, index: str = "") -> Repo
         reproduce=reproduce_view(d),
         compiler=compiler_view(d),
         machine=machine_view(d),
+        kernel=kernel_view(d),
         index=index,
     )
-    present = [("verdict", "Verdict", True), ("anomaly", "Anomaly detection", True), ("source", "Source", v.source),
+    kernel = [("kernel", "Kernel vs reference", True)] if v.kernel else []
+    present = [("verdict", "Verdict", True), *(kernel if v.kernel and v.kernel.decides else []),
+               ("anomaly", "Anomaly detection", True), ("source", "Source", v.source),
                ("chain", "Causal chain", v.chain), ("culprit-stats", "Culprit inputs", v.stats),
                ("leaves", "Non-finite leaves", v.leaves), ("activations", "Activations", v.activations),
                ("gradients", "Gradients", v.gradients), ("shapes", "Gradient shapes", v.shapes),
                ("history", "History", v.history), ("precision", "Precision", v.precision),
                ("compiler", "Compiled replay", v.compiler),
                ("machine", "Machine", v.machine),
+               *(kernel if v.kernel and not v.kernel.decides else []),
                ("environment", "Environment", True), ("reproduce", "Reproduce", True)]
     v.sections = [Section(i, t) for i, t, on in present if on]
     return v

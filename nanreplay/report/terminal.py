@@ -10,6 +10,7 @@ from nanreplay.analysis.result import Analysis
 from nanreplay.report.format import kind_text, module_label, where
 from nanreplay.report.views.banner import anomaly_short, banner, failure_text, loss_source_note
 from nanreplay.report.views.compiler import compiler_line
+from nanreplay.report.views.kernel import kernel_line
 from nanreplay.report.views.machine import first_screen_line
 from nanreplay.sanitize import one_line
 
@@ -72,6 +73,9 @@ def _lines(d: dict, b, report_path: str | None, *, block_only: bool = False) -> 
     compiled = compiler_line(d)
     if compiled:
         lines.append(f"  compiled {compiled}")
+    kl = kernel_line(d)
+    if kl:
+        lines.append(f"  kernel   {kl}")
     am = anomaly_short(d)
     if am:
         lines.append(f"  anomaly  set_detect_anomaly {am}")

@@ -85,6 +85,9 @@ def normalise(d: dict) -> dict:
         info["created"] = "<created>"
     if info.get("record_seconds") is not None:
         info["record_seconds"] = "<seconds>"
+    for part in (d.get("differential") or {}).values():  # each differential replay's own timing
+        if isinstance(part, dict) and part.get("seconds") is not None:
+            part["seconds"] = "<seconds>"
     for env in (d.get("environment"), info.get("environment")):
         for k in VERSIONS:
             if env and env.get(k) is not None:

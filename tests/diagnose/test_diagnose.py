@@ -172,46 +172,6 @@ def test_a_bug_in_a_custom_backward_is_fixed_where_it_is(analyzed):
     assert fix["before"].startswith("return -g / (x * x)") and ".clamp_min(" in fix["after"]
 
 
-def test_a_probe_dtype_that_cannot_run_names_the_recorded_op(tmp_path):
-    """An LSTM step recorded on CPU runs oneDNN's RNN kernel, which has no float64 version: the probe's row
-    says which recorded op could not run, not only torch's message (get_mkldnn_dtype: unsupported data type)."""
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-    from nanreplay import NanGuard
-    from nanreplay.analysis import analyze
-    from nanreplay.formats import load
-    from nanreplay.formats.program import decode
-
-    class Tagger(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb, self.lstm, self.head = nn.Embedding(20, 8), nn.LSTM(8, 8, batch_first=True), nn.Linear(8, 5)
-
-        def forward(self, x):
-            h, _ = self.lstm(self.emb(x))
-            return self.head(h + (h - h).pow(2).sum(-1, keepdim=True).sqrt())  # sqrt(0): an infinite gradient
-
-    torch.manual_seed(0)
-    model = Tagger()
-    def loss_fn(out, y):
-        return F.cross_entropy(out.reshape(-1, 5), y.reshape(-1))
-
-    guard = NanGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=loss_fn, folder=tmp_path)
-    x, y = torch.randint(0, 20, (2, 6)), torch.randint(0, 5, (2, 6))
-    guard.begin(x, y, step=0)
-    assert not guard.step(loss_fn(model(x), y))
-    snap = guard.last_snapshot
-    ops = {n.name for n in decode(load(snap).raw["step_program"]).nodes}
-    rnn = sorted(o for o in ops if "rnn" in o or "lstm" in o)
-    if "aten.mkldnn_rnn_layer.default" not in ops:
-        pytest.skip(f"this torch build records {rnn} for an LSTM on CPU, not oneDNN's kernel")
-    d = analyze(snap).to_json()
-    assert d["failure"]["what"] == "gradient" and d["culprit"] is not None
-    row = {r["dtype"]: r for r in d["precision"]}["float64"]
-    assert row["error"].startswith("RuntimeError in aten.mkldnn_rnn_layer.default"), row
-
-
 def test_float64_probe_of_an_autocast_program_runs_every_op_in_float64(tmp_path):
     """A bf16-autocast step with a BatchNorm (which takes a bf16 input with float32 weights): in the float64
     probe, the casts autocast inserted must go to float64 too. They went to float32 while the weights were
