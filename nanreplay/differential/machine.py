@@ -107,10 +107,10 @@ def declared_nondeterminism(rec: dict, raw: dict) -> dict:
         draws.append(f"{unrecorded} random op{'s' if unrecorded != 1 else ''} ({', '.join(map(str, ops[:3]))}) drew "
                      f"from a generator the guard did not record ({', '.join(map(str, kinds))}), so the re-run drew "
                      "other numbers")
-    if rec.get("compiled"):
+    env = raw.get("environment") if isinstance(raw.get("environment"), dict) else {}
+    if rec.get("compiled") or env.get("compiled") is True:  # either record says so: the snapshot's environment too
         draws.append("the training step ran torch.compile'd, the re-run eagerly (other kernels)")
     det = rec.get("deterministic") or {}
-    env = raw.get("environment") if isinstance(raw.get("environment"), dict) else {}
     device = str(env.get("device") or "")  # where the step really ran (the identity may be a fleet's own name)
     if device and not device.startswith("cpu") and det.get("algorithms") is False:
         order.append(f"deterministic algorithms were off on {device}")

@@ -139,9 +139,9 @@ def _norm_row(op: str, names: tuple[str, ...], module: str, example: Callable[[]
                "elementwise ops (torch._decomp)",
                _decomposed(op, names),
                f"# compute the {module} from its definition instead of the fused kernel, e.g. for LayerNorm:\n"
-               "mean = x.mean(-1, keepdim=True)\n"
-               "var = x.var(-1, keepdim=True, unbiased=False)\n"
-               "y = (x - mean) * torch.rsqrt(var + eps) * weight + bias",
+               "#   mean = x.mean(-1, keepdim=True)\n"
+               "#   var = x.var(-1, keepdim=True, unbiased=False)\n"
+               "#   y = (x - mean) * torch.rsqrt(var + eps) * weight + bias",
                f"compute the {module} from its definition (the decomposed norm) instead of the fused kernel",
                example)
 
