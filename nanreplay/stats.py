@@ -160,6 +160,26 @@ def tensor_stats(t: torch.Tensor) -> dict:
     return st
 
 
+def _mean_std(x: torch.Tensor, big: float, skip: torch.Tensor | None = None, n: int | None = None
+              ) -> tuple[float, float | None]:
+    """Mean and std (n - 1) of `x`'s elements, or of those not in the mask `skip` (`x` holding 0 there; `n`: how
+    many are not), `big` their largest |x|, in two passes (the sum, then the squared deviations, scaled by `big`
+    so that neither tiny nor large values under- or overflow their squares: as exact as a Welford pass and
+    faster on the CPU). float32 stays float32 below 1e15 (its deviations cannot overflow); the rest in float64."""
+    if x.dtype != torch.float64 and (x.dtype != torch.float32 or big >= 1e15):
+        x = x.double()
+    n = x.numel() if n is None else n
+    m = x.sum() / n
+    if n < 2:
+        return float(m), None
+    if big == 0:
+        return float(m), 0.0
+    d = (x - m).mul_(1.0 / big)
+    if skip is not None:
+        d.masked_fill_(skip, 0.0)
+    return float(m), big * math.sqrt(float(d.square_().sum()) / (n - 1))
+
+
 @torch.no_grad()
 def grad_stats(name: str, p: torch.Tensor) -> dict:
     """The per-parameter walk of "Debugging Gradients That Misbehave": mean, std, max |g|, NaN?, Inf? (or NO GRADIENT).
@@ -176,25 +196,39 @@ def grad_stats(name: str, p: torch.Tensor) -> dict:
                    finite_std=None, finite_max_abs=None)
         return row
     gd = g.detach()
-    if gd.numel() > 1 and gd.is_floating_point() and finite_fast(gd):
-        # the common case, in three passes: a finite sum, the range, then mean and std together (in float64
-        # only where the values are large enough for float32's sums of squares to overflow)
-        lo, hi = (float(v) for v in torch.aminmax(gd.reshape(-1)))
-        big = max(abs(lo), abs(hi))
-        std, mean = torch.std_mean(gd if big < 1e15 and gd.dtype != torch.float16 else gd.double())
-        std, mean = float(std), float(mean)
-        row.update(mean=mean, std=std, max_abs=big, nan=0, inf=0, grad_shape=list(g.shape), finite=gd.numel(),
-                   finite_mean=mean, finite_std=std, finite_max_abs=big)
-        return row
-    # NaN/Inf somewhere (or a sum that overflowed): the whole-tensor mean/std/max follow from the counts (a NaN
-    # makes all three NaN; Inf without NaN makes max |g| Inf, the std NaN, the mean ±Inf or NaN), so only the
-    # finite elements are reduced, once, in float64 (exact, as for any sum over a partial tensor)
     n = gd.numel()
     if not gd.is_floating_point():
         gd = gd.double()
-    ok = torch.isfinite(gd)
-    finite = _count(ok)
-    nan = _count(torch.isnan(gd)) if finite < n else 0
+    if n > 1:
+        # the common case: the range first (aminmax propagates NaN and shows ±Inf, so a finite range is the
+        # finiteness check), then the mean and the std (float64 where the values are large enough for float32's
+        # sums of squares to overflow)
+        lo, hi = (float(v) for v in torch.aminmax(gd.reshape(-1)))
+        if math.isfinite(lo) and math.isfinite(hi):
+            big = max(abs(lo), abs(hi))
+            mean, std = _mean_std(gd, big)
+            row.update(mean=mean, std=std, max_abs=big, nan=0, inf=0, grad_shape=list(g.shape), finite=n,
+                       finite_mean=mean, finite_std=std, finite_max_abs=big)
+            return row
+    row.update(nan=0, inf=0, grad_shape=list(g.shape), finite=0, finite_mean=None, finite_std=None,
+               finite_max_abs=None)  # (the contract's key order)
+    # NaN/Inf somewhere: the whole-tensor mean/std/max follow from the counts (a NaN makes all three NaN; Inf
+    # without NaN makes max |g| Inf, the std NaN, the mean ±Inf or NaN), so only the finite elements are reduced
+    nan_at = torch.isnan(gd)
+    nan = _count(nan_at)
+    if nan and nan < n:  # NaN and perhaps nothing else: the finite part with NaN read as 0, if no Inf is left
+        z = gd.masked_fill(nan_at, 0.0)
+        lo, hi = (float(v) for v in torch.aminmax(z.reshape(-1)))
+        if math.isfinite(lo) and math.isfinite(hi):
+            finite = n - nan
+            big = max(abs(lo), abs(hi))
+            mean, std = _mean_std(z, big, nan_at, finite)
+            row.update(nan=nan, inf=0, finite=finite, finite_max_abs=big, finite_mean=mean,
+                       finite_std=std, mean="nan", std="nan", max_abs="nan")
+            return row
+        del z
+    ok = torch.isfinite(gd) if nan < n else None  # (all NaN: nothing finite, no Inf)
+    finite = _count(ok) if ok is not None else 0
     inf = n - finite - nan
     if nan:
         mean = std = big = "nan"
@@ -202,15 +236,13 @@ def grad_stats(name: str, p: torch.Tensor) -> dict:
         pos = _count(gd == math.inf)
         mean = "inf" if pos == inf else "-inf" if pos == 0 else "nan"
         std, big = "nan", "inf"
-    row.update(nan=nan, inf=inf, grad_shape=list(g.shape), finite=finite, finite_mean=None, finite_std=None,
-               finite_max_abs=None)
+    row.update(nan=nan, inf=inf, finite=finite)
     if finite:
         fin = (gd[ok] if finite < n else gd.reshape(-1)).double()
         lo, hi = (float(v) for v in torch.aminmax(fin))
         row["finite_max_abs"] = max(abs(lo), abs(hi))
-        row["finite_mean"] = float(fin.mean())
-        row["finite_std"] = float(fin.std()) if finite > 1 else None
-    if not (nan or inf):  # finite after all (a sum of huge values overflowed): the finite figures are the figures
+        row["finite_mean"], row["finite_std"] = _mean_std(fin, row["finite_max_abs"])
+    if not (nan or inf):  # one element (n == 1), finite: the finite figures are the figures
         mean, std, big = row["finite_mean"], row["finite_std"], row["finite_max_abs"]
     row.update(mean=mean if n else None, std=std if n > 1 else None, max_abs=big if n else 0.0)
     return row

@@ -131,7 +131,7 @@ def _kind(kind: str) -> str:
 
 def _outcome(step: replay.Step) -> Outcome:
     if step.failure is None:
-        if step.loss is not None and all(g["nan"] == 0 and g["inf"] == 0 for g in step.grads):
+        if step.loss is not None and all(g["nan"] == 0 and g["inf"] == 0 for g in step.grads):  # ([] when stopped)
             return Outcome(True, f"replayed with the fix: loss {stats.num(step.loss)}, every parameter gradient finite")
         return Outcome(False, "replayed with the fix, but the step did not complete")
     ch = culprit_mod.chain(step.events, step.failure.event)
@@ -220,15 +220,16 @@ def _replay(copy: Subject, intercepts: dict[int, Callable] | None, label: str, s
         out.grad_norm = math.sqrt(sum(v * v for v in out.grad_norms.values()))
         return out
     try:  # it did not verify: replay it instrumented, to name the op that breaks it now
-        step = replay.run_subject(copy, intercepts=intercepts, backward_after_bad_loss=False)
+        step = replay.run_subject(copy, intercepts=intercepts, backward_after_bad_loss=False, stop_at_failure=True)
     except Exception as e:  # noqa: BLE001 - a fix that breaks the model is a failed fix, not a crash
         return Outcome(False, f"replaying {label} raised {raised(e)}", raised=True)
     out = _outcome(step)
     out.detail = out.detail.replace("with the fix", label)
     if step.loss is not None and math.isfinite(step.loss):
         out.loss = step.loss / k
-    norms = {n: float(p.grad.detach().double().norm()) / k for n, p in copy.model.named_parameters()
-             if p.grad is not None}
+    # a failure (the loss, or a gradient) leaves some gradient missing or non-finite: no norms to judge
+    norms = {n: replay.grad_norm(p.grad.detach()) / k for n, p in copy.model.named_parameters()
+             if p.grad is not None} if step.failure is None else {}
     copy.model.zero_grad(set_to_none=True)
     if norms and all(math.isfinite(v) for v in norms.values()):
         out.grad_norms = norms

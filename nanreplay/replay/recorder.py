@@ -115,6 +115,8 @@ class Recorder:
         self.internal_errors: list[str] = []
         self._site_scopes: tuple = ()  # exported programs: the module calls around the previous op ...
         self._site_out: torch.Tensor | None = None  # ... and its output
+        # stop_at_failure (run): a parameter's gradient, complete, came out non-finite from an op we saw
+        self.failure_known = False
 
     # ---- called by _OpMode for every aten op
     def on_op(self, func, args: tuple, kwargs: dict, out: Any, seq: int) -> None:
@@ -234,6 +236,29 @@ class Recorder:
         if has_nan and self.phase == "backward":
             self.nan_in_backward = True
 
+    # ---- a replay that stops once its failure is known (run(stop_at_failure=True))
+    def grad_done(self, p: torch.Tensor) -> None:
+        """A post-accumulate-grad hook: p.grad is complete (AccumulateGrad runs once per backward). When it is
+        non-finite and made by an op we saw, the failure's event can no longer change: see `StopReplay`."""
+        if self.failure_known or p.grad is None:
+            return
+        self.busy = True
+        try:
+            if not stats.finite_fast(p.grad) and (p.grad in self.nonfinite or
+                                                  self.by_storage.get(_storage_key(p.grad)) is not None):
+                self.failure_known = True
+        finally:
+            self.busy = False
+
+    def stop_now(self) -> bool:
+        """True at the first op of a backward node (not an AccumulateGrad) after `failure_known`. The failure is
+        the non-finite parameter gradient made by the earliest event. AccumulateGrad nodes run before any other
+        ready node (their sequence number is the largest), so by then every gradient whose last contribution
+        was made up to the armed one's is complete (sibling outputs of the same op included), and any gradient
+        still to come is made by a later op: a later event (replay/run.py's `_failure` keeps the earliest)."""
+        node = ti.current_autograd_node()
+        return node is not None and ti.node_name(node) != ACCUMULATE_GRAD
+
     # ---- module stack
     def install_module_hooks(self) -> list:
         names, stack = self.names, self.module_stack
@@ -323,6 +348,10 @@ class Recorder:
         return hook
 
 
+class StopReplay(BaseException):  # noqa: N818 - not an error: the failure is known (BaseException: user code lets it pass)
+    """Raised by the op mode to end backward early (run(stop_at_failure=True))."""
+
+
 class _OpMode(ti.TorchDispatchMode):
     def __init__(self, rec: Recorder):
         super().__init__()
@@ -333,6 +362,8 @@ class _OpMode(ti.TorchDispatchMode):
         rec = self.rec
         if rec.busy:
             return func(*args, **kwargs)
+        if rec.failure_known and rec.phase == "backward" and rec.stop_now():
+            raise StopReplay
         seq = ti.sequence_nr()
         out = func(*args, **kwargs)
         rec.busy = True

@@ -18,21 +18,25 @@ from nanreplay import torch_internals as ti
 from nanreplay.enums import Kind
 from nanreplay.errors import NanReplayError, ReplayError, raised
 from nanreplay.replay.frames import frame_json
-from nanreplay.replay.recorder import Anomaly, Recorder, _CallMode, _OpMode, _storage_key, call_name
+from nanreplay.replay.recorder import Anomaly, Recorder, StopReplay, _CallMode, _OpMode, _storage_key, call_name
 from nanreplay.replay.records import Failure, Step
 
 
 def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor], *,
         names: dict[int, str], prepare: Callable[[], None] | None = None, autocast: dict | None = None,
         site: Callable | None = None, intercepts: dict[int, Callable] | None = None,
-        loss_module: str = "<loss>", backward_after_bad_loss: bool = True,
+        loss_module: str = "<loss>", backward_after_bad_loss: bool = True, stop_at_failure: bool = False,
         leaf_names: list[tuple[torch.Tensor, tuple[str, str]]] | None = None) -> Step:
     """Replay forward, loss and backward once, instrumented, and return what happened.
 
     Global state is restored on the way out, even when the replay raises: module
     hooks removed, modes popped, anomaly mode as it was. With
     backward_after_bad_loss=False a non-finite loss ends the replay there: the
-    failure is then known and complete (fix verification needs no more).
+    failure is then known and complete (fix verification needs no more). With
+    stop_at_failure (fix verification too) backward also ends as soon as the failing
+    gradient and its chain can no longer change (Recorder.stop_now), and the
+    per-parameter walk is not made (`Step.grads` is empty; the failure, the events
+    and the culprit are those of the whole replay).
     """
     rec = Recorder(names, site)
     rec.intercepts = intercepts or {}
@@ -72,6 +76,9 @@ def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any]
                 # anomaly-mode emulation watches it (armed from the start: NaN may flow from the loss).
                 instrument = loss_finite
                 rec.nan_in_backward = not instrument
+                if stop_at_failure and instrument and _one_device(model):
+                    node_handles += [p.register_post_accumulate_grad_hook(rec.grad_done)
+                                     for p in model.parameters() if p.requires_grad]
                 try:
                     # the call mode numbers Python-level calls in backward too (custom Functions' backward),
                     # so a fix can be verified there; C++ backward formulas never reach it
@@ -80,12 +87,14 @@ def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any]
                             _backward(loss_t)
                     else:
                         loss_t.backward()
+                except StopReplay:
+                    pass
                 except Exception as e:  # noqa: BLE001
                     raise ReplayError(_replay_error("backward", e, rec)) from e
     finally:
         for h in handles + node_handles:
             h.remove()
-    grads = gradient_rows(model)
+    grads = gradient_rows(model) if not stop_at_failure else []
     failure = _failure(rec, loss_t, model)
     anomaly = None if skipped else rec.anomaly or Anomaly(False)
     return Step(loss=float(loss_t.detach().double()) if loss_t is not None else None,
@@ -114,18 +123,55 @@ def run_patched(subject, intercepts: dict[int, Callable] | None) -> tuple[float,
         if not stats.finite_fast(loss.detach()):
             return None
         if loss.requires_grad and loss.grad_fn is not None:
-            with (_CallMode(rec) if intercepts else contextlib.nullcontext()):
-                ti.run_backward(loss)
+            # the answer is None as soon as one gradient, complete, is not finite: the rest of backward is not run
+            hooks = [p.register_post_accumulate_grad_hook(lambda p: _finite_or_stop(p, rec))
+                     for p in model.parameters() if p.requires_grad]
+            try:
+                with (_CallMode(rec) if intercepts else contextlib.nullcontext()):
+                    ti.run_backward(loss)
+            except StopReplay:
+                model.zero_grad(set_to_none=True)
+                return None
+            finally:
+                for h in hooks:
+                    h.remove()
     norms = {}
     for n, p in model.named_parameters():
         if p.grad is not None:
-            v = float(torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64))
+            v = grad_norm(p.grad.detach())
             if not math.isfinite(v):
                 model.zero_grad(set_to_none=True)
                 return None
             norms[n] = v
     model.zero_grad(set_to_none=True)
     return float(loss.detach().double()), norms
+
+
+def _finite_or_stop(p: torch.Tensor, rec: Recorder) -> None:
+    """A post-accumulate-grad hook of run_patched (not a numbered call: the Recorder is busy)."""
+    rec.busy = True
+    try:
+        bad = p.grad is not None and not stats.finite_fast(p.grad)
+    finally:
+        rec.busy = False
+    if bad:
+        raise StopReplay
+
+
+def grad_norm(g: torch.Tensor) -> float:
+    """The L2 norm of a gradient: a cascaded float32 sum of squares (float32's own vector_norm accumulates less
+    exactly; a float64 norm converts the whole tensor, several times slower), in float64 where the squares
+    under- or overflow float32."""
+    if g.dtype == torch.float32 and g.numel():
+        v = math.sqrt(float(g.square().sum()))
+        if math.isfinite(v) and v * v > 1e-30 * g.numel():  # (typical squares far from float32's subnormals)
+            return v
+    return float(torch.linalg.vector_norm(g, dtype=torch.float64))
+
+
+def _one_device(model: torch.nn.Module) -> bool:
+    """Every parameter on one device: backward runs one ready queue, the order Recorder.stop_now relies on."""
+    return len({p.device for p in model.parameters()}) <= 1
 
 
 def gradient_rows(model: torch.nn.Module) -> list[dict]:
