@@ -55,6 +55,8 @@ def test_the_optimizer_state_is_dropped_before_the_replay_and_nothing_changes(tm
     assert held[0] == 2 * 3 and held[1] > 0  # exp_avg, exp_avg_sq and step of both tensors, and their bytes freed
     for d in (with_state, without):
         d.pop("stats")
+        for part in (d.get("differential") or {}).values():  # a differential's own timing, like stats
+            part.pop("seconds", None)
     assert with_state == without
     assert without["verdict"] == "culprit_found" and without["snapshot_info"]["optimizer"]["class"] == "AdamW"
 
