@@ -238,6 +238,33 @@ def test_the_fallback_recipe_records_constructor_arguments_or_no_factory():
     assert recipe(Keeps(5), "pkg.mod:build") == ("pkg.mod:build", None, "given")
 
 
+class Limits(nn.Module):
+    def __init__(self, width, limit=(0.0, float("inf"))):
+        super().__init__()
+        self.width, self.limit = width, limit
+        self.net = nn.Linear(width, width)
+
+
+def test_a_non_finite_constructor_argument_is_recorded_as_strict_json_and_rebuilt():
+    # Mamba2-style configs keep time_step_limit=(0.0, inf): the guard wrote no snapshot at all ("Out of range
+    # float values are not JSON compliant"), in every bamba / mamba2 / zamba2 run
+    spec, args, _ = recipe(Limits(4, limit=(0.0, float("inf"))), None)
+    assert "Infinity" not in args and json.loads(args)["limit"] == [0.0, {"f": "inf"}]
+    rebuilt = build_model(spec, args)
+    assert rebuilt.width == 4 and list(rebuilt.limit) == [0.0, float("inf")]
+
+
+def test_a_config_with_a_non_finite_value_is_rebuilt():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Mamba2Config(vocab_size=20, hidden_size=16, num_hidden_layers=1, num_heads=2, head_dim=16,
+                                    state_size=4, n_groups=1, expand=2, time_step_limit=(0.0, float("inf")))
+    model = transformers.Mamba2ForCausalLM(cfg)
+    spec, args, _ = recipe(model, None)
+    assert spec.endswith(":Mamba2ForCausalLM") and "Infinity" not in args
+    rebuilt = build_model(spec, args)
+    assert tuple(rebuilt.config.time_step_limit) == (0.0, float("inf"))
+
+
 def test_a_transformers_model_is_rebuilt_from_its_class_and_config():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=8, vocab_size=20)
