@@ -298,3 +298,46 @@ def test_trust_rebuilds_a_transformers_model_no_program_was_recorded_for(tmp_pat
     a = analyze(guard.last_snapshot, trust=True, verify=False).to_json()
     assert a["model"]["how"].startswith("factory") and a["verdict"] == "culprit_found"
     assert a["culprit"]["op"] == "aten._ctc_loss.Tensor"
+
+
+class HostRandomMask(nn.Module):
+    """Masks time steps drawn from numpy's and Python's global generators, as wav2vec2's SpecAugment does."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.embed = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        import random
+
+        import numpy as np
+        mask = torch.from_numpy(np.random.rand(*x.shape[:2]) < 0.5)
+        mask[:, random.randrange(x.shape[1])] = True
+        return self.proj(torch.where(mask[..., None], self.embed, x)).pow(2).mean()
+
+
+def test_a_step_that_draws_from_numpy_and_python_random_is_recorded_as_it_ran(tmp_path):
+    import numpy as np
+
+    from nanreplay import formats
+
+    model = HostRandomMask().train()
+    guard = NanGuard(model, None, folder=tmp_path, loss_fn=None)
+    x = torch.randn(2, 16, 8)
+    guard.begin(x, step=0)
+    loss = model(x)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    np.random.rand(100)  # the loop goes on drawing before the guard records the step
+    d = guard.to_dict("loss")
+    guard.close()
+    assert d["step_program"] is not None, d.get("program_error")
+    torch.save(d, tmp_path / "s.pt")
+    subject = formats.rebuild(formats.load(str(tmp_path / "s.pt")), model=None, loss=None, device="cpu", trust=False)
+    subject.prepare()
+    replayed = subject.loss(subject.forward())
+    replayed.backward()
+    assert torch.equal(replayed.detach(), loss.detach())
+    for n, p in subject.model.named_parameters():
+        assert torch.equal(p.grad, grads[n]), n
