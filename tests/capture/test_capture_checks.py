@@ -341,3 +341,58 @@ def test_a_step_that_draws_from_numpy_and_python_random_is_recorded_as_it_ran(tm
     assert torch.equal(replayed.detach(), loss.detach())
     for n, p in subject.model.named_parameters():
         assert torch.equal(p.grad, grads[n]), n
+
+
+class Chunks(nn.Module):
+    """Longformer's overlapping chunks (as_strided over a transposed tensor) and adaptive_avg_pool1d's restride."""
+
+    def __init__(self, write=False, gaps=False):
+        super().__init__()
+        self.proj, self.write, self.gaps = nn.Linear(8, 8), write, gaps
+
+    def forward(self, x):
+        h = self.proj(x).transpose(0, 1)  # (16, 2, 8), strides (8, 128, 1)
+        if self.gaps:
+            h = h[::2]
+        n = h.shape[0] // 4 - 1  # windows of 8 steps, overlapping by 4
+        chunks = h.as_strided((n, 8, 2, 8), (4 * h.stride(0), h.stride(0), h.stride(1), 1))
+        if self.write:
+            chunks.mul_(2)
+        pooled = nn.functional.adaptive_avg_pool1d(chunks.reshape(1, -1, 8), 1)
+        return chunks.pow(2).mean() + pooled.mean()
+
+
+def test_as_strided_is_recorded_as_take_and_replays_bit_for_bit(tmp_path):
+    from nanreplay import formats
+
+    torch.manual_seed(0)
+    model = Chunks()
+    x = torch.randn(2, 16, 8)
+    rec = record_step(lambda: model(x), lambda out: out, model=model, batch={"inputs": x})
+    ops = [n["op"] for n in rec.program["nodes"]]
+    assert not any("as_strided" in o for o in ops) and "aten.take.default" in ops
+    guard = NanGuard(model, None, folder=tmp_path, loss_fn=None)
+    guard.begin(x, step=0)
+    loss = model(x)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    d = guard.to_dict("loss")
+    guard.close()
+    torch.save(d, tmp_path / "s.pt")
+    subject = formats.rebuild(formats.load(str(tmp_path / "s.pt")), model=None, loss=None, device="cpu", trust=False)
+    subject.prepare()
+    replayed = subject.loss(subject.forward())
+    replayed.backward()
+    assert torch.equal(replayed.detach(), loss.detach())
+    for n, p in subject.model.named_parameters():
+        assert torch.equal(p.grad, grads[n]), n
+
+
+@pytest.mark.parametrize("what,why", [("write", "writes into an as_strided view"), ("gaps", "gaps or overlaps")])
+def test_as_strided_that_a_take_cannot_replay_is_refused_with_the_reason(what, why):
+    from nanreplay.capture.program import NotRecordable
+
+    model = Chunks(**{what: True})
+    x = torch.randn(2, 16, 8)
+    with pytest.raises(NotRecordable, match=why):
+        record_step(lambda: model(x), lambda out: out, model=model, batch={"inputs": x})
