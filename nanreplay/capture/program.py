@@ -48,6 +48,7 @@ from nanreplay.replay.recorder import call_name
 CONTEXT = 4  # source lines kept above and below each recorded line
 _LIFT = {"aten.lift_fresh.default", "aten.lift_fresh_copy.default", "aten.lift.default"}
 _STRIDED = {"aten.as_strided.default", "aten.as_strided_.default"}
+_RRELU = "aten.rrelu_with_noise.default"
 _CONVERSIONS = {"to", "half", "float", "double", "bfloat16", "type", "type_as", "_to_copy"}
 _LAYOUT_NAMES = {v: k for k, v in LAYOUTS.items()}
 _MEMFMT_NAMES = {v: k for k, v in MEMORY_FORMATS.items()}
@@ -179,6 +180,9 @@ class _Recorder:
         if name in _STRIDED:
             self._as_take(args, kwargs, out)
             return
+        if name == _RRELU:
+            self._rrelu(args, kwargs, out)
+            return
         if name not in ALLOWED_OPS:
             raise NotRecordable(f"the step uses {name}, which is not on nanreplay's allowlist of pure tensor ops")
         node: dict[str, Any] = {"op": name}
@@ -235,6 +239,20 @@ class _Recorder:
         self.on_op(torch.ops.aten.view.default, (dense, [-1]), {}, flat)
         self.on_op(torch.ops.aten.take.default, (flat, index), {}, out)
         self.strided[out] = True
+
+    def _rrelu(self, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
+        """nn.RReLU: in training, the slopes it drew are recorded values, like a dropout mask — noise.copy_(slopes),
+        then x * noise (the kernel's own product: exact, and its gradient is the kernel's grad * noise); in eval,
+        leaky_relu at the mean slope, as the kernel computes it."""
+        a = dict(zip(("self", "noise", "lower", "upper", "training"), args, strict=False)) | kwargs
+        x, noise = a["self"], a["noise"]
+        lower, upper = float(a.get("lower", 0.125)), float(a.get("upper", 1 / 3))
+        if not a.get("training", False):
+            self.on_op(torch.ops.aten.leaky_relu.default, (x, (lower + upper) / 2), {}, out)
+            return
+        slopes = noise.detach().clone()
+        self.on_op(torch.ops.aten.copy_.default, (noise, slopes), {}, noise)
+        self.on_op(torch.ops.aten.mul.Tensor, (x, noise), {}, out)
 
     def _no_write_into_strided(self, func, args: tuple, kwargs: dict) -> None:
         pos, names = ti.op_mutated_args(func)

@@ -396,3 +396,43 @@ def test_as_strided_that_a_take_cannot_replay_is_refused_with_the_reason(what, w
     x = torch.randn(2, 16, 8)
     with pytest.raises(NotRecordable, match=why):
         record_step(lambda: model(x), lambda out: out, model=model, batch={"inputs": x})
+
+
+def _eager_and_replayed(model, x, folder):
+    """(eager loss, eager grads, replayed loss, replayed grads) of one step the guard recorded."""
+    from nanreplay import formats
+
+    guard = NanGuard(model, None, folder=folder, loss_fn=None)
+    guard.begin(x, step=0)
+    loss = model(x)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    d = guard.to_dict("loss")
+    guard.close()
+    assert d["step_program"] is not None, d.get("program_error")
+    torch.save(d, folder / "s.pt")
+    subject = formats.rebuild(formats.load(str(folder / "s.pt")), model=None, loss=None, device="cpu", trust=False)
+    subject.prepare()
+    replayed = subject.loss(subject.forward())
+    replayed.backward()
+    return loss.detach(), grads, replayed.detach(), {n: p.grad for n, p in subject.model.named_parameters()}
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_rrelu_replays_its_drawn_slopes_bit_for_bit(training, tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.RReLU(), nn.Linear(16, 1)).train(training)
+    x = torch.randn(6, 8)
+    wrapped = _MeanOf(model)
+    loss, grads, replayed, rgrads = _eager_and_replayed(wrapped, x, tmp_path)
+    assert torch.equal(loss, replayed)
+    assert all(torch.equal(grads[n], rgrads[n]) for n in grads)
+
+
+class _MeanOf(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x).pow(2).mean()
