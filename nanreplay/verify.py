@@ -45,12 +45,21 @@ class Outcome:
 NOOP_RTOL = 1e-3  # "within rounding": no finite value of the original moves by more than this share of its scale
 
 
+def working_rtol(subject: Subject) -> float:
+    """The no-op tolerance of this step: NOOP_RTOL, or the resolution of the precision the step computes in
+    where that is coarser (bf16 autocast, half weights). An ε the epsilon policy sized to one bf16 rounding
+    step moves a float32 rsqrt under bf16 autocast by ~0.6%: within the step's own rounding, not a change."""
+    dts = [subject.step_dtype(), (subject.autocast or {}).get("dtype")]
+    return max([NOOP_RTOL] + [torch.finfo(d).eps for d in dts if isinstance(d, torch.dtype) and d.is_floating_point])
+
+
 @dataclass
 class NoOp:
     """Is a fix a no-op where the original was fine? At every patched call the original call runs too (on the
     same inputs, without gradients) and the two outputs are compared on every element where the original was
-    finite: |patched - original| ≤ NOOP_RTOL × (|original| + the original's largest finite magnitude) + the
-    dtype's eps."""
+    finite: |patched - original| ≤ rtol × (|original| + the original's largest finite magnitude) + the
+    dtype's eps (rtol: NOOP_RTOL, or the step's working precision where coarser: `working_rtol`)."""
+    rtol: float = NOOP_RTOL
     calls: int = 0  # patched calls compared
     elements: int = 0  # elements where the original was finite
     changed: int = 0  # of those, how many the fix moved beyond rounding
@@ -65,7 +74,7 @@ class NoOp:
     def sentence(self) -> str:
         if self.ok:
             return (f"a no-op where the original was fine ({self.elements} finite values at {self.calls} patched "
-                    f"call{'s' if self.calls != 1 else ''} unchanged within {NOOP_RTOL:g} of their scale)")
+                    f"call{'s' if self.calls != 1 else ''} unchanged within {self.rtol:g} of their scale)")
         return (f"changes values the original computed fine: {self.changed} of {self.elements} finite values at "
                 f"the patched calls moved by up to {self.worst:.3g} of their scale ({self.where})")
 
@@ -89,7 +98,7 @@ class NoOp:
             diff = torch.where(ok, (g64 - wf).abs(), 0.0)
             diff = torch.where(torch.isnan(diff), math.inf, diff)  # a finite value the fix made NaN moved infinitely
             # plus the dtype's resolution at 1: log(p) of a p that rounded to 1 is 0, the exact form's -1e-17 is not
-            bad = diff > NOOP_RTOL * (wf.abs() + scale) + torch.finfo(w.dtype).eps
+            bad = diff > self.rtol * (wf.abs() + scale) + torch.finfo(w.dtype).eps
             k = int(bad.sum())
             if k:
                 self.changed += k
@@ -160,7 +169,7 @@ def try_patch(subject: Subject, intercepts: dict[int, Callable] | None = None, *
         copy = subject.converted()
     except Exception as e:  # noqa: BLE001
         return Outcome(False, f"copying the step to replay it {label} raised {raised(e)}", raised=True)
-    check = NoOp() if noop and intercepts else None
+    check = NoOp(rtol=working_rtol(subject)) if noop and intercepts else None
     if check is not None and compare_at:
         patched = _at_expression_end(subject, intercepts, compare_at, check)
         if patched is None:

@@ -203,7 +203,8 @@ class NanGuard:
             self._new_step(step)
         self.micro_batch = micro_batch
         rng = {"cpu": torch.get_rng_state(),
-               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+               "host": snapshot.host_rng()}
         batch = {"batch": inputs} if self.step_fn is not None else {"inputs": inputs, "target": target}
         self._states.append(snapshot.StepState(batch, rng, self._buffers.begin(), micro_batch))
 

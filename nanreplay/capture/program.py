@@ -11,6 +11,10 @@ as values (dropout masks are stored, never re-drawn), so a replay is exact on an
 What cannot be replayed as ops is refused here with a reason, never written half-right:
 custom `autograd.Function`s and reentrant checkpointing (their backward is Python code),
 random ops whose output carries a gradient (other than dropout), ops off the allowlist.
+`as_strided` is never in a program (DESIGN.md): over a dense tensor it is recorded as what it reads,
+`take` of the tensor flattened in storage order at a constant index (Longformer's overlapping chunks; the restride inside
+`adaptive_avg_pool1d`), whose bounds the replay checks; the result is a copy, so a later write into it is
+refused here.
 This module imports only torch (and nanreplay's own torch-only modules).
 """
 
@@ -43,6 +47,8 @@ from nanreplay.replay.recorder import call_name
 
 CONTEXT = 4  # source lines kept above and below each recorded line
 _LIFT = {"aten.lift_fresh.default", "aten.lift_fresh_copy.default", "aten.lift.default"}
+_STRIDED = {"aten.as_strided.default", "aten.as_strided_.default"}
+_RRELU = "aten.rrelu_with_noise.default"
 _CONVERSIONS = {"to", "half", "float", "double", "bfloat16", "type", "type_as", "_to_copy"}
 _NAMED_DTYPE = {"half", "float", "double", "bfloat16"}  # the call itself names its dtype: it never follows one
 _DTYPE_GET = torch.Tensor.dtype  # `t.dtype`, which the function mode sees as this descriptor's __get__
@@ -90,6 +96,7 @@ class _Recorder:
         self.busy = False
         self.error: str | None = None
         self.watch: Any = None  # sees every op of the step, recordable or not (capture/rerun.py RandomWatch)
+        self.strided = ti.WeakTensorKeyDictionary()  # outputs of as_strided recorded as take: copies, not views
 
     # ---- refs
     def _new_ref(self) -> int:
@@ -173,6 +180,14 @@ class _Recorder:
         if name in _LIFT:  # torch.tensor(data): its value is a constant
             self.refs[out] = self.ref_of_constant(out, self._follows_autocast([out.dtype]))
             return
+        if self.strided:
+            self._no_write_into_strided(func, args, kwargs)
+        if name in _STRIDED:
+            self._as_take(args, kwargs, out)
+            return
+        if name == _RRELU:
+            self._rrelu(args, kwargs, out)
+            return
         if name not in ALLOWED_OPS:
             raise NotRecordable(f"the step uses {name}, which is not on nanreplay's allowlist of pure tensor ops")
         node: dict[str, Any] = {"op": name}
@@ -203,6 +218,53 @@ class _Recorder:
         if self.current_call:
             node["call"] = self.current_call
         self.nodes.append(node)
+
+    def _as_take(self, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
+        """as_strided(x, size, stride, offset) of a dense x, recorded as take(x in storage order .view(-1), index)."""
+        x, size, stride = args[0], list(args[1]), list(args[2])
+        offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+        offset = x.storage_offset() if offset is None else int(offset)
+        perm = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))  # storage order (a transposed x: Longformer)
+        with torch.no_grad():
+            dense = torch.ops.aten.permute.default(x, perm)
+        if not dense.is_contiguous():
+            raise NotRecordable("the step uses as_strided on a tensor with gaps or overlaps, which a program cannot hold")
+        with torch.no_grad():
+            index = torch.full(size, offset - x.storage_offset(), dtype=torch.int64)
+            for d, (n, st) in enumerate(zip(size, stride, strict=True)):
+                index += (torch.arange(n, dtype=torch.int64) * st).view([n if i == d else 1 for i in range(len(size))])
+            if index.numel() and not (0 <= int(index.min()) and int(index.max()) < x.numel()):
+                raise NotRecordable("the step uses as_strided beyond the elements of its tensor")
+            flat = torch.ops.aten.view.default(dense, [-1])
+        self.keep += [dense, flat]
+        if perm != list(range(x.dim())):
+            self.on_op(torch.ops.aten.permute.default, (x, perm), {}, dense)
+        else:
+            dense = x
+        self.on_op(torch.ops.aten.view.default, (dense, [-1]), {}, flat)
+        self.on_op(torch.ops.aten.take.default, (flat, index), {}, out)
+        self.strided[out] = True
+
+    def _rrelu(self, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
+        """nn.RReLU: in training, the slopes it drew are recorded values, like a dropout mask — noise.copy_(slopes),
+        then x * noise (the kernel's own product: exact, and its gradient is the kernel's grad * noise); in eval,
+        leaky_relu at the mean slope, as the kernel computes it."""
+        a = dict(zip(("self", "noise", "lower", "upper", "training"), args, strict=False)) | kwargs
+        x, noise = a["self"], a["noise"]
+        lower, upper = float(a.get("lower", 0.125)), float(a.get("upper", 1 / 3))
+        if not a.get("training", False):
+            self.on_op(torch.ops.aten.leaky_relu.default, (x, (lower + upper) / 2), {}, out)
+            return
+        slopes = noise.detach().clone()
+        self.on_op(torch.ops.aten.copy_.default, (noise, slopes), {}, noise)
+        self.on_op(torch.ops.aten.mul.Tensor, (x, noise), {}, out)
+
+    def _no_write_into_strided(self, func, args: tuple, kwargs: dict) -> None:
+        pos, names = ti.op_mutated_args(func)
+        written = [args[i] for i in pos if i < len(args)] + [kwargs[k] for k in names if k in kwargs]
+        for t in written:
+            if isinstance(t, torch.Tensor) and (t in self.strided or (t._base is not None and t._base in self.strided)):
+                raise NotRecordable("the step writes into an as_strided view, which a program replays as a copy")
 
     def ref_of_constant(self, t: torch.Tensor, cast: bool = False) -> int:
         self.refs.pop(t, None)

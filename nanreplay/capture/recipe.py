@@ -10,7 +10,8 @@ snapshot names the class *and* the constructor arguments, as data:
 * a required parameter that cannot be found that way: no factory at all, and the reason says to pass
   `NanGuard(factory="pkg.mod:build")`, a zero-argument function that builds the model.
 
-`arguments` is strict JSON text: `{name: value}`, a config as `{"config_class": "mod:Class", "values": {...}}`.
+`arguments` is strict JSON text: `{name: value}`, a config as `{"config_class": "mod:Class", "values": {...}}`;
+a non-finite float (Mamba2's `time_step_limit=(0.0, inf)`) is `{"f": "inf"}`, as in step programs.
 This module imports only torch.
 """
 
@@ -18,11 +19,13 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 from typing import Any
 
 import torch.nn as nn
 
 from nanreplay.capture import plain
+from nanreplay.formats.program import encode_float
 
 MAX_ARGUMENTS = 1 << 20  # characters of JSON
 
@@ -34,7 +37,8 @@ def _config(v: Any) -> dict | None:
     if not (callable(to_dict) and callable(from_dict)) or cls.__module__ in ("builtins", "__main__"):
         return None
     try:
-        values = plain.data(to_dict(), unknown=plain.refuse)
+        values = _finite(plain.data(to_dict(), unknown=plain.refuse))
+        json.dumps(values, allow_nan=False)
     except (plain.NotData, TypeError, ValueError):
         return None
     return {"config_class": f"{cls.__module__}:{cls.__qualname__}", "values": values}
@@ -84,8 +88,19 @@ def _argument(model: nn.Module, name: str) -> Any:
     if cfg is not None:
         return cfg
     try:
-        v = plain.data(v, unknown=plain.refuse)
+        v = _finite(plain.data(v, unknown=plain.refuse))
         json.dumps(v, allow_nan=False)
     except (plain.NotData, TypeError, ValueError):
         return None
+    return v
+
+
+def _finite(v: Any) -> Any:
+    """Plain data with every non-finite float as {"f": "inf" | "-inf" | "nan"} (strict JSON holds none)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return encode_float(v)
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
     return v

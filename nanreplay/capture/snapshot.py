@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import platform
+import random
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -62,6 +64,25 @@ class StepState:
     call: tuple | None = None  # (args, kwargs) the loop's model call got (capture/losscheck.py CallWatch)
     loss: float | None = None  # the loss loss_ok() read for this micro-batch (unscaled)
     loss_scaled: bool = False  # loss_ok() was given scaled_by: the value was divided, not read as the step made it
+
+
+def host_rng() -> dict:
+    """The host-side generators a model's own code may draw from (Python's `random`, numpy's global one,
+    where the step's code imported numpy): wav2vec2's SpecAugment masks come from numpy, so a re-run that
+    restores only torch's generator records a different step. Kept in memory only; never written."""
+    np = sys.modules.get("numpy")
+    return {"python": random.getstate(),
+            "numpy": np.random.get_state() if np is not None and hasattr(np, "random") else None}
+
+
+def set_host_rng(state: dict | None) -> None:
+    if not state:
+        return
+    if state.get("python") is not None:
+        random.setstate(state["python"])
+    np = sys.modules.get("numpy")
+    if state.get("numpy") is not None and np is not None:
+        np.random.set_state(state["numpy"])
 
 
 class BufferWatch:
@@ -157,7 +178,7 @@ def _tensors(obj: Any):
 def from_begin_state(model: nn.Module, state: StepState, autocast: dict | None) -> Iterator[None]:
     """Run the step again as it began: the RNG state and mutated buffers of begin(), the step's autocast, grad
     on (a hook inside optimizer.step() runs under no_grad; the step did not); the live state restored after."""
-    live_rng = torch.get_rng_state()
+    live_rng, live_host = torch.get_rng_state(), host_rng()
     live_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     bufs = dict(model.named_buffers())
     with torch.no_grad():
@@ -170,10 +191,12 @@ def from_begin_state(model: nn.Module, state: StepState, autocast: dict | None) 
             torch.set_rng_state(state.rng["cpu"])
         if state.rng.get("cuda") is not None:
             torch.cuda.set_rng_state_all(state.rng["cuda"])
+        set_host_rng(state.rng.get("host"))
         with torch.enable_grad(), autocast_context(autocast):
             yield
     finally:
         torch.set_rng_state(live_rng)
+        set_host_rng(live_host)
         if live_cuda is not None:
             torch.cuda.set_rng_state_all(live_cuda)
         with torch.no_grad():
@@ -240,7 +263,7 @@ def first_nonfinite_micro_batch(model: nn.Module, states: list[StepState], forwa
     own gradient is non-finite. The live gradients, buffers and RNG are left exactly as they were."""
     params = [p for p in model.parameters() if p.requires_grad]
     saved = [p.grad for p in params]
-    live_rng = torch.get_rng_state()
+    live_rng, live_host = torch.get_rng_state(), host_rng()
     bufs = dict(model.named_buffers())
     with torch.no_grad():
         live_bufs = {n: b.detach().clone() for n, b in bufs.items()}
@@ -254,6 +277,7 @@ def first_nonfinite_micro_batch(model: nn.Module, states: list[StepState], forwa
                         bufs[n].copy_(b)
             if st.rng.get("cpu") is not None:
                 torch.set_rng_state(st.rng["cpu"])
+            set_host_rng(st.rng.get("host"))
             forward, loss = forward_loss(st)
             ctx = torch.autocast(**_autocast_kwargs(autocast)) if autocast and not _autocast_on(autocast) \
                 else _nullcontext()
@@ -268,6 +292,7 @@ def first_nonfinite_micro_batch(model: nn.Module, states: list[StepState], forwa
         for p, g in zip(params, saved, strict=True):
             p.grad = g
         torch.set_rng_state(live_rng)
+        set_host_rng(live_host)
         with torch.no_grad():
             for n, b in live_bufs.items():
                 bufs[n].copy_(b)

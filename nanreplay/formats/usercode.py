@@ -72,7 +72,7 @@ def build_model(spec: str, arguments: str | None = None) -> nn.Module:
 
 def _arguments(spec: str, text: str) -> dict:
     try:
-        args = parse_json(text)
+        args = _floats(parse_json(text))
     except Exception as e:  # noqa: BLE001 - strict JSON or one line
         raise ModelError(f"{spec}: the snapshot's constructor arguments are not valid JSON ({e})") from None
     if not isinstance(args, dict):
@@ -89,6 +89,20 @@ def _arguments(spec: str, text: str) -> dict:
                                  f"{type(e).__name__}: {e}") from None
         out[str(name)] = v
     return out
+
+
+_NONFINITE = {"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan")}
+
+
+def _floats(v: Any) -> Any:
+    """Recorded constructor arguments with {"f": "inf"} (capture/recipe.py's non-finite float) decoded."""
+    if isinstance(v, dict):
+        if set(v) == {"f"} and v["f"] in _NONFINITE:
+            return _NONFINITE[v["f"]]
+        return {k: _floats(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_floats(x) for x in v]
+    return v
 
 
 def resolve_loss(spec: str) -> Callable:

@@ -29,12 +29,13 @@ SUBSET = (
     "hf:llama", "hf:gpt2", "hf:gpt_neox", "hf:mistral", "hf:qwen2", "hf:phi3", "hf:gemma2", "hf:opt", "hf:falcon",
     # encoders
     "hf:bert", "hf:roberta", "hf:distilbert", "hf:electra", "hf:deberta-v2", "hf:modernbert",
+    "hf:longformer",  # as_strided chunks, recorded as take
     # encoder-decoders
     "hf:bart", "hf:mt5", "hf:pegasus", "hf:m2m_100",
     # vision
     "hf:vit", "hf:deit", "hf:resnet", "hf:dinov2", "hf:mobilenet_v2",
-    # audio
-    "hf:whisper",
+    # audio (wav2vec2: weight-norm convolution, CTC, SpecAugment masks drawn from numpy)
+    "hf:whisper", "hf:wav2vec2",
     # mixture of experts
     "hf:mixtral", "hf:qwen2_moe", "hf:jetmoe",
     # state-space / recurrent

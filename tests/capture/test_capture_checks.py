@@ -238,6 +238,33 @@ def test_the_fallback_recipe_records_constructor_arguments_or_no_factory():
     assert recipe(Keeps(5), "pkg.mod:build") == ("pkg.mod:build", None, "given")
 
 
+class Limits(nn.Module):
+    def __init__(self, width, limit=(0.0, float("inf"))):
+        super().__init__()
+        self.width, self.limit = width, limit
+        self.net = nn.Linear(width, width)
+
+
+def test_a_non_finite_constructor_argument_is_recorded_as_strict_json_and_rebuilt():
+    # Mamba2-style configs keep time_step_limit=(0.0, inf): the guard wrote no snapshot at all ("Out of range
+    # float values are not JSON compliant"), in every bamba / mamba2 / zamba2 run
+    spec, args, _ = recipe(Limits(4, limit=(0.0, float("inf"))), None)
+    assert "Infinity" not in args and json.loads(args)["limit"] == [0.0, {"f": "inf"}]
+    rebuilt = build_model(spec, args)
+    assert rebuilt.width == 4 and list(rebuilt.limit) == [0.0, float("inf")]
+
+
+def test_a_config_with_a_non_finite_value_is_rebuilt():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Mamba2Config(vocab_size=20, hidden_size=16, num_hidden_layers=1, num_heads=2, head_dim=16,
+                                    state_size=4, n_groups=1, expand=2, time_step_limit=(0.0, float("inf")))
+    model = transformers.Mamba2ForCausalLM(cfg)
+    spec, args, _ = recipe(model, None)
+    assert spec.endswith(":Mamba2ForCausalLM") and "Infinity" not in args
+    rebuilt = build_model(spec, args)
+    assert tuple(rebuilt.config.time_step_limit) == (0.0, float("inf"))
+
+
 def test_a_transformers_model_is_rebuilt_from_its_class_and_config():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=8, vocab_size=20)
@@ -271,3 +298,141 @@ def test_trust_rebuilds_a_transformers_model_no_program_was_recorded_for(tmp_pat
     a = analyze(guard.last_snapshot, trust=True, verify=False).to_json()
     assert a["model"]["how"].startswith("factory") and a["verdict"] == "culprit_found"
     assert a["culprit"]["op"] == "aten._ctc_loss.Tensor"
+
+
+class HostRandomMask(nn.Module):
+    """Masks time steps drawn from numpy's and Python's global generators, as wav2vec2's SpecAugment does."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.embed = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        import random
+
+        import numpy as np
+        mask = torch.from_numpy(np.random.rand(*x.shape[:2]) < 0.5)
+        mask[:, random.randrange(x.shape[1])] = True
+        return self.proj(torch.where(mask[..., None], self.embed, x)).pow(2).mean()
+
+
+def test_a_step_that_draws_from_numpy_and_python_random_is_recorded_as_it_ran(tmp_path):
+    import numpy as np
+
+    from nanreplay import formats
+
+    model = HostRandomMask().train()
+    guard = NanGuard(model, None, folder=tmp_path, loss_fn=None)
+    x = torch.randn(2, 16, 8)
+    guard.begin(x, step=0)
+    loss = model(x)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    np.random.rand(100)  # the loop goes on drawing before the guard records the step
+    d = guard.to_dict("loss")
+    guard.close()
+    assert d["step_program"] is not None, d.get("program_error")
+    torch.save(d, tmp_path / "s.pt")
+    subject = formats.rebuild(formats.load(str(tmp_path / "s.pt")), model=None, loss=None, device="cpu", trust=False)
+    subject.prepare()
+    replayed = subject.loss(subject.forward())
+    replayed.backward()
+    assert torch.equal(replayed.detach(), loss.detach())
+    for n, p in subject.model.named_parameters():
+        assert torch.equal(p.grad, grads[n]), n
+
+
+class Chunks(nn.Module):
+    """Longformer's overlapping chunks (as_strided over a transposed tensor) and adaptive_avg_pool1d's restride."""
+
+    def __init__(self, write=False, gaps=False):
+        super().__init__()
+        self.proj, self.write, self.gaps = nn.Linear(8, 8), write, gaps
+
+    def forward(self, x):
+        h = self.proj(x).transpose(0, 1)  # (16, 2, 8), strides (8, 128, 1)
+        if self.gaps:
+            h = h[::2]
+        n = h.shape[0] // 4 - 1  # windows of 8 steps, overlapping by 4
+        chunks = h.as_strided((n, 8, 2, 8), (4 * h.stride(0), h.stride(0), h.stride(1), 1))
+        if self.write:
+            chunks.mul_(2)
+        pooled = nn.functional.adaptive_avg_pool1d(chunks.reshape(1, -1, 8), 1)
+        return chunks.pow(2).mean() + pooled.mean()
+
+
+def test_as_strided_is_recorded_as_take_and_replays_bit_for_bit(tmp_path):
+    from nanreplay import formats
+
+    torch.manual_seed(0)
+    model = Chunks()
+    x = torch.randn(2, 16, 8)
+    rec = record_step(lambda: model(x), lambda out: out, model=model, batch={"inputs": x})
+    ops = [n["op"] for n in rec.program["nodes"]]
+    assert not any("as_strided" in o for o in ops) and "aten.take.default" in ops
+    guard = NanGuard(model, None, folder=tmp_path, loss_fn=None)
+    guard.begin(x, step=0)
+    loss = model(x)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    d = guard.to_dict("loss")
+    guard.close()
+    torch.save(d, tmp_path / "s.pt")
+    subject = formats.rebuild(formats.load(str(tmp_path / "s.pt")), model=None, loss=None, device="cpu", trust=False)
+    subject.prepare()
+    replayed = subject.loss(subject.forward())
+    replayed.backward()
+    assert torch.equal(replayed.detach(), loss.detach())
+    for n, p in subject.model.named_parameters():
+        assert torch.equal(p.grad, grads[n]), n
+
+
+@pytest.mark.parametrize("what,why", [("write", "writes into an as_strided view"), ("gaps", "gaps or overlaps")])
+def test_as_strided_that_a_take_cannot_replay_is_refused_with_the_reason(what, why):
+    from nanreplay.capture.program import NotRecordable
+
+    model = Chunks(**{what: True})
+    x = torch.randn(2, 16, 8)
+    with pytest.raises(NotRecordable, match=why):
+        record_step(lambda: model(x), lambda out: out, model=model, batch={"inputs": x})
+
+
+def _eager_and_replayed(model, x, folder):
+    """(eager loss, eager grads, replayed loss, replayed grads) of one step the guard recorded."""
+    from nanreplay import formats
+
+    guard = NanGuard(model, None, folder=folder, loss_fn=None)
+    guard.begin(x, step=0)
+    loss = model(x)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    d = guard.to_dict("loss")
+    guard.close()
+    assert d["step_program"] is not None, d.get("program_error")
+    torch.save(d, folder / "s.pt")
+    subject = formats.rebuild(formats.load(str(folder / "s.pt")), model=None, loss=None, device="cpu", trust=False)
+    subject.prepare()
+    replayed = subject.loss(subject.forward())
+    replayed.backward()
+    return loss.detach(), grads, replayed.detach(), {n: p.grad for n, p in subject.model.named_parameters()}
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_rrelu_replays_its_drawn_slopes_bit_for_bit(training, tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.RReLU(), nn.Linear(16, 1)).train(training)
+    x = torch.randn(6, 8)
+    wrapped = _MeanOf(model)
+    loss, grads, replayed, rgrads = _eager_and_replayed(wrapped, x, tmp_path)
+    assert torch.equal(loss, replayed)
+    assert all(torch.equal(grads[n], rgrads[n]) for n in grads)
+
+
+class _MeanOf(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x).pow(2).mean()

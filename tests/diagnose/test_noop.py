@@ -57,3 +57,39 @@ def test_a_rewrite_that_changes_healthy_values_is_not_verified(tmp_path):
         assert f["verified"] is False, f["verification"]
         assert "not a no-op" in f["verification"] and "changes values the original computed fine" in f["verification"]
     assert not any(f["verified"] for f in fixes if f["kind"] == "max_subtraction")
+
+
+class RMSScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        h = h * (x.abs().sum(-1, keepdim=True) > 0)  # a sample that is all padding is all zeros
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True))  # the line whose rsqrt meets 0
+
+
+def test_the_no_op_check_judges_in_the_precision_the_step_computes_in(tmp_path):
+    # under bf16 autocast the ε the epsilon policy sizes to one bf16 rounding step moves the float32 rsqrt by
+    # ~0.5%: within the step's own rounding (2^-7), so a no-op; 100 × that ε, which moves healthy rows far more, is not
+    from nanreplay import NanGuard
+
+    torch.manual_seed(0)
+    model = RMSScale()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = NanGuard(model, opt, folder=tmp_path, loss_fn=nn.functional.mse_loss)
+    x, y = torch.randn(4, 6, 8) * 3, torch.zeros(4, 6, 8)
+    x[1] = 0.0
+    guard.begin(x, y, step=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = nn.functional.mse_loss(model(x), y)
+    assert not guard.loss_ok(loss)
+    d = analysis.analyze(guard.last_snapshot).to_json()
+    assert d["culprit"]["op"].startswith("aten.rsqrt"), d["culprit"]
+    fixes = [d["diagnosis"]["fix"], *d["diagnosis"]["candidates"]]
+    eps = {f["epsilon"]: f for f in fixes if f.get("epsilon") is not None}
+    best = eps[min(eps)]
+    assert "not a no-op" not in best["verification"], best["verification"]
+    assert f"unchanged within {2 ** -7:g} of their scale" in best["verification"], best["verification"]
+    assert any("not a no-op" in f["verification"] for f in eps.values() if f["epsilon"] >= 100 * min(eps))
