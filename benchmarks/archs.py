@@ -211,7 +211,8 @@ def _loss_archs() -> list[Arch]:
                                                       torch.full((n, k - 2), -1)], 1)),
         "HingeEmbeddingLoss": (nn.HingeEmbeddingLoss, lambda o: o,
                                lambda g: torch.randint(0, 2, (n, k), generator=g) * 2. - 1),
-        "PoissonNLLLoss": (nn.PoissonNLLLoss, lambda o: o, lambda g: torch.poisson(torch.rand(n, k, generator=g) * 3, generator=g)),
+        "PoissonNLLLoss": (nn.PoissonNLLLoss, lambda o: o,
+                           lambda g: torch.poisson(torch.rand(n, k, generator=g) * 3, generator=g)),
         "GaussianNLLLoss": (nn.GaussianNLLLoss, lambda o: o, lambda g: torch.randn(n, k, generator=g)),
         "CosineEmbeddingLoss": (nn.CosineEmbeddingLoss, lambda o: o, lambda g: torch.randint(0, 2, (n,), generator=g)
                                 * 2. - 1),

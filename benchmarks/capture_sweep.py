@@ -215,7 +215,8 @@ def markdown(rows: list[Row], s: dict, v: dict) -> str:
                 "|---|---|---|---|"]
         out += [f"| {r.name} | {r.family} | {r.status} | {_md(r.op or r.reason)} |" for r in bad]
         out.append("")
-    out += ["## Recorded", "", "| architecture | family | head | params | ops | replay | seconds |", "|---|---|---|---|---|---|---|"]
+    out += ["## Recorded", "", "| architecture | family | head | params | ops | replay | seconds |",
+            "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.status == "recorded":
             eq = "bitwise" if r.bitwise else f"≤ {r.max_diff:.0e}"

@@ -222,7 +222,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="10M,40M,124M")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--snapshots", default=str(Path(tempfile.gettempdir()) / "nanreplay-model-scale"), help="where snapshots are kept")
+    ap.add_argument("--snapshots", default=str(Path(tempfile.gettempdir()) / "nanreplay-model-scale"),
+                    help="where snapshots are kept")
     args = ap.parse_args()
     names = [n for n in args.sizes.split(",") if n]
     if unknown := [n for n in names if n not in SIZES]:
@@ -236,7 +237,7 @@ def main() -> None:
         print(f"\n[{name}] {d['model']['parameters'] / 1e6:.1f}M parameters, batch {BATCH} x seq {SEQ}; snapshot "
               f"{Path(m['snap']).stat().st_size / 1e6:.0f} MB; failure {(d.get('failure') or {}).get('what')}; culprit "
               f"{c.get('op')} in {c.get('module')!r}; fix {fix.get('kind')} verified={fix.get('verified')}")
-        med = lambda f: statistics.median(f(r) for r in rows)  # noqa: E731
+        med = lambda f, rows=rows: statistics.median(f(r) for r in rows)  # noqa: E731
         print(f"  plain process   {med(lambda r: r['plain']['process']):7.2f} s CPU (load + fwd + bwd "
               f"{med(lambda r: r['plain']['step']):.2f} s)  peak RSS {med(lambda r: r['plain']['rss_mb']):6.0f} MB")
         print(f"  analyze process {med(lambda r: r['ana']['process']):7.2f} s CPU (analyze() "

@@ -73,8 +73,8 @@ _weight_norm_interface _ctc_loss
 # nn.FractionalMaxPool*d, whose random samples are recorded values; parametrizations.orthogonal: matrix_exp;
 # transformers' grouped experts: _grouped_mm; gated delta-net layers: linalg_solve_triangular).
 SWEEP_PACKETS = frozenset("""
-histc _grouped_mm _trilinear linalg_solve_triangular channel_shuffle native_channel_shuffle fractional_max_pool2d fractional_max_pool3d
-matrix_exp linalg_matrix_exp
+histc _grouped_mm _trilinear linalg_solve_triangular channel_shuffle native_channel_shuffle
+fractional_max_pool2d fractional_max_pool3d matrix_exp linalg_matrix_exp
 """.split())
 PACKETS = PACKETS | SWEEP_PACKETS
 

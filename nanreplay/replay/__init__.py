@@ -14,4 +14,5 @@ from nanreplay.replay.records import Anomaly, Event, Failure, OpRecord, Step
 from nanreplay.replay.run import anomaly_off, autocast_from, grad_norm, run, run_patched, run_subject
 
 __all__ = ["Anomaly", "Event", "Failure", "Frame", "OpRecord", "Recorder", "Step", "anomaly_off", "autocast_from",
-           "call_name", "frame_json", "grad_norm", "RecordedFrame", "run", "run_patched", "SOURCE_ROOTS", "run_subject", "user_frame"]
+           "call_name", "frame_json", "grad_norm", "RecordedFrame", "run", "run_patched", "SOURCE_ROOTS", "run_subject",
+           "user_frame"]
