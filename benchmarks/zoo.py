@@ -136,13 +136,7 @@ def _sites(built) -> list[tuple[str, object, int | str]]:
             if a is not None:
                 found[n] = (n, mod, a)
 
-    handles = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in built.model.modules()]
-    try:
-        x, y = built.batch(0)
-        compute_loss(call_model(built.model, x), y, built.loss_fn)
-    finally:
-        for h in handles:
-            h.remove()
+    _forward_once(built, [m.register_forward_pre_hook(pre, with_kwargs=True) for m in built.model.modules()])
     return list(found.values())
 
 
@@ -154,14 +148,18 @@ def _linear_sites(built) -> list[tuple[str, torch.nn.Module]]:
 
     mods = [(n, m) for n, m in built.model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv1d,
                                                                              torch.nn.Conv2d)) and n]
-    handles = [m.register_forward_pre_hook(hook) for _, m in mods]
+    _forward_once(built, [m.register_forward_pre_hook(hook) for _, m in mods])
+    return [(n, m) for n, m in mods if id(m) in used]
+
+
+def _forward_once(built, handles: list) -> None:
+    """One forward and loss of the built model on its first batch, with these hooks in place; then remove them."""
     try:
         x, y = built.batch(0)
         compute_loss(call_model(built.model, x), y, built.loss_fn)
     finally:
         for h in handles:
             h.remove()
-    return [(n, m) for n, m in mods if id(m) in used]
 
 
 def run_one(arch, kind: zf.Kind, precision: str, seed: int, folder: str) -> Result:
