@@ -131,6 +131,11 @@ def _empty_reduction(s: Site) -> Diagnosis | None:
 
     def guarded(func, args, kwargs):
         """reduction='mean' is sum / (sum of the counted targets' weights): the same, but never 0/0."""
+        if len(args) >= 5 and isinstance(args[3], int):  # the aten op a step program runs: nll_loss_forward(input,
+            if args[3] != 1:                              # target, weight, reduction, ignore_index) -> (loss, weight)
+                return func(*args, **kwargs)
+            out, total = func(*args[:3], 2, *args[4:], **kwargs)  # 2: reduction='sum'; total: the counted weight
+            return out / torch.where(total > 0, total, torch.ones_like(total)), total
         tgt = args[1] if len(args) > 1 else kwargs["target"]
         ii = kwargs.get("ignore_index", -100)
         w = kwargs.get("weight", args[2] if len(args) > 2 else None)
@@ -142,7 +147,7 @@ def _empty_reduction(s: Site) -> Diagnosis | None:
     guide = (f"compute the loss with reduction='sum' and divide by the number of targets that are not {ignore} "
              "(at least 1), so a batch whose targets are all ignored gives 0")
     fix = Fix(FixKind.GUARD_EMPTY_REDUCTION, "", rewrite=rw, guidance=guide,
-              patch=s.at_calls(guarded, rewrite=rw) if s.call_is("cross_entropy", "nll_loss") else None,
+              patch=s.at_calls(guarded, rewrite=rw) if s.call_is("cross_entropy", "nll_loss", "nll_loss_forward") else None,
               reasoning="the same mean over the targets that count, but a batch whose targets are all ignored "
                         "contributes 0 instead of 0/0")
     return Diagnosis("empty_reduction", "cross-entropy mean over zero targets (all ignore_index)",
