@@ -146,6 +146,9 @@ def _empty_reduction(s: Site) -> Diagnosis | None:
     rw = s.rewrite(lambda src, node: _guarded_ce_text(src, node, ignore))
     guide = (f"compute the loss with reduction='sum' and divide by the number of targets that are not {ignore} "
              "(at least 1), so a batch whose targets are all ignored gives 0")
+    if rw is None:  # no line of the user's to change (a library's loss, transformers' own): what the user can do
+        guide += (f"; where the loss is a library's, skip (or repair) batches whose targets are all {ignore} before "
+                  "the model call — e.g. a prompt truncated past its answer")
     fix = Fix(FixKind.GUARD_EMPTY_REDUCTION, "", rewrite=rw, guidance=guide,
               patch=s.at_calls(guarded, rewrite=rw) if s.call_is("cross_entropy", "nll_loss", "nll_loss_forward") else None,
               reasoning="the same mean over the targets that count, but a batch whose targets are all ignored "
