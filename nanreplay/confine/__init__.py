@@ -105,19 +105,29 @@ def run(job: dict, *, fork: bool = False, entry: str = "nanreplay.confine", prog
     scratch = tempfile.mkdtemp(prefix="nanreplay-compile-") if job.get("compile") else None  # mode 0700, ours
     if scratch:
         job["scratch"] = scratch
-    page = os.memfd_create("nanreplay-progress")
-    try:
-        os.ftruncate(page, 4096)
-        reader = _Messages(job, progress)
-        status, text = _fork(job, work, page, reader) if fork and not scratch else \
-            _spawn(job, work, page, entry, reader)
-        return _result(job, status, text, page, job.get("timeout"), job.get("max_memory"))
-    finally:
-        os.close(page)
-        os.chmod(work, 0o700)
+
+    def remove() -> None:  # every exit path: the result, an error, Ctrl-C or SIGTERM (interrupt.stop runs it)
+        try:
+            os.chmod(work, 0o700)
+        except OSError:
+            pass
         shutil.rmtree(work, ignore_errors=True)
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
+
+    page = -1
+    try:
+        with interrupt.cleanup(remove):
+            page = os.memfd_create("nanreplay-progress")
+            os.ftruncate(page, 4096)
+            reader = _Messages(job, progress)
+            status, text = _fork(job, work, page, reader) if fork and not scratch else \
+                _spawn(job, work, page, entry, reader)
+            return _result(job, status, text, page, job.get("timeout"), job.get("max_memory"))
+    finally:
+        if page >= 0:
+            os.close(page)
+        remove()
 
 
 def _cpu_seconds(timeout: float | None, threads: int | None) -> int | None:

@@ -30,21 +30,38 @@ import sys
 CPU_GRACE = 5  # seconds between SIGXCPU (soft) and SIGKILL (hard)
 
 
-def set_rlimits(*, address_space: int | None, cpu_seconds: int | None, fsize: int = 0) -> dict:
+def set_rlimits(*, address_space: int | None, cpu_seconds: int | None, fsize: int = 0,
+                lost: list[str] | None = None) -> dict:
     """No core file, no file growth (a write to a regular file fails with EFBIG; the result channel is a pipe) —
     or files of at most `fsize` bytes (the compile child's scratch folder) — and where given an address-space and
-    a CPU-time limit. Returns what was set."""
+    a CPU-time limit. Each limit is clamped to the hard limit already in force (`ulimit -v` on a cluster: an
+    unprivileged process can only lower it); what could not be applied as wanted is appended to `lost`. Returns
+    what was set."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death: a write is an error, not a crash
-    done: dict = {"core": 0, "fsize": fsize}
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+    lost = [] if lost is None else lost
+    done: dict = {"core": _clamp(resource.RLIMIT_CORE, "core", 0, 0, lost),
+                  "fsize": _clamp(resource.RLIMIT_FSIZE, "fsize", fsize, fsize, lost)}
     if address_space:
-        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
-        done["as"] = address_space
+        done["as"] = _clamp(resource.RLIMIT_AS, "as", address_space, address_space, lost)
     if cpu_seconds:
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + CPU_GRACE))
-        done["cpu"] = cpu_seconds
+        done["cpu"] = _clamp(resource.RLIMIT_CPU, "cpu", cpu_seconds, cpu_seconds + CPU_GRACE, lost)
     return done
+
+
+def _clamp(which: int, name: str, soft: int, hard: int, lost: list[str]) -> int:
+    """setrlimit(which, (soft, hard)) lowered to the hard limit in force; the soft limit now in force. A limit
+    already lower than wanted is kept (and said: the analysis has less room than asked for)."""
+    _, cur_hard = resource.getrlimit(which)
+    if cur_hard != resource.RLIM_INFINITY:
+        if cur_hard < soft:
+            lost.append(f"RLIMIT_{name.upper()} {soft} lowered to the hard limit in force ({cur_hard})")
+        soft, hard = min(soft, cur_hard), min(hard, cur_hard)
+    try:
+        resource.setrlimit(which, (soft, hard))
+    except (ValueError, OSError) as e:
+        lost.append(f"RLIMIT_{name.upper()} not set: {e}")
+        return resource.getrlimit(which)[0]
+    return soft
 
 
 def die_with_parent(parent: int) -> None:
@@ -176,18 +193,19 @@ def enter(reads: list[str] | None, *, address_space: int | None, cpu_seconds: in
     """Confine this process: the limits, then Landlock (reads only under `reads` + SYSTEM_READS + this Python,
     writes only under `writes`; None: no file filter), then seccomp. Returns what is in force
     (`environment.confinement` of the JSON)."""
+    lost: list[str] = []
     state: dict = {"process": True, "landlock": None,
-                   "rlimits": set_rlimits(address_space=address_space, cpu_seconds=cpu_seconds, fsize=fsize)}
+                   "rlimits": set_rlimits(address_space=address_space, cpu_seconds=cpu_seconds, fsize=fsize,
+                                          lost=lost)}
     if writes:
         state["writes"] = ["the compile child's own scratch folder" if os.path.isdir(w) else w for w in writes]
-    lost = []
     try:
         if reads is not None:
             abi = landlock([*reads, *python_reads(), *SYSTEM_READS], list(writes))
             state["landlock"] = f"abi {abi}" if abi else None
     except OSError as e:
         lost.append(f"landlock failed: {e}")
-    if state["landlock"] is None and not lost and reads is not None:
+    if state["landlock"] is None and not any(x.startswith("landlock") for x in lost) and reads is not None:
         lost.append("no Landlock on this kernel: files are not filtered (only the limits and the empty, private "
                     "working folder hold)")
     try:
@@ -195,7 +213,7 @@ def enter(reads: list[str] | None, *, address_space: int | None, cpu_seconds: in
     except OSError as e:
         state["seccomp"] = False
         lost.append(f"seccomp failed: {e}")
-    if not state["seccomp"] and not lost:
+    if not state["seccomp"] and not any(x.startswith("seccomp") for x in lost):
         lost.append(f"no seccomp filter for {platform.machine()}: sockets are not denied")
     state["lost"] = "; ".join(lost) or None
     return state
