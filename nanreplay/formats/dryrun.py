@@ -7,6 +7,13 @@ the file declares. The replay's peak memory is bounded as it goes, and the run s
 tensors as well as bytes (a step that unbinds a 10**7-row tensor is refused, not built). Ops whose output
 size depends on data (`nonzero`, `masked_select`, `unique`...) are counted at the most their inputs allow,
 not at what the file declares; the replay checks the rest (`repeat_interleave`) before the kernel runs.
+
+Aliasing: leaves that are one tensor object in the snapshot (two batch entries, or a buffer and a parameter,
+pickled as one) are one meta tensor here, so an in-place metadata change through one (`transpose_`,
+`unsqueeze_`) changes the other in the dry run as it will in the replay. The shapes each node's tensor
+arguments had here are kept (`checked_shapes`); the replay refuses a node whose arguments differ from them,
+or a tensor argument whose view reaches past its storage, before its kernel runs (formats/stepmodel.py): a
+kernel only ever runs on the shapes this validation checked.
 """
 
 from __future__ import annotations
@@ -28,18 +35,27 @@ TENSOR_BYTES = 1024  # what one tensor object costs beyond its data (Python obje
 
 
 def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]], *,
-            values: dict[int, torch.Tensor] | None = None, max_memory: int | None = None) -> int:
+            values: dict[int, torch.Tensor] | None = None, max_memory: int | None = None,
+            same: dict[int, int] | None = None) -> int:
     """Every node on the meta device: arguments checked, shapes checked against the file, the replay's peak
     bytes bounded (returned). `values`: leaves whose values are known (the snapshot's stored index tensors).
 
     The bound: the inputs, plus every non-view output of the forward kept alive for backward, twice
     (backward's gradients of about the same sizes), plus one gradient per floating input, plus
     `TENSOR_BYTES` per tensor made. Past `max_memory`, LimitError before the node that would pass it.
+    `same`: leaf ref -> the first leaf ref that is the same tensor object (`same_objects`).
     """
     env: dict[int, torch.Tensor] = {}
     known: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta leaf) -> (the meta leaf, its values)
+    checked: list[tuple] = []
+    program.__dict__["_checked_shapes"] = checked  # filled as the nodes pass: a refused program has no replay
     inputs = 0
+    same = same or {}
     for ref, (shape, dtype) in leaf_meta.items():
+        first = same.get(ref, ref)
+        if first != ref and first in env:
+            env[ref] = env[first]  # one object in the snapshot: one here (an in-place view change shows in both)
+            continue
         env[ref] = torch.empty(shape, dtype=dtype, device="meta")
         inputs += _nbytes(shape, dtype) * (2 if dtype.is_floating_point else 1) + TENSOR_BYTES
         if values is not None and ref in values:
@@ -51,6 +67,7 @@ def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]
         what = f"node {i} ({node.name})"
         args = [_meta_arg(a, env) for a in node.args]
         kwargs = with_output_size(node, {k: _meta_arg(v, env) for k, v in node.kwargs.items()})
+        checked.append(arg_shapes(args, kwargs))
         try:
             opchecks.check(node.op, node.name.split(".")[1], args, kwargs, lambda t: _known(known, t))
         except opchecks.Refused as e:
@@ -117,6 +134,37 @@ def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]
         for r in dead[i]:
             env.pop(r, None)
     return inputs + 2 * made
+
+
+def same_objects(leaves: dict[int, torch.Tensor]) -> dict[int, int]:
+    """Leaf ref -> the first leaf ref that is the very same tensor object (torch.load keeps a pickled object's
+    identity: a batch that names one tensor twice loads as one object)."""
+    first: dict[int, int] = {}
+    out = {}
+    for ref, t in leaves.items():
+        out[ref] = first.setdefault(id(t), ref)
+    return {r: f for r, f in out.items() if r != f}
+
+
+def arg_shapes(args: list, kwargs: dict) -> tuple:
+    """The shapes of a call's tensor arguments (in lists too), in order: what the dry run checked."""
+    out: list = []
+    for v in [*args, *kwargs.values()]:
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, torch.Tensor):
+                out.append(tuple(t.shape))
+    return tuple(out)
+
+
+def outside_storage(args: list, kwargs: dict) -> torch.Tensor | None:
+    """A tensor argument whose view (offset, sizes, strides) reaches past the end of its storage, or None."""
+    for v in [*args, *kwargs.values()]:
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, torch.Tensor) and t.numel() and t.layout == torch.strided and t.device.type != "meta":
+                last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+                if min(t.stride(), default=0) < 0 or (last + 1) * t.element_size() > t.untyped_storage().nbytes():
+                    return t
+    return None
 
 
 _REPEAT = {"aten.repeat_interleave.Tensor", "aten.repeat_interleave.self_Tensor"}

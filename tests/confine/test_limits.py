@@ -16,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "sample_snapshots" / "sqrt_zero.pt"
+NANREPLAY = [sys.executable, "-c", "from nanreplay.cli import main; main()"]
 CAP = 6 << 30  # below what the child asks for with --max-memory 8G (what torch maps + 8 GiB + 1 GiB + threads)
 
 
@@ -31,7 +32,7 @@ def test_an_analysis_under_ulimit_v_clamps_its_limit_and_says_so(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     out = tmp_path / "r.json"
-    res = subprocess.run([sys.executable, "-c", "from nanreplay.cli import main; main()", "analyze", str(SAMPLE), "--no-verify", "--max-memory",
+    res = subprocess.run([*NANREPLAY, "analyze", str(SAMPLE), "--no-verify", "--max-memory",
                           "8G", "--json", str(out), "-o", str(tmp_path / "r.html")], env=_env(tmp), cwd=tmp_path,
                          preexec_fn=_cap_address_space, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -44,7 +45,7 @@ def test_an_analysis_under_ulimit_v_clamps_its_limit_and_says_so(tmp_path):
 def test_sigterm_removes_the_temporary_folder_and_the_child(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", "from nanreplay.cli import main; main()", "analyze", str(SAMPLE), "--json", str(tmp_path / "r.json"),
+    proc = subprocess.Popen([*NANREPLAY, "analyze", str(SAMPLE), "--json", str(tmp_path / "r.json"),
                              "-o", str(tmp_path / "r.html")], env=_env(tmp), cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120

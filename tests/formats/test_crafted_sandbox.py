@@ -1,0 +1,116 @@
+"""Crafted files aimed at the sandbox's own assumptions (issue 37), analyzed by `nanreplay analyze` in a child
+interpreter (tests/crafting.py): a kernel that crashes fails its case, never pytest. Each is refused with one
+line and exit 2 before its kernel runs, nothing written.
+
+Families: two batch leaves that are one tensor, with an in-place view change through one (the dry run must
+see it in both: native_batch_norm would otherwise write past 1-element running statistics); statistics of the
+wrong length; upsample with a NaN scale; `_grouped_mm` offsets that leave rows uninitialised; one node whose
+work is astronomically large (refused at once by the dry run's cost bound).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from crafting import BASE_REF, ROOT, R, assert_one_line_refusal, run_cli_cases, save, valid_snapshot, with_nodes
+
+F32 = "float32"
+BN_STATS = {"w": torch.ones(1), "b": torch.zeros(1), "rm": torch.zeros(1), "rv": torch.ones(1)}
+
+
+def _nan_scale(d: dict) -> dict:
+    d = with_nodes(d, {"x": torch.randn(1, 1, 2, 2)}, [
+        ("aten.upsample_nearest2d.default", [R("x"), [4, 4], 0.5, 2.0], {}, [[[1, 1, 4, 4], F32]])])
+    prog = json.loads(d["step_program"])
+    prog["nodes"][0]["args"][2] = {"f": "nan"}  # the program's encoding of a non-finite float literal
+    d["step_program"] = json.dumps(prog)
+    return d
+
+
+def aliased_batch_norm(d: dict) -> dict:
+    """batch['target'] named by two leaves (one object after torch.load); transpose_ through the first makes the
+    second [4, 64, 1, 9]; native_batch_norm then reads it with 1-channel statistics."""
+    d = with_nodes(d, BN_STATS, [])
+    prog = json.loads(d["step_program"])
+    d["batch"]["target"] = torch.randn(4, 1, 64, 9)
+    a, b = BASE_REF + 100, BASE_REF + 101
+    for ref in (a, b):
+        prog["leaves"].append({"ref": ref, "kind": "batch", "name": "target", "shape": [4, 1, 64, 9], "dtype": F32,
+                               "path": ["target"]})
+    stats = [{"r": BASE_REF + i} for i in range(4)]
+    prog["nodes"][:0] = [
+        {"op": "aten.transpose_.default", "args": [{"r": a}, 1, 2], "out": BASE_REF + 200,
+         "meta": [[[4, 64, 1, 9], F32]]},
+        {"op": "aten.native_batch_norm.default", "args": [{"r": b}, *stats, True, 0.1, 1e-5],
+         "out": [BASE_REF + 201, BASE_REF + 202, BASE_REF + 203],
+         "meta": [[[4, 1, 64, 9], F32], [[1], F32], [[1], F32]]},
+    ]
+    d["step_program"] = json.dumps(prog)
+    return d
+
+
+# name -> (build(d) -> d, words of the refusal)
+CASES = {
+    "aliased leaves + transpose_ + native_batch_norm (heap write)": (aliased_batch_norm, ("invalid step program",)),
+    "native_batch_norm with 1-element stats on 64 channels": (
+        lambda d: with_nodes(d, {"x": torch.randn(4, 64, 1, 9), **BN_STATS}, [
+            ("aten.native_batch_norm.default", [R("x"), R("w"), R("b"), R("rm"), R("rv"), True, 0.1, 1e-5], {},
+             [[[4, 64, 1, 9], F32], [[64], F32], [[64], F32]])]), ("per channel",)),
+    "upsample_nearest2d with a NaN scale (SIGSEGV)": (_nan_scale, ("finite and positive",)),
+    "_grouped_mm offsets short of the rows (uninitialised memory)": (
+        lambda d: with_nodes(d, {"a": torch.randn(6, 4), "b": torch.randn(2, 4, 4),
+                                 "o": torch.tensor([2, 4], dtype=torch.int32)}, [
+            ("aten._grouped_mm.default", [R("a"), R("b"), R("o")], {}, [[[6, 4], F32]])]), ("uninitialised",)),
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sandbox")
+    cases = []
+    for i, (name, (build, _)) in enumerate(CASES.items()):
+        _, d = valid_snapshot(folder / f"v{i}")
+        path = save(build(d), folder / f"c{i}.pt")
+        cases.append({"name": name, "cwd": str(folder), "args": ["analyze", str(path), "--json",
+                                                                  str(folder / f"c{i}.json")]})
+    return folder, run_cli_cases(cases)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_crafted_file_aimed_at_the_sandbox_is_refused_before_its_kernel(results, name):
+    folder, got = results
+    assert_one_line_refusal(got[name], *CASES[name][1])
+    assert not list(folder.glob("c*.json"))
+
+
+_SAFETY_NET = r'''
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from nanreplay.errors import SnapshotError
+from nanreplay.formats import native
+from nanreplay.formats import load
+native.same_objects = lambda leaves: {}  # the dry run as it was: each leaf its own meta tensor
+snap = load(sys.argv[2])
+dev = torch.device("cpu")
+subject = native.program_subject(snap, dev, None, native.replay_options(snap.raw, dev))
+try:
+    subject.model(subject.inputs, subject.target)
+except SnapshotError as e:
+    print("refused:", e)
+'''
+
+
+def test_the_replay_refuses_shapes_the_dry_run_did_not_check(tmp_path):
+    """The safety net behind the dry run's aliasing model: with that model switched off, the replay still refuses
+    native_batch_norm before its kernel, because its input is not the shape the dry run checked."""
+    _, d = valid_snapshot(tmp_path)
+    path = save(aliased_batch_norm(d), tmp_path / "alias.pt")
+    res = subprocess.run([sys.executable, "-c", _SAFETY_NET, str(ROOT / "tests"), str(path)], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "refused:" in res.stdout and "in the dry run that checked them" in res.stdout, res.stdout
