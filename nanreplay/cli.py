@@ -83,9 +83,10 @@ def main() -> None:
 @click.option("--source", "source", multiple=True, metavar="DIR", type=click.Path(file_okay=False),
               help="Folder whose .py files may be read to show and rewrite the lines a snapshot recorded (only "
                    "where the file's line matches the recorded code) [default: the current folder]. Repeatable.")
-@click.option("--timeout", type=click.FloatRange(min=0), default=0, metavar="SECONDS",
+@click.option("--timeout", type=click.FloatRange(min=0), default=limits.DEFAULT_TIMEOUT, metavar="SECONDS",
               help="Give up after SECONDS, counted from the start of the command (imports, loading, replays and "
-                   "rendering; exit code 1, no output written) [default: 0, no limit].")
+                   "rendering; exit code 1, no output written); a step program whose work cannot fit is refused "
+                   "before it runs [default: 600; 0: no limit].")
 @click.option("--max-memory", type=Size(), metavar="SIZE", help=_MAX_MEMORY_HELP)
 @click.option("--no-confine", is_flag=True,
               help="UNSAFE, for debugging nanreplay on a snapshot you trust: run the analysis in this process "
@@ -117,6 +118,7 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
             from nanreplay import report as report_mod
 
             memory = max_memory or limits.default_max_memory()
+            limits.set_work_budget(timeout)  # (the confined child sets its own from the job)
             dirs = list(source) if source else None
             to_stdout = report_path is None or (json_path is not None and json_dest is None) or \
                 (md_path is not None and md_dest is None)

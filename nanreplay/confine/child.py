@@ -56,9 +56,11 @@ def _analyze(job: dict) -> dict:
         out.write(_encode({"progress": {"stage": stage, "doc": doc}}) + b"\n")
         out.flush()
 
+    from nanreplay.limits import set_work_budget
     from nanreplay.replay.frames import show_relative_to
 
     state = confine_self(job)
+    set_work_budget(job.get("timeout"))  # the dry run refuses a program whose work the time cannot cover
     show_relative_to(job.get("cwd"))
     a = analyze(job["path"], device=job.get("device"), verify=job.get("verify", True), max_memory=job.get("max_memory"),
                 loss=job.get("loss"), source=job.get("source"), only_if_needed=False,

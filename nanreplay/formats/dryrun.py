@@ -29,7 +29,7 @@ from nanreplay.errors import LimitError, ReplayError, SnapshotError, kernel_mess
 from nanreplay.formats import opchecks
 from nanreplay.formats.ops import check_values
 from nanreplay.formats.program import DTYPES, DeviceLiteral, Program, Ref
-from nanreplay.limits import format_size
+from nanreplay.limits import format_size, work_budget
 
 TENSOR_BYTES = 1024  # what one tensor object costs beyond its data (Python object, sizes, autograd metadata)
 
@@ -61,6 +61,7 @@ def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]
         if values is not None and ref in values:
             known[id(env[ref])] = (env[ref], values[ref])
     made = 0
+    work, budget = 0, work_budget()
     dead = program.dead_after()
     for i, node in enumerate(program.nodes):
         progress.at(progress.DRY_RUN, i, node.name)  # a crash in a meta kernel below is then named (confine/)
@@ -78,7 +79,14 @@ def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]
         view = ti.op_is_view(node.op)
         declared = sum(_nbytes(s, DTYPES[d]) for s, d in node.meta)
         upper = _data_dependent_bytes(node.name, args)
-        need = inputs + 2 * (made + (0 if view else max(declared, upper or 0))) + TENSOR_BYTES * len(node.meta)
+        if budget is not None and not view:
+            work += node_work(node.name, args, node.meta)
+            if work > budget:
+                raise LimitError(f"replaying this step needs about {work:.2g} element operations by {what} (counted "
+                                 f"from the step program's shapes before anything runs), more than --timeout allows "
+                                 f"({budget:.2g}); raise --timeout, or --timeout 0 for no limit")
+        copies = 0 if view else _expanded_bytes(args, kwargs)  # a kernel's own contiguous copy of an expanded view
+        need = inputs + 2 * (made + (0 if view else max(declared, upper or 0))) + copies + TENSOR_BYTES * len(node.meta)
         if max_memory is not None and need > max_memory:
             raise LimitError(f"replaying this step needs about {format_size(need)} by {what} (bounded from the "
                              f"step program's shapes before it is built), more than --max-memory "
@@ -186,6 +194,54 @@ def with_output_size(node, kwargs: dict) -> dict:
 def _known(known: dict, t: Any) -> torch.Tensor | None:
     hit = known.get(id(t))
     return hit[1] if hit is not None and hit[0] is t else None  # (an id is reused once its tensor is gone)
+
+
+# ---- what a node costs: work, and the copies its kernel makes
+
+
+def _tensors(args: list, kwargs: dict | None = None):
+    for v in [*args, *(kwargs or {}).values()]:
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, torch.Tensor):
+                yield t
+
+
+def node_work(name: str, args: list, meta: list) -> int:
+    """Element operations one node costs, roughly: the elements of its tensor arguments (an expanded view counted
+    at its full size: the kernel visits every element) and of its declared outputs, and for a matrix product,
+    convolution or attention its multiply-adds."""
+    touched = sum(t.numel() for t in _tensors(args)) + sum(math.prod(s) for s, _ in meta)
+    out = math.prod(meta[0][0]) if meta else 0
+    packet = name.split(".")[1] if "." in name else name
+    ts = [t for t in args if isinstance(t, torch.Tensor)]
+    if packet in _CONTRACT_LAST and ts:  # out[..., m, n] = sum over k: k is the last dim of the first matrix
+        a = ts[1] if packet in ("addmm", "baddbmm", "addbmm", "addmv") and len(ts) > 1 else ts[0]
+        k = a.shape[-1] if a.dim() else 1
+        if packet == "addbmm" and a.dim() == 3:
+            k *= a.shape[0]
+        touched += out * k
+    elif packet in ("convolution", "_convolution", "convolution_backward") and len(ts) > 1:
+        w = ts[1] if packet != "convolution_backward" else ts[2] if len(ts) > 2 else ts[1]
+        touched += max(out, ts[0].numel()) * (w.numel() // max(w.shape[0], 1) if w.dim() else 1)
+    elif "attention" in packet and len(ts) >= 3:
+        q, k = ts[0], ts[1]
+        if q.dim() >= 2 and k.dim() >= 2:
+            touched += 2 * q.numel() * k.shape[-2]
+    return touched
+
+
+_CONTRACT_LAST = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot",
+                            "vdot", "_grouped_mm", "inner"})
+
+
+def _expanded_bytes(args: list, kwargs: dict) -> int:
+    """The bytes of the expanded views (a stride-0 dimension of more than one element) among a node's tensor
+    arguments: many kernels make a contiguous copy of such an input first, at its full size."""
+    total = 0
+    for t in _tensors(args, kwargs):
+        if t.layout == torch.strided and any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride(), strict=True)):
+            total += t.numel() * t.element_size()
+    return total
 
 
 # ---- ops whose output size depends on the data: their most, from the inputs' sizes

@@ -5,7 +5,8 @@ line and exit 2 before its kernel runs, nothing written.
 Families: two batch leaves that are one tensor, with an in-place view change through one (the dry run must
 see it in both: native_batch_norm would otherwise write past 1-element running statistics); statistics of the
 wrong length; upsample with a NaN scale; `_grouped_mm` offsets that leave rows uninitialised; one node whose
-work is astronomically large (refused at once by the dry run's cost bound).
+work is astronomically large (refused at once by the dry run's cost bound, from the default --timeout); a
+kernel's own copy of an expanded view counted against --max-memory.
 """
 
 from __future__ import annotations
@@ -65,7 +66,16 @@ CASES = {
         lambda d: with_nodes(d, {"a": torch.randn(6, 4), "b": torch.randn(2, 4, 4),
                                  "o": torch.tensor([2, 4], dtype=torch.int32)}, [
             ("aten._grouped_mm.default", [R("a"), R("b"), R("o")], {}, [[[6, 4], F32]])]), ("uninitialised",)),
+    "one node of 2**58 additions (runs for years)": (
+        lambda d: with_nodes(d, {"x": torch.ones(1, 1)}, [
+            ("aten.expand.default", [R("x"), [2**29, 2**29]], {}, [[[2**29, 2**29], F32]]),
+            ("aten.sum.default", [R(0)], {}, [[[], F32]])]), ("element operations", "--timeout")),
+    "mm of a 1 GiB expanded view under --max-memory 512M (the kernel's own copy)": (
+        lambda d: with_nodes(d, {"x": torch.ones(1, 1), "y": torch.ones(2**14, 1)}, [
+            ("aten.expand.default", [R("x"), [2**14, 2**14]], {}, [[[2**14, 2**14], F32]]),
+            ("aten.mm.default", [R(0), R("y")], {}, [[[2**14, 1], F32]])]), ("--max-memory",)),
 }
+EXTRA = {"mm of a 1 GiB expanded view under --max-memory 512M (the kernel's own copy)": ["--max-memory", "512M"]}
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +86,7 @@ def results(tmp_path_factory):
         _, d = valid_snapshot(folder / f"v{i}")
         path = save(build(d), folder / f"c{i}.pt")
         cases.append({"name": name, "cwd": str(folder), "args": ["analyze", str(path), "--json",
-                                                                  str(folder / f"c{i}.json")]})
+                                                                  str(folder / f"c{i}.json"), *EXTRA.get(name, [])]})
     return folder, run_cli_cases(cases)
 
 
