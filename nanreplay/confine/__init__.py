@@ -220,6 +220,9 @@ def _fork(job: dict, work: str, page: int, reader: _Messages) -> tuple[int, byte
             os.chdir(work)
             os.environ.clear()
             os.environ.update(minimal_env(work))
+            from nanreplay.confine import filters
+
+            filters.wipe_initial_environment()  # what /proc/self/environ shows: the worker's original block
             from nanreplay.confine import child
 
             child.main({**job, "result_fd": w, "progress_fd": page})
