@@ -417,13 +417,16 @@ SHOWN_MESSAGE = 4000  # characters of an error message or traceback from the chi
 
 def _local_paths_only_under(d, roots: list[str]) -> None:
     """The report reads a source line's `path` from this process: keep only paths under a folder the user named
-    (--source), resolved, so that not even a child taken over by a kernel exploit can make it quote a local file."""
+    (--source), resolved, and only with the lines the snapshot recorded as their context, so that not even a child
+    taken over by a kernel exploit can make it quote a local file."""
     real = [os.path.realpath(r) for r in roots]
     stack = [d]
     while stack:
         x = stack.pop()
         if isinstance(x, dict):
             p = x.get("path")
+            if isinstance(p, str) and "line" in x and "context" in x and not isinstance(x["context"], dict):
+                x["path"] = None  # a snapshot's frame: shown with the lines it recorded, never a local file's
             if isinstance(p, str) and "line" in x and not any(
                     os.path.commonpath([os.path.realpath(p), r]) == r for r in real if os.path.isabs(p)):
                 x["path"] = None

@@ -87,7 +87,9 @@ def confine_self(job: dict) -> dict:
         torch.set_num_threads(job["threads"])
     gpu = parse_device(job.get("device")).type != "cpu"
     limit = job.get("max_memory")
-    reads = [job["path"], *(job.get("source") or [])]
+    from nanreplay.replay.frames import python_files_under
+
+    reads = [job["path"], *python_files_under(job.get("source") or [])]  # of --source, its .py files only
     scratch = job.get("scratch")  # the compile child only (differential/compiler.py; docs/trust.md)
     from nanreplay.differential import compiler
 
