@@ -53,7 +53,8 @@ def needed(*, trust: bool, model: str | None, loss: str | None) -> bool:
 
 def analyze(path: str, *, device: str | None = None, verify: bool = True, max_memory: int | None = None,
             source: list[str] | None = None, loss: str | None = None, timeout: float | None = None,
-            threads: int | None = None, fork: bool = False, progress=None, compile_replay: bool = False) -> dict:
+            threads: int | None = None, fork: bool = False, progress=None, compile_replay: bool = False,
+            tmpdir: str | None = None) -> dict:
     """The analysis JSON of `path`, computed in a confined child. Raises the child's NanReplayError (the
     snapshot's path as given here), ConfinedCrash (a signal), LimitError / TimeLimitError (a limit hit).
     A compiled step is replayed compiled (a compile child: inductor and the C++ compiler) only when the snapshot
@@ -62,7 +63,7 @@ def analyze(path: str, *, device: str | None = None, verify: bool = True, max_me
     job = {"path": os.path.abspath(path), "shown": str(path), "cwd": os.getcwd(), "device": device, "verify": verify,
            "max_memory": max_memory, "loss": loss, "threads": threads, "timeout": timeout,
            "source": [os.path.abspath(s) for s in source] if source is not None else None,
-           "cpu_seconds": _cpu_seconds(timeout, threads), "progress": progress is not None}
+           "cpu_seconds": _cpu_seconds(timeout, threads), "progress": progress is not None, "tmpdir": tmpdir}
     d = run(job, fork=fork, progress=progress)
     if not _wants_compile(d):
         return d
@@ -132,9 +133,10 @@ def run(job: dict, *, fork: bool = False, entry: str = "nanreplay.confine", prog
     sent back, checked. Tests give their own `entry` (a script) to run probes in the same sandbox. `progress(stage,
     doc)` is called for each pass the child reports before its result (analyze(progress=) in the child)."""
     job = {**job, "parent": os.getpid()}
-    work = tempfile.mkdtemp(prefix="nanreplay-confined-")
+    base = job.get("tmpdir") if job.get("tmpdir") and os.path.isdir(job["tmpdir"]) else None  # (triage's)
+    work = tempfile.mkdtemp(prefix="nanreplay-confined-", dir=base)
     os.chmod(work, 0o500)  # empty, and stays so: the child cannot write there either
-    scratch = tempfile.mkdtemp(prefix="nanreplay-compile-") if job.get("compile") else None  # mode 0700, ours
+    scratch = tempfile.mkdtemp(prefix="nanreplay-compile-", dir=base) if job.get("compile") else None  # 0700, ours
     if scratch:
         job["scratch"] = scratch
 

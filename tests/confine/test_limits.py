@@ -63,3 +63,27 @@ def test_sigterm_removes_the_temporary_folder_and_the_child(tmp_path):
 
 if not sys.platform.startswith("linux"):  # pragma: no cover
     pytestmark = pytest.mark.skip(reason="confinement is Linux-only")
+
+
+def test_sigterm_during_triage_leaves_no_temporary_folder(tmp_path):
+    """Triage's workers are killed on SIGTERM and cannot clean up: their children's folders live in one folder of
+    the parent's, which it removes."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    snaps = tmp_path / "snaps"
+    snaps.mkdir()
+    for name in ("a", "b"):
+        (snaps / f"{name}.pt").write_bytes(SAMPLE.read_bytes())
+    proc = subprocess.Popen([*NANREPLAY, "triage", str(snaps), "-o", str(tmp_path / "out"), "--no-cache"],
+                            env=_env(tmp), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not list(tmp.glob("nanreplay-triage-*/nanreplay-confined-*")):
+        assert proc.poll() is None and time.monotonic() < deadline, "no confined child's folder appeared"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    end = time.monotonic() + 10  # (a killed worker's child dies with it: nothing recreates a folder)
+    while [p for p in tmp.iterdir() if p.name.startswith("nanreplay-")] and time.monotonic() < end:
+        time.sleep(0.1)
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("nanreplay-")] == []
