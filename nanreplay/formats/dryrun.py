@@ -223,11 +223,28 @@ def node_work(name: str, args: list, meta: list) -> int:
     elif packet in ("convolution", "_convolution", "convolution_backward") and len(ts) > 1:
         w = ts[1] if packet != "convolution_backward" else ts[2] if len(ts) > 2 else ts[1]
         touched += max(out, ts[0].numel()) * (w.numel() // max(w.shape[0], 1) if w.dim() else 1)
+    elif packet == "einsum" and args and isinstance(args[0], str) and len(args) > 1:
+        touched += _einsum_work(args[0], [t for t in args[1] if isinstance(t, torch.Tensor)]
+                                if isinstance(args[1], (list, tuple)) else [])
     elif "attention" in packet and len(ts) >= 3:
         q, k = ts[0], ts[1]
         if q.dim() >= 2 and k.dim() >= 2:
             touched += 2 * q.numel() * k.shape[-2]
     return touched
+
+
+def _einsum_work(equation: str, operands: list) -> int:
+    """The multiply-adds of an einsum: the product of the sizes of every index it names (0 where it cannot say)."""
+    terms = equation.replace(" ", "").split("->")[0].split(",")
+    if "." in equation or len(terms) != len(operands):
+        return 0  # an ellipsis: the elements touched stand for it
+    sizes: dict[str, int] = {}
+    for term, t in zip(terms, operands, strict=True):
+        if len(term) != t.dim():
+            return 0
+        for c, n in zip(term, t.shape, strict=True):
+            sizes[c] = max(sizes.get(c, 1), n)
+    return math.prod(sizes.values())
 
 
 _CONTRACT_LAST = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot",

@@ -124,3 +124,19 @@ def test_the_replay_refuses_shapes_the_dry_run_did_not_check(tmp_path):
                          text=True, timeout=300, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert res.returncode == 0, res.stderr[-2000:]
     assert "refused:" in res.stdout and "in the dry run that checked them" in res.stdout, res.stdout
+
+
+def test_a_nodes_work_counts_expanded_views_at_full_size_and_products_by_their_multiply_adds():
+    from nanreplay.formats.dryrun import node_work
+
+    n = 2**15
+    x = torch.empty(1, 1, device="meta").expand(n, n)  # 1 element stored, n*n visited
+    out = [[[n, n], F32]]
+    assert node_work("aten.neg.default", [x], out) == 2 * n * n
+    assert node_work("aten.mm.default", [x, x], out) == 3 * n * n + n**3
+    assert node_work("aten.einsum.default", ["ij,jk->ik", [x, x]], out) == 3 * n * n + n**3
+    w = torch.empty(8, 4, 3, 3, device="meta")
+    img = torch.empty(2, 4, 16, 16, device="meta")
+    conv = node_work("aten.convolution.default", [img, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1],
+                     [[[2, 8, 16, 16], F32]])
+    assert conv >= 2 * 8 * 16 * 16 * 4 * 3 * 3  # every output element: in_channels * kernel multiply-adds
