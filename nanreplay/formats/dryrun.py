@@ -156,19 +156,18 @@ def same_objects(leaves: dict[int, torch.Tensor]) -> dict[int, int]:
 
 def arg_shapes(args: list, kwargs: dict) -> tuple:
     """The shapes of a call's tensor arguments (in lists too), in order: what the dry run checked."""
-    out: list = []
-    for v in [*args, *kwargs.values()]:
-        for t in (v if isinstance(v, (list, tuple)) else (v,)):
-            if isinstance(t, torch.Tensor):
-                out.append(tuple(t.shape))
-    return tuple(out)
+    return tuple(tuple(t.shape) for v in (*args, *kwargs.values())
+                 for t in (v if isinstance(v, (list, tuple)) else (v,)) if isinstance(t, torch.Tensor))
 
 
 def outside_storage(args: list, kwargs: dict) -> torch.Tensor | None:
-    """A tensor argument whose view (offset, sizes, strides) reaches past the end of its storage, or None."""
-    for v in [*args, *kwargs.values()]:
+    """A tensor argument whose view (offset, sizes, strides) reaches past the end of its storage, or None. (A
+    contiguous tensor at offset 0 is as a kernel made it: storages are never resized by an allowed op.)"""
+    for v in (*args, *kwargs.values()):
         for t in (v if isinstance(v, (list, tuple)) else (v,)):
-            if isinstance(t, torch.Tensor) and t.numel() and t.layout == torch.strided and t.device.type != "meta":
+            if not isinstance(t, torch.Tensor) or t.is_contiguous() and not t.storage_offset():
+                continue
+            if t.numel() and t.layout == torch.strided and t.device.type != "meta":
                 last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
                 if min(t.stride(), default=0) < 0 or (last + 1) * t.element_size() > t.untyped_storage().nbytes():
                     return t
