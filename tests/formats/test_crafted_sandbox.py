@@ -19,6 +19,8 @@ import pytest
 import torch
 from crafting import BASE_REF, ROOT, R, assert_one_line_refusal, run_cli_cases, save, valid_snapshot, with_nodes
 
+from nanreplay import NanGuard
+
 F32 = "float32"
 BN_STATS = {"w": torch.ones(1), "b": torch.zeros(1), "rm": torch.zeros(1), "rv": torch.ones(1)}
 
@@ -140,3 +142,43 @@ def test_a_nodes_work_counts_expanded_views_at_full_size_and_products_by_their_m
     conv = node_work("aten.convolution.default", [img, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1],
                      [[[2, 8, 16, 16], F32]])
     assert conv >= 2 * 8 * 16 * 16 * 4 * 3 * 3  # every output element: in_channels * kernel multiply-adds
+
+
+class _LogLSTM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.LSTM(4, 8)
+
+    def forward(self, x):
+        return torch.log(torch.relu(self.rnn(x)[0]) - 1).mean()
+
+
+def test_a_later_node_reads_the_rnn_workspace_as_zeros_and_backward_still_runs(tmp_path, monkeypatch):
+    """oneDNN's workspace (mkldnn_rnn_layer's fourth output) is memory the kernel fills only where it needs: a node
+    that reads it would see what was there before. The replay binds zeros for it; backward keeps the real one."""
+    from nanreplay.formats import load, native
+    from nanreplay.formats.stepmodel import StepModule
+
+    torch.manual_seed(0)
+    model = _LogLSTM()
+    guard = NanGuard(model, folder=tmp_path / "lstm")
+    x = torch.randn(5, 2, 4)
+    guard.begin(x)
+    assert not guard.loss_ok(model(x))
+    path = guard.last_snapshot
+    seen = []
+    bind = StepModule._bind
+
+    def spy(self, node, out, env, i):
+        bind(self, node, out, env, i)
+        if node.name == "aten.mkldnn_rnn_layer.default":
+            seen.append(env[node.out[3]])
+    monkeypatch.setattr(StepModule, "_bind", spy)
+    snap = load(path)
+    dev = torch.device("cpu")
+    subject = native.program_subject(snap, dev, None, native.replay_options(snap.raw, dev))
+    loss = subject.model(subject.inputs, subject.target)
+    loss.backward()  # the real workspace: the LSTM's gradients are computed
+    assert seen and seen[0].numel() > 0 and not seen[0].any()
+    assert not torch.isfinite(loss)  # the recorded failure replays as before
+    assert all(p.grad is not None for p in subject.model.parameters() if p.requires_grad)
