@@ -19,7 +19,7 @@ from pathlib import Path  # noqa: E402
 import click  # noqa: E402
 
 from nanreplay import __version__, atomic, inputs, limits, outputs  # noqa: E402
-from nanreplay.errors import NanReplayError, OutputError, TimeLimitError  # noqa: E402
+from nanreplay.errors import NanReplayError, OutputError, ReplayError, TimeLimitError  # noqa: E402
 from nanreplay.sanitize import one_line  # noqa: E402
 
 
@@ -83,20 +83,24 @@ def main() -> None:
 @click.option("--source", "source", multiple=True, metavar="DIR", type=click.Path(file_okay=False),
               help="Folder whose .py files may be read to show and rewrite the lines a snapshot recorded (only "
                    "where the file's line matches the recorded code) [default: the current folder]. Repeatable.")
-@click.option("--timeout", type=click.FloatRange(min=0), default=0, metavar="SECONDS",
+@click.option("--timeout", type=click.FloatRange(min=0), default=limits.DEFAULT_TIMEOUT, metavar="SECONDS",
               help="Give up after SECONDS, counted from the start of the command (imports, loading, replays and "
-                   "rendering; exit code 1, no output written) [default: 0, no limit].")
+                   "rendering; exit code 1, no output written); a step program whose work cannot fit is refused "
+                   "before it runs [default: 600; 0: no limit].")
 @click.option("--max-memory", type=Size(), metavar="SIZE", help=_MAX_MEMORY_HELP)
 @click.option("--no-confine", is_flag=True,
               help="UNSAFE, for debugging nanreplay on a snapshot you trust: run the analysis in this process "
                    "instead of a confined child (no resource limits, no file or socket filter).")
+@click.option("--compile-replay", is_flag=True,
+              help="Replay a compiled step (torch.compile) with inductor and the C++ compiler even when the snapshot "
+                   "is not small (in a compile child of its own; small ones are replayed compiled anyway).")
 @click.option("--nproc", type=click.IntRange(min=1), default=1, metavar="N",
               help="A sharded snapshot folder: replay its ranks on N local processes with torch.distributed.run "
                    "(gloo on the CPU, NCCL with --device cuda), each holding its shard of the weights; N is the "
                    "snapshot's world size [default: 1, every rank replayed on this process].")
 def analyze(snapshot: str, model: str | None, loss: str | None, report: str | None, json_path: str | None,
             md_path: str | None, device: str | None, trust: bool, no_verify: bool, source: tuple[str, ...],
-            timeout: float, max_memory: int | None, no_confine: bool, nproc: int) -> None:
+            timeout: float, max_memory: int | None, no_confine: bool, compile_replay: bool, nproc: int) -> None:
     """Replay SNAPSHOT, name the op that broke the step, explain it and suggest a verified fix.
 
     The analysis runs in a confined child process (docs/trust.md) unless it runs code you name
@@ -117,24 +121,33 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
             from nanreplay import report as report_mod
 
             memory = max_memory or limits.default_max_memory()
+            limits.set_work_budget(timeout)  # (the confined child sets its own from the job)
             dirs = list(source) if source else None
             to_stdout = report_path is None or (json_path is not None and json_dest is None) or \
                 (md_path is not None and md_dest is None)
             live = _Live(err=to_stdout)
             try:
-                if confine.needed(trust=trust, model=model, loss=loss) and nproc == 1 and not no_confine:
+                confined = confine.needed(trust=trust, model=model, loss=loss) and nproc == 1 and not no_confine
+                if confined:
                     # the child checks --device too; this process never imports torch, it renders the JSON
                     doc = confine.analyze(snapshot, device=device, verify=not no_verify, max_memory=memory, loss=loss,
-                                          timeout=timeout, source=dirs, progress=live.progress)
+                                          timeout=timeout, source=dirs, progress=live.progress,
+                                          compile_replay=compile_replay)
                 else:
                     doc = _analyze_here(snapshot, model=model, loss=loss, device=device, trust=trust,
                                         verify=not no_verify, max_memory=memory, source=dirs, nproc=nproc,
                                         progress=live.progress).to_json()
             finally:
                 live.status("")
-            html = report_mod.render_html(doc)  # the renderers read the JSON only
-            text = json.dumps(doc, indent=2, allow_nan=False) if json_path else None
-            md = report_mod.markdown_summary(doc) if md_path else None
+            try:
+                html = report_mod.render_html(doc)  # the renderers read the JSON only
+                text = json.dumps(doc, indent=2, allow_nan=False) if json_path else None
+                md = report_mod.markdown_summary(doc) if md_path else None
+            except (TypeError, KeyError, AttributeError, ValueError, IndexError) as e:
+                if not confined:
+                    raise
+                raise ReplayError(f"{one_line(snapshot)}: the confined analysis sent back a result the report "
+                                  f"cannot show ({type(e).__name__}); nothing was written") from None
         with interrupt.deferred():  # all of them or none: Ctrl-C here waits until the last one is written
             if report_path is not None:
                 write_atomic(report_path, html, "the report")

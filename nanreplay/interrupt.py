@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 INTERRUPTED = 130  # the shell's code for a process ended by SIGINT (128 + 2)
+TERMINATED = 143  # ... by SIGTERM (128 + 15)
 
 _cleanups: list[Callable[[], object]] = []
 _notes: list[Callable[[], str]] = []
@@ -43,6 +44,7 @@ def install() -> None:
     if threading.current_thread() is not threading.main_thread():
         return
     signal.signal(signal.SIGINT, _on_sigint)
+    signal.signal(signal.SIGTERM, _on_sigterm)  # `kill`, a batch scheduler: the same clean stop (children, temp folders)
     _state["installed"] = True
 
 
@@ -52,6 +54,10 @@ def installed() -> bool:
 
 def _on_sigint(signum, frame) -> None:
     request("nanreplay: interrupted", INTERRUPTED)
+
+
+def _on_sigterm(signum, frame) -> None:
+    request("nanreplay: terminated", TERMINATED)
 
 
 def request(line: str, code: int) -> None:

@@ -80,6 +80,24 @@ def default_max_memory(share: float = DEFAULT_SHARE) -> int:
     return FALLBACK_MEMORY if avail is None else max(1 << 20, int(avail * share))
 
 
+# The work a step program may ask of one replay, from the time the analysis may take: elements each node touches
+# (expanded views at their full size) plus, for the matrix products, convolutions and attention, their
+# multiply-adds. The rate is generous (a matrix product on a laptop's cores does 10**10..10**11 a second) so
+# that a real step is never refused by it: the bound is for a crafted node that would run for years.
+OPS_PER_SECOND = 5 * 10**10
+DEFAULT_TIMEOUT = 600.0  # analyze's default --timeout (seconds), as triage's
+_WORK: dict = {"budget": None}
+
+
+def set_work_budget(timeout: float | None) -> None:
+    """Bound the dry run's work estimate by what `timeout` seconds allow (None or 0: no bound)."""
+    _WORK["budget"] = int(timeout * OPS_PER_SECOND) if timeout else None
+
+
+def work_budget() -> int | None:
+    return _WORK["budget"]
+
+
 def release_memory() -> None:
     """Hand memory freed by one pass back to the system before the next (glibc keeps freed blocks otherwise,
     and each pass would then add its peak on top of the last one's). A no-op where there is no glibc."""

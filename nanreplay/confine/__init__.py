@@ -20,15 +20,19 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import stat
 import subprocess
 import sys
 import tempfile
+import time
 
 from nanreplay import errors, interrupt
+from nanreplay.confine.result import analysis_problem, checked_tree, sanitize_tree
 from nanreplay.errors import ConfinedCrash, LimitError, ReplayError, SnapshotError, TimeLimitError
+from nanreplay.sanitize import one_line
 
 # Address space for torch itself, beyond --max-memory: measured in the child when it confines itself (what it
 # has mapped after importing torch), plus room for each thread's stack and malloc arena and the analysis's own
@@ -49,16 +53,49 @@ def needed(*, trust: bool, model: str | None, loss: str | None) -> bool:
 
 def analyze(path: str, *, device: str | None = None, verify: bool = True, max_memory: int | None = None,
             source: list[str] | None = None, loss: str | None = None, timeout: float | None = None,
-            threads: int | None = None, fork: bool = False, progress=None) -> dict:
+            threads: int | None = None, fork: bool = False, progress=None, compile_replay: bool = False,
+            tmpdir: str | None = None) -> dict:
     """The analysis JSON of `path`, computed in a confined child. Raises the child's NanReplayError (the
-    snapshot's path as given here), ConfinedCrash (a signal), LimitError / TimeLimitError (a limit hit)."""
+    snapshot's path as given here), ConfinedCrash (a signal), LimitError / TimeLimitError (a limit hit).
+    A compiled step is replayed compiled (a compile child: inductor and the C++ compiler) only when the snapshot
+    is small or `compile_replay` says so."""
     _check_kind(path)
     job = {"path": os.path.abspath(path), "shown": str(path), "cwd": os.getcwd(), "device": device, "verify": verify,
            "max_memory": max_memory, "loss": loss, "threads": threads, "timeout": timeout,
            "source": [os.path.abspath(s) for s in source] if source is not None else None,
-           "cpu_seconds": _cpu_seconds(timeout, threads), "progress": progress is not None}
+           "cpu_seconds": _cpu_seconds(timeout, threads), "progress": progress is not None, "tmpdir": tmpdir}
     d = run(job, fork=fork, progress=progress)
-    return _compiled_replay(d, job) if _wants_compile(d) else d
+    if not _wants_compile(d):
+        return d
+    why_not = None if compile_replay else _too_big_to_compile(path, d)
+    if why_not:
+        return _not_compiled(d, why_not)
+    t = min(timeout or COMPILE_SECONDS, COMPILE_SECONDS)  # its own time bound
+    return _compiled_replay(d, {**job, "timeout": t, "cpu_seconds": _cpu_seconds(t, threads)})
+
+
+COMPILE_SMALL_BYTES = 4 << 20  # a snapshot this small (and of at most COMPILE_SMALL_NODES ops) is replayed compiled
+COMPILE_SMALL_NODES = 2000  # without --compile-replay
+
+
+def _too_big_to_compile(path: str, d: dict) -> str | None:
+    try:
+        size = os.stat(path).st_size if os.path.isfile(path) else COMPILE_SMALL_BYTES + 1
+    except OSError:
+        size = COMPILE_SMALL_BYTES + 1
+    ops = (d.get("stats") or {}).get("ops_forward")
+    if size <= COMPILE_SMALL_BYTES and isinstance(ops, int) and ops <= COMPILE_SMALL_NODES:
+        return None
+    return (f"the snapshot is not small ({_size(size)}, {ops if isinstance(ops, int) else 'an unknown number of'} "
+            "ops): inductor and the C++ compiler run on a stranger's step only with --compile-replay")
+
+
+def _not_compiled(d: dict, why: str) -> dict:
+    c = d["differential"]["compiler"]
+    c["skipped"] = why
+    c["sentence"] = f"Not replayed compiled here: {why}."
+    d["diagnosis"]["explanation"] = f"{d['diagnosis'].get('explanation', '')} {c['sentence']}".strip()
+    return d
 
 
 def _wants_compile(d: dict) -> bool:
@@ -75,11 +112,7 @@ def _compiled_replay(d: dict, job: dict) -> dict:
     try:
         return run({**job, "compile": True, "progress": False})
     except (errors.NanReplayError, ConfinedCrash, RuntimeError) as e:
-        c = d["differential"]["compiler"]
-        c["skipped"] = f"the compile child failed: {errors.first_line(e, 300)}"
-        c["sentence"] = f"Not replayed compiled here: {c['skipped']}."
-        d["diagnosis"]["explanation"] = f"{d['diagnosis'].get('explanation', '')} {c['sentence']}".strip()
-        return d
+        return _not_compiled(d, f"the compile child failed: {errors.first_line(e, 300)}")
 
 
 def _check_kind(path: str) -> None:
@@ -100,24 +133,35 @@ def run(job: dict, *, fork: bool = False, entry: str = "nanreplay.confine", prog
     sent back, checked. Tests give their own `entry` (a script) to run probes in the same sandbox. `progress(stage,
     doc)` is called for each pass the child reports before its result (analyze(progress=) in the child)."""
     job = {**job, "parent": os.getpid()}
-    work = tempfile.mkdtemp(prefix="nanreplay-confined-")
+    base = job.get("tmpdir") if job.get("tmpdir") and os.path.isdir(job["tmpdir"]) else None  # (triage's)
+    work = tempfile.mkdtemp(prefix="nanreplay-confined-", dir=base)
     os.chmod(work, 0o500)  # empty, and stays so: the child cannot write there either
-    scratch = tempfile.mkdtemp(prefix="nanreplay-compile-") if job.get("compile") else None  # mode 0700, ours
+    scratch = tempfile.mkdtemp(prefix="nanreplay-compile-", dir=base) if job.get("compile") else None  # 0700, ours
     if scratch:
         job["scratch"] = scratch
-    page = os.memfd_create("nanreplay-progress")
-    try:
-        os.ftruncate(page, 4096)
-        reader = _Messages(job, progress)
-        status, text = _fork(job, work, page, reader) if fork and not scratch else \
-            _spawn(job, work, page, entry, reader)
-        return _result(job, status, text, page, job.get("timeout"), job.get("max_memory"))
-    finally:
-        os.close(page)
-        os.chmod(work, 0o700)
+
+    def remove() -> None:  # every exit path: the result, an error, Ctrl-C or SIGTERM (interrupt.stop runs it)
+        try:
+            os.chmod(work, 0o700)
+        except OSError:
+            pass
         shutil.rmtree(work, ignore_errors=True)
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
+
+    page = -1
+    try:
+        with interrupt.cleanup(remove):
+            page = os.memfd_create("nanreplay-progress")
+            os.ftruncate(page, 4096)
+            reader = _Messages(job, progress)
+            status, text = _fork(job, work, page, reader) if fork and not scratch else \
+                _spawn(job, work, page, entry, reader)
+            return _result(job, status, text, page, job.get("timeout"), job.get("max_memory"))
+    finally:
+        if page >= 0:
+            os.close(page)
+        remove()
 
 
 def _cpu_seconds(timeout: float | None, threads: int | None) -> int | None:
@@ -158,9 +202,9 @@ def _spawn(job: dict, work: str, page: int, entry: str, reader: _Messages) -> tu
         os.close(w)
     try:
         with interrupt.cleanup(lambda: stop_group(proc.pid)):  # Ctrl-C or --timeout end the command: the child too
-            text = reader.read(r)
-        return proc.wait(), text
-    except BaseException:  # --timeout, Ctrl-C: stop the child (and anything it started), then go on unwinding
+            text = reader.read(r, lambda: _running(proc.pid))
+        return _end(proc.pid, lambda: proc.wait()), text
+    except BaseException:  # --timeout, Ctrl-C, a result past its bounds: stop the child and all it started
         stop_group(proc.pid)
         proc.wait()
         raise
@@ -178,6 +222,9 @@ def _fork(job: dict, work: str, page: int, reader: _Messages) -> tuple[int, byte
             os.chdir(work)
             os.environ.clear()
             os.environ.update(minimal_env(work))
+            from nanreplay.confine import filters
+
+            filters.wipe_initial_environment()  # what /proc/self/environ shows: the worker's original block
             from nanreplay.confine import child
 
             child.main({**job, "result_fd": w, "progress_fd": page})
@@ -187,8 +234,8 @@ def _fork(job: dict, work: str, page: int, reader: _Messages) -> tuple[int, byte
     os.close(w)
     try:
         with interrupt.cleanup(lambda: stop_group(pid)):
-            text = reader.read(r)
-        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), text
+            text = reader.read(r, lambda: _running(pid))
+        return _end(pid, lambda: os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])), text
     except BaseException:
         stop_group(pid)
         os.waitpid(pid, 0)
@@ -205,25 +252,74 @@ def _close_fds_except(keep: set[int]) -> None:  # pragma: no cover - runs in the
                 pass
 
 
+MAX_RESULT = 256 << 20  # bytes the child may send in all (an analysis of a large program is a few MiB)
+MAX_LINE = 128 << 20  # bytes of one message
+EXIT_GRACE = 5.0  # seconds a child may take to exit after its result (or a grandchild to let go of the pipe)
+DEADLINE_GRACE = 30.0  # seconds past --timeout before the pipe is given up (the command's own deadline comes first)
+SCRATCH_LIMIT = 2 << 30  # bytes the compile child's scratch folder may hold in all
+COMPILE_SECONDS = 300.0  # the compile child's own time bound
+
+
 class _Messages:
     """The result pipe: newline-separated JSON messages, each a dict of one entry; `progress` messages ({stage,
-    doc}) go to the callback as they arrive, the last message is the child's result."""
+    doc}) go to the callback as they arrive, the last message is the child's result. Nothing from the child is
+    trusted: the bytes are bounded (in all and per message) and gathered in linear time, the pipe is read with a
+    deadline, and reading stops once the child has exited even if a process it started still holds the pipe."""
 
     def __init__(self, job: dict, progress):
         self.job, self.progress = job, progress
+        t = job.get("timeout")
+        self.deadline = time.monotonic() + t + DEADLINE_GRACE if t else None
+        self.scratch = job.get("scratch")
 
-    def read(self, fd: int) -> bytes:
-        buf, last = b"", b""
+    def read(self, fd: int, running=lambda: True) -> bytes:
+        parts: list[bytes] = []
+        pending = total = 0
+        last = b""
+        gone = None
+        checked = time.monotonic()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP)
+        shown = self.job["shown"]
         try:
-            while chunk := os.read(fd, 1 << 20):
-                buf += chunk
-                *lines, buf = buf.split(b"\n")
-                for line in lines:
-                    if line:
-                        last = line if not self._progress(line) else last
+            while True:
+                now = time.monotonic()
+                if self.deadline is not None and now > self.deadline:
+                    raise TimeLimitError(f"{shown}: the confined analysis sent no result within --timeout "
+                                         f"{self.job['timeout']:g} s and was stopped; nothing was written")
+                if self.scratch and now - checked > 1.0:
+                    checked = now
+                    if _folder_size(self.scratch) > SCRATCH_LIMIT:
+                        raise LimitError(f"{shown}: the compile child's scratch folder grew past "
+                                         f"{_size(SCRATCH_LIMIT)} and was stopped; nothing was written")
+                if not poller.poll(200):
+                    if not running():
+                        gone = gone if gone is not None else now
+                        if now - gone > EXIT_GRACE:  # a process the child started holds the pipe: stop reading
+                            break
+                    continue
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    break
+                total += len(chunk)
+                if total > MAX_RESULT:
+                    raise ReplayError(f"{shown}: the confined analysis sent back more than {_size(MAX_RESULT)}; "
+                                      "nothing was written")
+                while (k := chunk.find(b"\n")) >= 0:
+                    parts.append(chunk[:k])
+                    line, parts, pending = b"".join(parts), [], 0
+                    chunk = chunk[k + 1:]
+                    if line and not self._progress(line):
+                        last = line
+                if chunk:
+                    parts.append(chunk)
+                    pending += len(chunk)
+                    if pending > MAX_LINE:
+                        raise ReplayError(f"{shown}: the confined analysis sent a message of more than "
+                                          f"{_size(MAX_LINE)}; nothing was written")
         finally:
             os.close(fd)
-        return buf or last
+        return b"".join(parts) or last
 
     def _progress(self, line: bytes) -> bool:
         msg = _message(line)
@@ -232,10 +328,47 @@ class _Messages:
         body = msg["progress"]
         if self.progress is not None and isinstance(body, dict) and isinstance(body.get("doc"), dict):
             doc = body["doc"]
-            doc["snapshot"] = self.job["shown"]
-            _local_paths_only_under(doc, self.job.get("source") or [])
-            self.progress(str(body.get("stage")), doc)
+            if checked_tree(doc) is None:
+                doc = sanitize_tree(doc)
+                doc["snapshot"] = self.job["shown"]
+                _local_paths_only_under(doc, self.job.get("source") or [])
+                try:
+                    self.progress(str(body.get("stage"))[:40], doc)
+                except (TypeError, KeyError, AttributeError, ValueError, IndexError):
+                    pass  # a progress block the terminal cannot show: the final result is checked in full
         return True
+
+
+def _running(pid: int) -> bool:
+    """Whether the child has not exited yet (it is not reaped: the caller still waits for it)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except ChildProcessError:
+        return False
+
+
+def _end(pid: int, reap) -> int:
+    """After the result: give the child EXIT_GRACE seconds to exit, then kill its whole process group (anything it
+    started, even a process that let go of the pipe) before reaping it (so its pid, the group's id, cannot be
+    reused meanwhile). A child killed here after its complete result counts as having exited."""
+    end = time.monotonic() + EXIT_GRACE
+    while _running(pid) and time.monotonic() < end:
+        time.sleep(0.02)
+    late = _running(pid)
+    stop_group(pid)
+    status = reap()
+    return 0 if late and status == -signal.SIGKILL else status
+
+
+def _folder_size(path: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_blocks * 512
+            except OSError:
+                pass
+    return total
 
 
 def stop_group(pid: int) -> None:
@@ -255,32 +388,47 @@ def _result(job: dict, status: int, text: bytes, page: int, timeout: float | Non
     if status < 0 or msg is None:
         raise _died(shown, status, page, timeout, max_memory)
     kind, body = next(iter(msg.items()))
-    if kind == "analysis" and isinstance(body, dict) and all(k in body for k in _REQUIRED):
+    if kind == "analysis" and isinstance(body, dict):
+        why = analysis_problem(body)
+        if why:
+            raise ReplayError(f"{shown}: the confined analysis sent back something that is not an analysis ({why}); "
+                              "nothing was written")
+        body = sanitize_tree(body)
         body["snapshot"] = shown
         _local_paths_only_under(body, job.get("source") or [])
         return body
     if kind == "error" and isinstance(body, dict):
-        cls = getattr(errors, str(body.get("type")), None)
+        cls = getattr(errors, str(body.get("type"))[:100], None)
         if not (isinstance(cls, type) and issubclass(cls, errors.NanReplayError)):
             cls = ReplayError
-        raise cls(str(body.get("message")).replace(job["path"], shown))
+        text = str(body.get("message"))[:SHOWN_MESSAGE].replace(job["path"], shown)
+        raise cls(one_line(text, SHOWN_MESSAGE))
     if kind == "memory":
         raise LimitError(f"{shown}: the analysis ran out of memory under --max-memory {_size(max_memory)} (its "
                          f"address space was capped there, plus torch's own); nothing was written")
-    if kind == "bug":
-        raise RuntimeError(f"the confined analysis of {shown} failed (a bug in nanreplay, please report):\n{body}")
-    raise ReplayError(f"{shown}: the confined analysis sent back something that is not an analysis")
+    if kind == "bug":  # each line of the child's traceback escaped and indented: none can pass for one of ours
+        lines = str(body)[-SHOWN_MESSAGE:].splitlines()[-60:]
+        shown_tb = "\n".join("  | " + one_line(ln, 300) for ln in lines)
+        raise RuntimeError(f"the confined analysis of {shown} failed (a bug in nanreplay, please report):\n{shown_tb}")
+    raise ReplayError(f"{shown}: the confined analysis sent back something that is not an analysis; nothing was "
+                      "written")
+
+
+SHOWN_MESSAGE = 4000  # characters of an error message or traceback from the child
 
 
 def _local_paths_only_under(d, roots: list[str]) -> None:
     """The report reads a source line's `path` from this process: keep only paths under a folder the user named
-    (--source), resolved, so that not even a child taken over by a kernel exploit can make it quote a local file."""
+    (--source), resolved, and only with the lines the snapshot recorded as their context, so that not even a child
+    taken over by a kernel exploit can make it quote a local file."""
     real = [os.path.realpath(r) for r in roots]
     stack = [d]
     while stack:
         x = stack.pop()
         if isinstance(x, dict):
             p = x.get("path")
+            if isinstance(p, str) and "line" in x and "context" in x and not isinstance(x["context"], dict):
+                x["path"] = None  # a snapshot's frame: shown with the lines it recorded, never a local file's
             if isinstance(p, str) and "line" in x and not any(
                     os.path.commonpath([os.path.realpath(p), r]) == r for r in real if os.path.isabs(p)):
                 x["path"] = None

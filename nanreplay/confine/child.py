@@ -56,9 +56,11 @@ def _analyze(job: dict) -> dict:
         out.write(_encode({"progress": {"stage": stage, "doc": doc}}) + b"\n")
         out.flush()
 
+    from nanreplay.limits import set_work_budget
     from nanreplay.replay.frames import show_relative_to
 
     state = confine_self(job)
+    set_work_budget(job.get("timeout"))  # the dry run refuses a program whose work the time cannot cover
     show_relative_to(job.get("cwd"))
     a = analyze(job["path"], device=job.get("device"), verify=job.get("verify", True), max_memory=job.get("max_memory"),
                 loss=job.get("loss"), source=job.get("source"), only_if_needed=False,
@@ -85,7 +87,9 @@ def confine_self(job: dict) -> dict:
         torch.set_num_threads(job["threads"])
     gpu = parse_device(job.get("device")).type != "cpu"
     limit = job.get("max_memory")
-    reads = [job["path"], *(job.get("source") or [])]
+    from nanreplay.replay.frames import python_files_under
+
+    reads = [job["path"], *python_files_under(job.get("source") or [])]  # of --source, its .py files only
     scratch = job.get("scratch")  # the compile child only (differential/compiler.py; docs/trust.md)
     from nanreplay.differential import compiler
 

@@ -30,21 +30,38 @@ import sys
 CPU_GRACE = 5  # seconds between SIGXCPU (soft) and SIGKILL (hard)
 
 
-def set_rlimits(*, address_space: int | None, cpu_seconds: int | None, fsize: int = 0) -> dict:
+def set_rlimits(*, address_space: int | None, cpu_seconds: int | None, fsize: int = 0,
+                lost: list[str] | None = None) -> dict:
     """No core file, no file growth (a write to a regular file fails with EFBIG; the result channel is a pipe) —
     or files of at most `fsize` bytes (the compile child's scratch folder) — and where given an address-space and
-    a CPU-time limit. Returns what was set."""
+    a CPU-time limit. Each limit is clamped to the hard limit already in force (`ulimit -v` on a cluster: an
+    unprivileged process can only lower it); what could not be applied as wanted is appended to `lost`. Returns
+    what was set."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death: a write is an error, not a crash
-    done: dict = {"core": 0, "fsize": fsize}
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+    lost = [] if lost is None else lost
+    done: dict = {"core": _clamp(resource.RLIMIT_CORE, "core", 0, 0, lost),
+                  "fsize": _clamp(resource.RLIMIT_FSIZE, "fsize", fsize, fsize, lost)}
     if address_space:
-        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
-        done["as"] = address_space
+        done["as"] = _clamp(resource.RLIMIT_AS, "as", address_space, address_space, lost)
     if cpu_seconds:
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + CPU_GRACE))
-        done["cpu"] = cpu_seconds
+        done["cpu"] = _clamp(resource.RLIMIT_CPU, "cpu", cpu_seconds, cpu_seconds + CPU_GRACE, lost)
     return done
+
+
+def _clamp(which: int, name: str, soft: int, hard: int, lost: list[str]) -> int:
+    """setrlimit(which, (soft, hard)) lowered to the hard limit in force; the soft limit now in force. A limit
+    already lower than wanted is kept (and said: the analysis has less room than asked for)."""
+    _, cur_hard = resource.getrlimit(which)
+    if cur_hard != resource.RLIM_INFINITY:
+        if cur_hard < soft:
+            lost.append(f"RLIMIT_{name.upper()} {soft} lowered to the hard limit in force ({cur_hard})")
+        soft, hard = min(soft, cur_hard), min(hard, cur_hard)
+    try:
+        resource.setrlimit(which, (soft, hard))
+    except (ValueError, OSError) as e:
+        lost.append(f"RLIMIT_{name.upper()} not set: {e}")
+        return resource.getrlimit(which)[0]
+    return soft
 
 
 def die_with_parent(parent: int) -> None:
@@ -127,8 +144,27 @@ def landlock(reads: list[str], writes: list[str] = ()) -> int | None:
 
 # ---------------------------------------------------------------- seccomp
 
-# (AUDIT_ARCH, socket, io_uring_setup, x32 bit) per machine; elsewhere there is no seccomp filter
-_ARCHES = {"x86_64": (0xC000003E, 41, 425, 0x40000000), "aarch64": (0xC00000B7, 198, 425, 0)}
+# Per machine: AUDIT_ARCH, the x32 bit, the syscalls denied outright, and those denied unless aimed at this process
+# (prlimit64's pid, setpriority's who: 0). Denied: sockets and io_uring (which could open them behind the filter);
+# a new session (setsid: it would outlive nanreplay's kill of the child's group); namespaces; device nodes; BPF,
+# perf events and userfaultfd (kernel attack surface); keyrings (the user's session keys); System V IPC (the
+# user's shared memory segments, semaphores, queues); reading or writing another process's memory.
+_ARCHES = {
+    "x86_64": (0xC000003E, 0x40000000,
+               {"socket": 41, "io_uring_setup": 425, "setsid": 112, "unshare": 272, "setns": 308, "mknod": 133,
+                "mknodat": 259, "bpf": 321, "perf_event_open": 298, "userfaultfd": 323, "add_key": 248,
+                "request_key": 249, "keyctl": 250, "shmget": 29, "shmat": 30, "shmctl": 31, "semget": 64,
+                "semop": 65, "semctl": 66, "semtimedop": 220, "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71,
+                "process_vm_readv": 310, "process_vm_writev": 311},
+               {"prlimit64": (302, 0), "setpriority": (141, 1)}),
+    "aarch64": (0xC00000B7, 0,
+                {"socket": 198, "io_uring_setup": 425, "setsid": 157, "unshare": 97, "setns": 268, "mknodat": 33,
+                 "bpf": 280, "perf_event_open": 241, "userfaultfd": 282, "add_key": 217, "request_key": 218,
+                 "keyctl": 219, "shmget": 194, "shmctl": 195, "shmat": 196, "semget": 190, "semctl": 191,
+                 "semtimedop": 192, "semop": 193, "msgget": 186, "msgctl": 187, "msgrcv": 188, "msgsnd": 189,
+                 "process_vm_readv": 270, "process_vm_writev": 271},
+                {"prlimit64": (261, 0), "setpriority": (140, 1)}),
+}
 _EPERM = 0x00050000 | errno.EPERM  # SECCOMP_RET_ERRNO | EPERM
 _ALLOW = 0x7FFF0000  # SECCOMP_RET_ALLOW
 
@@ -137,13 +173,20 @@ def _bpf(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
     return struct.pack("<HBBI", code, jt, jf, k)
 
 
+def denied_syscalls() -> list[str]:
+    """The syscalls the filter denies on this machine (those aimed at other processes included)."""
+    arch = _ARCHES.get(platform.machine())
+    return sorted([*arch[2], *(f"{n} (other processes)" for n in arch[3])]) if arch else []
+
+
 def seccomp_no_sockets() -> bool:
-    """Make socket(), io_uring_setup (which could open sockets behind seccomp's back) and any syscall of another
+    """Make socket(), io_uring_setup, setsid, namespaces, device nodes, BPF, perf events, userfaultfd, keyrings,
+    System V IPC, another process's memory, prlimit64/setpriority of another process, and any syscall of another
     ABI (32-bit or x32 entry points) fail with EPERM. False where this machine has no filter for it."""
     arch = _ARCHES.get(platform.machine())
     if arch is None or not sys.platform.startswith("linux"):
         return False
-    audit, nr_socket, nr_uring, x32 = arch
+    audit, x32, deny, own_only = arch
     LD_W_ABS, JEQ_K, JGE_K, RET_K = 0x20, 0x15, 0x35, 0x06
     prog = [
         _bpf(LD_W_ABS, 4),  # seccomp_data.arch
@@ -152,11 +195,13 @@ def seccomp_no_sockets() -> bool:
         _bpf(LD_W_ABS, 0),  # seccomp_data.nr
         _bpf(JGE_K, x32, 0, 1) if x32 else _bpf(JEQ_K, 0xFFFFFFFF, 0, 1),  # x32 syscalls on x86_64
         _bpf(RET_K, _EPERM),
-        _bpf(JEQ_K, nr_socket, 2, 0),
-        _bpf(JEQ_K, nr_uring, 1, 0),
-        _bpf(RET_K, _ALLOW),
-        _bpf(RET_K, _EPERM),
     ]
+    for nr in sorted(deny.values()):
+        prog += [_bpf(JEQ_K, nr, 0, 1), _bpf(RET_K, _EPERM)]
+    for nr, arg in own_only.values():  # allowed only with 0 (this process) in that argument (low 32 bits)
+        prog += [_bpf(JEQ_K, nr, 0, 4), _bpf(LD_W_ABS, 16 + 8 * arg), _bpf(JEQ_K, 0, 0, 1), _bpf(RET_K, _ALLOW),
+                 _bpf(RET_K, _EPERM)]
+    prog.append(_bpf(RET_K, _ALLOW))
     code = b"".join(prog)
     buf = ctypes.create_string_buffer(code, len(code))
     fprog = struct.pack("<HxxxxxxQ", len(prog), ctypes.addressof(buf))  # struct sock_fprog
@@ -168,6 +213,39 @@ def seccomp_no_sockets() -> bool:
     return True
 
 
+# ---------------------------------------------------------------- capabilities (run as root)
+
+_CAPSET = {"x86_64": 126, "aarch64": 91}
+
+
+def drop_capabilities() -> str | None:
+    """Every capability gone (bounding set, ambient, effective, permitted, inheritable) and no_new_privs, where the
+    process has any (run as root): None, or what could not be dropped. A process without capabilities: None."""
+    if not sys.platform.startswith("linux") or _cap_eff() == 0:
+        return None
+    libc = _libc()
+    PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+    for cap in range(64):
+        libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)  # EINVAL past the last capability this kernel knows
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    nr = _CAPSET.get(platform.machine())
+    if nr is not None:
+        header = ctypes.create_string_buffer(struct.pack("<Ii", 0x20080522, 0), 8)  # _LINUX_CAPABILITY_VERSION_3
+        data = ctypes.create_string_buffer(bytes(24), 24)  # two {effective, permitted, inheritable}: all zero
+        libc.syscall(ctypes.c_long(nr), header, data)
+    _no_new_privs()
+    left = _cap_eff()
+    return None if left == 0 else f"capabilities not dropped (CapEff {left:#x})"
+
+
+def _cap_eff() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1], 16) for ln in f if ln.startswith("CapEff:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
 # ---------------------------------------------------------------- all together
 
 
@@ -176,18 +254,25 @@ def enter(reads: list[str] | None, *, address_space: int | None, cpu_seconds: in
     """Confine this process: the limits, then Landlock (reads only under `reads` + SYSTEM_READS + this Python,
     writes only under `writes`; None: no file filter), then seccomp. Returns what is in force
     (`environment.confinement` of the JSON)."""
+    lost: list[str] = []
     state: dict = {"process": True, "landlock": None,
-                   "rlimits": set_rlimits(address_space=address_space, cpu_seconds=cpu_seconds, fsize=fsize)}
+                   "rlimits": set_rlimits(address_space=address_space, cpu_seconds=cpu_seconds, fsize=fsize,
+                                          lost=lost)}
     if writes:
         state["writes"] = ["the compile child's own scratch folder" if os.path.isdir(w) else w for w in writes]
-    lost = []
+    had = _cap_eff() != 0
+    caps = drop_capabilities()  # before any filter and before the snapshot is opened
+    if caps:
+        lost.append(caps)
+    elif had:
+        state["capabilities"] = "dropped"
     try:
         if reads is not None:
             abi = landlock([*reads, *python_reads(), *SYSTEM_READS], list(writes))
             state["landlock"] = f"abi {abi}" if abi else None
     except OSError as e:
         lost.append(f"landlock failed: {e}")
-    if state["landlock"] is None and not lost and reads is not None:
+    if state["landlock"] is None and not any(x.startswith("landlock") for x in lost) and reads is not None:
         lost.append("no Landlock on this kernel: files are not filtered (only the limits and the empty, private "
                     "working folder hold)")
     try:
@@ -195,7 +280,7 @@ def enter(reads: list[str] | None, *, address_space: int | None, cpu_seconds: in
     except OSError as e:
         state["seccomp"] = False
         lost.append(f"seccomp failed: {e}")
-    if not state["seccomp"] and not lost:
+    if not state["seccomp"] and not any(x.startswith("seccomp") for x in lost):
         lost.append(f"no seccomp filter for {platform.machine()}: sockets are not denied")
     state["lost"] = "; ".join(lost) or None
     return state
@@ -217,6 +302,24 @@ def python_reads() -> list[str]:
         if f:
             paths.append(os.path.dirname(os.path.dirname(os.path.abspath(f))))  # its site-packages
     return [p for p in paths if p and os.path.isabs(p) and p != "/"]
+
+
+def wipe_initial_environment() -> bool:
+    """Zero the environment block this process started with (a fork inherits it from a fork server or a worker that
+    started with the analyst's environment: /proc/self/environ reads that memory, whatever os.environ now holds).
+    Call after os.environ is replaced (nothing then points into the old block). False where it cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[47]), int(fields[48])  # env_start, env_end: fields 50 and 51 of proc(5)
+    except (OSError, IndexError, ValueError):
+        return False
+    if not 0 < start < end or end - start > 64 << 20:
+        return False
+    ctypes.memset(start, 0, end - start)
+    return True
 
 
 def _no_new_privs() -> None:

@@ -7,6 +7,13 @@ the file declares. The replay's peak memory is bounded as it goes, and the run s
 tensors as well as bytes (a step that unbinds a 10**7-row tensor is refused, not built). Ops whose output
 size depends on data (`nonzero`, `masked_select`, `unique`...) are counted at the most their inputs allow,
 not at what the file declares; the replay checks the rest (`repeat_interleave`) before the kernel runs.
+
+Aliasing: leaves that are one tensor object in the snapshot (two batch entries, or a buffer and a parameter,
+pickled as one) are one meta tensor here, so an in-place metadata change through one (`transpose_`,
+`unsqueeze_`) changes the other in the dry run as it will in the replay. The shapes each node's tensor
+arguments had here are kept (`checked_shapes`); the replay refuses a node whose arguments differ from them,
+or a tensor argument whose view reaches past its storage, before its kernel runs (formats/stepmodel.py): a
+kernel only ever runs on the shapes this validation checked.
 """
 
 from __future__ import annotations
@@ -22,35 +29,46 @@ from nanreplay.errors import LimitError, ReplayError, SnapshotError, kernel_mess
 from nanreplay.formats import opchecks
 from nanreplay.formats.ops import check_values
 from nanreplay.formats.program import DTYPES, DeviceLiteral, Program, Ref
-from nanreplay.limits import format_size
+from nanreplay.limits import format_size, work_budget
 
 TENSOR_BYTES = 1024  # what one tensor object costs beyond its data (Python object, sizes, autograd metadata)
 
 
 def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]], *,
-            values: dict[int, torch.Tensor] | None = None, max_memory: int | None = None) -> int:
+            values: dict[int, torch.Tensor] | None = None, max_memory: int | None = None,
+            same: dict[int, int] | None = None) -> int:
     """Every node on the meta device: arguments checked, shapes checked against the file, the replay's peak
     bytes bounded (returned). `values`: leaves whose values are known (the snapshot's stored index tensors).
 
     The bound: the inputs, plus every non-view output of the forward kept alive for backward, twice
     (backward's gradients of about the same sizes), plus one gradient per floating input, plus
     `TENSOR_BYTES` per tensor made. Past `max_memory`, LimitError before the node that would pass it.
+    `same`: leaf ref -> the first leaf ref that is the same tensor object (`same_objects`).
     """
     env: dict[int, torch.Tensor] = {}
     known: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta leaf) -> (the meta leaf, its values)
+    checked: list[tuple] = []
+    program.__dict__["_checked_shapes"] = checked  # filled as the nodes pass: a refused program has no replay
     inputs = 0
+    same = same or {}
     for ref, (shape, dtype) in leaf_meta.items():
+        first = same.get(ref, ref)
+        if first != ref and first in env:
+            env[ref] = env[first]  # one object in the snapshot: one here (an in-place view change shows in both)
+            continue
         env[ref] = torch.empty(shape, dtype=dtype, device="meta")
         inputs += _nbytes(shape, dtype) * (2 if dtype.is_floating_point else 1) + TENSOR_BYTES
         if values is not None and ref in values:
             known[id(env[ref])] = (env[ref], values[ref])
     made = 0
+    work, budget = 0, work_budget()
     dead = program.dead_after()
     for i, node in enumerate(program.nodes):
         progress.at(progress.DRY_RUN, i, node.name)  # a crash in a meta kernel below is then named (confine/)
         what = f"node {i} ({node.name})"
         args = [_meta_arg(a, env) for a in node.args]
         kwargs = with_output_size(node, {k: _meta_arg(v, env) for k, v in node.kwargs.items()})
+        checked.append(arg_shapes(args, kwargs))
         try:
             opchecks.check(node.op, node.name.split(".")[1], args, kwargs, lambda t: _known(known, t))
         except opchecks.Refused as e:
@@ -61,7 +79,14 @@ def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]
         view = ti.op_is_view(node.op)
         declared = sum(_nbytes(s, DTYPES[d]) for s, d in node.meta)
         upper = _data_dependent_bytes(node.name, args)
-        need = inputs + 2 * (made + (0 if view else max(declared, upper or 0))) + TENSOR_BYTES * len(node.meta)
+        if budget is not None and not view:
+            work += node_work(node.name, args, node.meta)
+            if work > budget:
+                raise LimitError(f"replaying this step needs about {work:.2g} element operations by {what} (counted "
+                                 f"from the step program's shapes before anything runs), more than --timeout allows "
+                                 f"({budget:.2g}); raise --timeout, or --timeout 0 for no limit")
+        copies = 0 if view else _expanded_bytes(args, kwargs)  # a kernel's own contiguous copy of an expanded view
+        need = inputs + 2 * (made + (0 if view else max(declared, upper or 0))) + copies + TENSOR_BYTES * len(node.meta)
         if max_memory is not None and need > max_memory:
             raise LimitError(f"replaying this step needs about {format_size(need)} by {what} (bounded from the "
                              f"step program's shapes before it is built), more than --max-memory "
@@ -119,6 +144,36 @@ def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]
     return inputs + 2 * made
 
 
+def same_objects(leaves: dict[int, torch.Tensor]) -> dict[int, int]:
+    """Leaf ref -> the first leaf ref that is the very same tensor object (torch.load keeps a pickled object's
+    identity: a batch that names one tensor twice loads as one object)."""
+    first: dict[int, int] = {}
+    out = {}
+    for ref, t in leaves.items():
+        out[ref] = first.setdefault(id(t), ref)
+    return {r: f for r, f in out.items() if r != f}
+
+
+def arg_shapes(args: list, kwargs: dict) -> tuple:
+    """The shapes of a call's tensor arguments (in lists too), in order: what the dry run checked."""
+    return tuple(tuple(t.shape) for v in (*args, *kwargs.values())
+                 for t in (v if isinstance(v, (list, tuple)) else (v,)) if isinstance(t, torch.Tensor))
+
+
+def outside_storage(args: list, kwargs: dict) -> torch.Tensor | None:
+    """A tensor argument whose view (offset, sizes, strides) reaches past the end of its storage, or None. (A
+    contiguous tensor at offset 0 is as a kernel made it: storages are never resized by an allowed op.)"""
+    for v in (*args, *kwargs.values()):
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if not isinstance(t, torch.Tensor) or t.is_contiguous() and not t.storage_offset():
+                continue
+            if t.numel() and t.layout == torch.strided and t.device.type != "meta":
+                last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+                if min(t.stride(), default=0) < 0 or (last + 1) * t.element_size() > t.untyped_storage().nbytes():
+                    return t
+    return None
+
+
 _REPEAT = {"aten.repeat_interleave.Tensor", "aten.repeat_interleave.self_Tensor"}
 
 
@@ -138,6 +193,71 @@ def with_output_size(node, kwargs: dict) -> dict:
 def _known(known: dict, t: Any) -> torch.Tensor | None:
     hit = known.get(id(t))
     return hit[1] if hit is not None and hit[0] is t else None  # (an id is reused once its tensor is gone)
+
+
+# ---- what a node costs: work, and the copies its kernel makes
+
+
+def _tensors(args: list, kwargs: dict | None = None):
+    for v in [*args, *(kwargs or {}).values()]:
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, torch.Tensor):
+                yield t
+
+
+def node_work(name: str, args: list, meta: list) -> int:
+    """Element operations one node costs, roughly: the elements of its tensor arguments (an expanded view counted
+    at its full size: the kernel visits every element) and of its declared outputs, and for a matrix product,
+    convolution or attention its multiply-adds."""
+    touched = sum(t.numel() for t in _tensors(args)) + sum(math.prod(s) for s, _ in meta)
+    out = math.prod(meta[0][0]) if meta else 0
+    packet = name.split(".")[1] if "." in name else name
+    ts = [t for t in args if isinstance(t, torch.Tensor)]
+    if packet in _CONTRACT_LAST and ts:  # out[..., m, n] = sum over k: k is the last dim of the first matrix
+        a = ts[1] if packet in ("addmm", "baddbmm", "addbmm", "addmv") and len(ts) > 1 else ts[0]
+        k = a.shape[-1] if a.dim() else 1
+        if packet == "addbmm" and a.dim() == 3:
+            k *= a.shape[0]
+        touched += out * k
+    elif packet in ("convolution", "_convolution", "convolution_backward") and len(ts) > 1:
+        w = ts[1] if packet != "convolution_backward" else ts[2] if len(ts) > 2 else ts[1]
+        touched += max(out, ts[0].numel()) * (w.numel() // max(w.shape[0], 1) if w.dim() else 1)
+    elif packet == "einsum" and args and isinstance(args[0], str) and len(args) > 1:
+        touched += _einsum_work(args[0], [t for t in args[1] if isinstance(t, torch.Tensor)]
+                                if isinstance(args[1], (list, tuple)) else [])
+    elif "attention" in packet and len(ts) >= 3:
+        q, k = ts[0], ts[1]
+        if q.dim() >= 2 and k.dim() >= 2:
+            touched += 2 * q.numel() * k.shape[-2]
+    return touched
+
+
+def _einsum_work(equation: str, operands: list) -> int:
+    """The multiply-adds of an einsum: the product of the sizes of every index it names (0 where it cannot say)."""
+    terms = equation.replace(" ", "").split("->")[0].split(",")
+    if "." in equation or len(terms) != len(operands):
+        return 0  # an ellipsis: the elements touched stand for it
+    sizes: dict[str, int] = {}
+    for term, t in zip(terms, operands, strict=True):
+        if len(term) != t.dim():
+            return 0
+        for c, n in zip(term, t.shape, strict=True):
+            sizes[c] = max(sizes.get(c, 1), n)
+    return math.prod(sizes.values())
+
+
+_CONTRACT_LAST = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot",
+                            "vdot", "_grouped_mm", "inner"})
+
+
+def _expanded_bytes(args: list, kwargs: dict) -> int:
+    """The bytes of the expanded views (a stride-0 dimension of more than one element) among a node's tensor
+    arguments: many kernels make a contiguous copy of such an input first, at its full size."""
+    total = 0
+    for t in _tensors(args, kwargs):
+        if t.layout == torch.strided and any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride(), strict=True)):
+            total += t.numel() * t.element_size()
+    return total
 
 
 # ---- ops whose output size depends on the data: their most, from the inputs' sizes

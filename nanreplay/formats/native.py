@@ -29,7 +29,7 @@ from nanreplay.errors import LimitError, ModelError, SnapshotError, TrustError, 
 from nanreplay.formats import schema as S
 from nanreplay.formats import update_record
 from nanreplay.formats.base import Format, Snapshot
-from nanreplay.formats.dryrun import dry_run
+from nanreplay.formats.dryrun import dry_run, same_objects
 from nanreplay.formats.loss_spec import loss_from_spec, loss_label
 from nanreplay.formats.program import DTYPES, decode
 from nanreplay.formats.rebuild import eager_subject, parse_device
@@ -244,7 +244,7 @@ def program_subject(snap: Snapshot, dev: torch.device, max_memory: int | None, c
     step_fn = "batch" in d["batch"]
     batch = {"batch": snap.inputs} if step_fn else {"inputs": snap.inputs, "target": snap.target}
     module = StepModule(program, snap.state, d["parameters"], d.get("aliases") or {}, constants, step_fn=step_fn)
-    leaf_meta, values = {}, {}
+    leaf_meta, values, tensors = {}, {}, {}
     for lf in program.leaves:
         try:
             t = module.leaf_tensor(lf, batch)
@@ -255,10 +255,12 @@ def program_subject(snap: Snapshot, dev: torch.device, max_memory: int | None, c
             raise SnapshotError(f"{snap.path}: invalid step program: {lf.kind} {lf.name!r} is "
                                 f"{list(t.shape)} {t.dtype}, the program says {lf.shape} {lf.dtype}")
         leaf_meta[lf.ref] = (lf.shape, t.dtype)
+        if lf.kind != "constant":  # (a replay clones its constants: they never alias)
+            tensors[lf.ref] = t
         if not (t.is_floating_point() or t.is_complex()):
             values[lf.ref] = t  # stored indices: checked against what they index before any kernel runs
     try:
-        bound = dry_run(program, leaf_meta, values=values, max_memory=max_memory)
+        bound = dry_run(program, leaf_meta, values=values, max_memory=max_memory, same=same_objects(tensors))
     except SnapshotError as e:
         raise SnapshotError(f"{snap.path}: {e}") from None
     except LimitError as e:

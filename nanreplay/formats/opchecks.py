@@ -407,3 +407,61 @@ def _group_norm(call: Call) -> None:
         t = call[name]
         if isinstance(t, torch.Tensor) and _shape(t) != (c,):
             raise Refused(f"{name} must hold {c} values")
+
+
+# ------------------------------------------------------------------ round 3 (issue 37): stats, scales, groups
+
+
+@rule("native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+      "_native_batch_norm_legit_functional", "native_batch_norm_backward")
+def _batch_norm(call: Call) -> None:
+    """The kernel writes running statistics and reads weight/bias by channel without comparing their length
+    with the input's channels (a heap write past 1-element statistics)."""
+    xs = _shape(call["input"])
+    if len(xs) < 2:
+        raise Refused("the input must have a channel dimension")
+    for name in ("weight", "bias", "running_mean", "running_var", "save_mean", "save_invstd"):
+        t = call[name]
+        if name.startswith("save_") and isinstance(t, torch.Tensor) and t.numel() == 0:
+            continue  # eval mode saves nothing
+        if isinstance(t, torch.Tensor) and _shape(t) != (xs[1],):
+            raise Refused(f"{name} is {list(_shape(t))}, not one value per channel of the input ({xs[1]})")
+    g = call["grad_out"]
+    if isinstance(g, torch.Tensor) and _shape(g) != xs:
+        raise Refused("grad_out does not have the input's shape")
+
+
+@rule("upsample_bicubic2d", "upsample_bilinear2d", "upsample_linear1d", "upsample_nearest1d", "upsample_nearest2d",
+      "upsample_nearest3d", "upsample_trilinear3d")
+def _upsample(call: Call) -> None:
+    """A NaN, infinite, zero or negative scale reaches the kernel's index arithmetic (a NaN scale segfaults)."""
+    for name in ("scales", "scales_d", "scales_h", "scales_w", "scale_factors"):
+        for s in _ints(call[name]) if call[name] is not None else ():
+            if not isinstance(s, (int, float)) or isinstance(s, bool) or not math.isfinite(s) or s <= 0:
+                raise Refused(f"{name} must be finite and positive")
+    size = call["output_size"]
+    if size is not None and any(not isinstance(n, int) or n <= 0 for n in _ints(size)):
+        raise Refused("output_size must be positive sizes")
+
+
+@rule("_grouped_mm")
+def _grouped_mm(call: Call) -> None:
+    """Rows (or columns) past the last offset are left uninitialised by the kernel: the offsets must rise and cover
+    the grouped dimension, so every element of the result is computed."""
+    a, b, offs = call["self"], call["mat2"], call["offs"]
+    if not isinstance(offs, torch.Tensor):
+        return
+    sa, sb = _shape(a), _shape(b)
+    grouped = {(2, 3): sa[:1], (3, 2): sb[1:2], (2, 2): sa[1:2]}.get((len(sa), len(sb)))
+    if grouped is None or len(_shape(offs)) != 1:
+        raise Refused("offsets need a 2-d operand and must be a vector")
+    n = grouped[0]
+    v = call.value(offs)
+    if v is None or v.numel() == 0:
+        return
+    v = v.to(torch.int64)
+    if int(v.min()) < 0 or bool((v[1:] < v[:-1]).any()) or int(v.max()) > n:
+        raise Refused(f"offsets must rise within [0, {n}]")
+    if len(sb) == 3 and int(v[-1]) != n or len(sa) == 3 and int(v[-1]) != n:
+        raise Refused(f"the offsets end at {int(v[-1])}, short of the {n} rows or columns they group: the rest of "
+                      "the result would be uninitialised memory")

@@ -141,7 +141,9 @@ def check_program(program: Program, shapes: dict[str, tuple[list[int], torch.dty
             raise SnapshotError(f"{where}: invalid step program: {lf.kind} {lf.name!r} is {list(shape)} {dtype}, "
                                 f"the program says {lf.shape} {lf.dtype}")
         meta[lf.ref] = (lf.shape, dtype)
-    return dry_run(program, meta, values=values)
+    bound = dry_run(program, meta, values=values)
+    program.__dict__.pop("_checked_shapes", None)  # ranks replay on their shards: no per-node shapes
+    return bound
 
 
 def _batch_leaf(batch: dict, path: list | None) -> torch.Tensor:

@@ -24,7 +24,7 @@ from nanreplay import torch_internals as ti
 from nanreplay.confine import progress
 from nanreplay.errors import ReplayError, SnapshotError, op_of
 from nanreplay.formats import opchecks
-from nanreplay.formats.dryrun import with_output_size
+from nanreplay.formats.dryrun import arg_shapes, outside_storage, with_output_size
 from nanreplay.formats.ops import check_values
 from nanreplay.formats.program import DeviceLiteral, Node, Program, Ref
 from nanreplay.formats.segments import Segment, checkpoint_plan
@@ -32,6 +32,7 @@ from nanreplay.replay.frames import RecordedFrame
 
 _FILL_ZERO = frozenset({"aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default",
                         "aten.empty_strided.default"})  # uninitialised memory: replay it as zeros
+_RNN_LAYER = "aten.mkldnn_rnn_layer.default"
 _HALF_TO_FLOAT = frozenset({"aten._softmax.default", "aten._log_softmax.default"})
 _RECOMPUTING = [0]  # > 0 while a checkpointed segment recomputes its forward during backward
 
@@ -279,11 +280,17 @@ class StepModule(nn.Module):
             args, kwargs = self._checked_args(node, env)
         if node.random is not None or node.mask is not None or node.name in _FILL_ZERO:
             return self._run_special(node, args, kwargs)
-        return node.op(*args, **kwargs)
+        out = node.op(*args, **kwargs)
+        if node.name == _RNN_LAYER and isinstance(out, tuple) and len(out) == 4:
+            with ti.dispatch_modes_off(), torch.no_grad():  # oneDNN's workspace is uninitialised where unused:
+                zeros = torch.zeros_like(out[3])  # backward keeps the real one, a later node reads zeros
+            out = (*out[:3], zeros)
+        return out
 
     def _checked_args(self, node: Node, env: dict) -> tuple[list, dict]:
         args = [self._arg(a, node, env) for a in node.args]
         kwargs = with_output_size(node, {k: self._arg(v, node, env) for k, v in node.kwargs.items()})
+        self._check_views(node, args, kwargs)
         try:  # what the op's kernel would trust, with the values this replay computed (formats/opchecks.py)
             opchecks.check(node.op, node.name.split(".")[1], args, kwargs, opchecks.real_values)
         except opchecks.Refused as e:
@@ -295,6 +302,23 @@ class StepModule(nn.Module):
         if self.policy is not None and node.name in _HALF_TO_FLOAT and len(args) > 2 and args[2]:
             args[2] = args[0].dtype == torch.float16  # half_to_float only applies to half inputs
         return args, kwargs
+
+    def _check_views(self, node: Node, args: list, kwargs: dict) -> None:
+        """The kernel runs only on the shapes the dry run checked (an in-place view change through an alias the
+        dry run did not model would otherwise reach it), and on views that stay inside their storage."""
+        checked = self.program.__dict__.get("_checked_shapes")
+        i = self._node
+        what = f"invalid step program: node {i} ({node.name})"
+        if checked is not None and i is not None and i < len(checked):
+            got = arg_shapes(args, kwargs)
+            if got != checked[i]:
+                raise SnapshotError(f"{what}: its inputs are {[list(s) for s in got]} here but "
+                                    f"{[list(s) for s in checked[i]]} in the dry run that checked them (two leaves "
+                                    "of the snapshot alias one tensor?); nothing was run with it")
+        bad = outside_storage(args, kwargs)
+        if bad is not None:
+            raise SnapshotError(f"{what}: an input's view reaches past the end of its storage (shape "
+                                f"{list(bad.shape)}); nothing was run with it")
 
     def _run_special(self, node: Node, args: list, kwargs: dict) -> Any:
         """A random op (its recorded value), native_dropout (its recorded mask), an op that makes uninitialised

@@ -102,6 +102,37 @@ def local_source(recorded: str, line: int, code: str | None) -> str | None:
     return None
 
 
+def only_recorded(line: int, code: str | None) -> dict | None:
+    """The context of a recorded frame that recorded none: its one recorded line."""
+    return {"start": line, "lines": [code]} if isinstance(code, str) and isinstance(line, int) and line >= 1 else None
+
+
+MAX_SOURCE_FILES = 20_000  # .py files of the --source folders a confined child may open
+
+
+def python_files_under(roots: list[str]) -> list[str]:
+    """The regular .py files (of sane size) under `roots`, resolved and inside their root: all a confined child
+    may open of the --source folders (its Landlock rules name these files, not the folders: no `.env`, no data)."""
+    out: list[str] = []
+    for root in roots:
+        top = os.path.realpath(root)
+        for folder, dirs, files in os.walk(top):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                real = os.path.realpath(os.path.join(folder, f))
+                try:
+                    st = os.stat(real)
+                except OSError:
+                    continue
+                if real.startswith(top + os.sep) and stat.S_ISREG(st.st_mode) and st.st_size <= MAX_SOURCE_BYTES:
+                    out.append(real)
+                    if len(out) >= MAX_SOURCE_FILES:
+                        return out
+    return out
+
+
 def _match_under(root: str, recorded: str, line: int, code: str) -> str | None:
     parts = [p for p in recorded.replace("\\", "/").split("/") if p not in ("", ".", "..")]
     for k in range(min(len(parts), 8), 0, -1):  # the longest tail of the recorded path that exists here
@@ -151,13 +182,16 @@ def _live_context(file: str, line: int) -> dict | None:
 def frame_json(frame: Frame | None, context: bool = True) -> dict | None:
     """A frame as the analysis JSON shows it: file (as shown), line, code, function, path (a local file that
     may be read, or None), context ({start, lines} around the line; left out with context=False),
-    recorded_path (where it was recorded)."""
+    recorded_path (where it was recorded). A snapshot's frame shows only lines the snapshot recorded: without
+    recorded context, a local copy's line stands alone (a guessable `DEBUG = False` quotes none of its neighbours)."""
     if frame is None:
         return None
     if isinstance(frame, RecordedFrame):
         recorded, line, func, code = frame
         local = local_source(recorded, line, code)
         ctx = {"start": frame.context[0], "lines": list(frame.context[1])} if frame.context and context else None
+        if local is not None and ctx is None and context:  # no line the snapshot did not record is shown: its own
+            ctx = only_recorded(line, code)  # line stands for the context, never the local file's neighbours
         out = {"file": _shown(local) if local else recorded, "line": line, "code": code, "function": func,
                "path": local, "context": ctx}
         if local is not None and local != recorded:

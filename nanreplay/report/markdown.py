@@ -116,8 +116,8 @@ def markdown_summary(a: Analysis | dict) -> str:
     else:
         out.append(escape(b.headline) + ".")
         for r in (d.get("nonfinite_leaves") or [])[:5]:
-            out.append(f"- {code(r.get('name') or '')} ({escape(r.get('role') or '')}): {r.get('nan', 0)} NaN, "
-                       f"{r.get('inf', 0)} Inf")
+            out.append(f"- {code(r.get('name') or '')} ({escape(r.get('role') or '')}): {escape(str(r.get('nan', 0)))} NaN, "
+                       f"{escape(str(r.get('inf', 0)))} Inf")
     machine = machine_view(d)
     if machine is not None and machine.first_screen:
         out += ["", f"**Machine:** {escape(machine.sentence)}"]

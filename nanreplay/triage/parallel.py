@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,6 +39,11 @@ def analyze(p: Plan, *, jobs: int, timeout: float | None = DEFAULT_TIMEOUT, prog
               "verify": p.options.verify, "max_memory": p.options.max_memory, "hash": it.hash_in_worker,
               "timeout": timeout, "threads": threads}
              for it in todo]
+    # the workers' confined children make their folders in one of ours: a worker killed (--timeout, Ctrl-C,
+    # SIGTERM) cannot remove its own, so this process removes them all, on every way out
+    scratch = tempfile.mkdtemp(prefix="nanreplay-triage-")
+    for t in tasks:
+        t["tmpdir"] = scratch
     fingerprint = p.options.fingerprint()
     pool = WorkerPool(analyze_task, jobs=workers, timeout=timeout, init=worker_init, init_args=(threads,),
                       preload=WORKER_PRELOAD)
@@ -46,8 +53,21 @@ def analyze(p: Plan, *, jobs: int, timeout: float | None = DEFAULT_TIMEOUT, prog
         return (f"{done[0]} of {len(todo)} snapshots were analyzed (their results are cached: the same command "
                 f"continues from there); {p.outdir / 'index.html'} is as it was")
 
-    with interrupt.note(finished), interrupt.cleanup(lambda: save_cache(p.outdir, p.items, p.old_cache, p.dir)):
-        _collect(p, pool, tasks, by_name, fingerprint, progress, done)
+    def remove() -> None:
+        for root, dirs, _files in os.walk(scratch):  # the children's folders are read-only (0500)
+            for d in dirs:
+                try:
+                    os.chmod(os.path.join(root, d), 0o700)
+                except OSError:
+                    pass
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    try:
+        with interrupt.note(finished), interrupt.cleanup(remove), \
+                interrupt.cleanup(lambda: save_cache(p.outdir, p.items, p.old_cache, p.dir)):
+            _collect(p, pool, tasks, by_name, fingerprint, progress, done)
+    finally:
+        remove()
     p.stats = pool.stats
     return pool.stats
 

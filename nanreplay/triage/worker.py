@@ -69,7 +69,7 @@ def _analyze(task: dict) -> dict:
             # a fork of this worker (torch imported, no op run) confines itself and analyzes; we render its JSON
             d = confine.analyze(task["path"], device=task.get("device"), verify=task.get("verify", True),
                                 max_memory=task.get("max_memory"), loss=task["loss"], timeout=task.get("timeout"),
-                                threads=task.get("threads"), fork=True)
+                                threads=task.get("threads"), fork=True, tmpdir=task.get("tmpdir"))
         else:
             from nanreplay.analysis import analyze as analyze_one
 

@@ -137,6 +137,37 @@ for _p in opchecks.REDUCTION_PACKETS:
                   dict(reduction=1), dict(reduction=200))]
 
 
+# issue 37: batch-norm statistics per channel, upsample scales, _grouped_mm offsets that cover what they group
+X4 = torch.randn(4, 3, 2, 2)
+_BN_GOOD = dict(input=X4, weight=torch.ones(3), bias=torch.zeros(3), running_mean=torch.zeros(3),
+                running_var=torch.ones(3), training=True, momentum=0.1, eps=1e-5)
+_BN_BAD = {**_BN_GOOD, "running_mean": torch.zeros(1), "running_var": torch.ones(1)}
+for _p, _ov in (("native_batch_norm", "default"), ("_native_batch_norm_legit", "default"),
+                ("_native_batch_norm_legit_functional", "default")):
+    CASES[_p] = [(_ov, _BN_GOOD, _BN_BAD)]
+CASES["_native_batch_norm_legit_no_training"] = [
+    ("default", {k: v for k, v in _BN_GOOD.items() if k != "training"},
+     {k: v for k, v in _BN_BAD.items() if k != "training"})]
+CASES["native_batch_norm_backward"] = [
+    ("default", dict(grad_out=X4, input=X4, weight=torch.ones(3), save_mean=torch.zeros(0), save_invstd=torch.zeros(0)),
+     dict(grad_out=X4, input=X4, weight=torch.ones(1)))]
+_UP = {"upsample_nearest1d": 1, "upsample_linear1d": 1, "upsample_nearest2d": 2, "upsample_bilinear2d": 2,
+       "upsample_bicubic2d": 2, "upsample_nearest3d": 3, "upsample_trilinear3d": 3}
+for _p, _n in _UP.items():
+    _x = torch.randn(1, 1, *[2] * _n)
+    _names = {1: ["scales"], 2: ["scales_h", "scales_w"], 3: ["scales_d", "scales_h", "scales_w"]}[_n]
+    CASES[_p] = [("default", dict(self=_x, output_size=[4] * _n, **dict.fromkeys(_names, 2.0)),
+                  dict(self=_x, output_size=[4] * _n, **dict.fromkeys(_names, float("nan")))),
+                 ("vec", dict(input=_x, output_size=None, scale_factors=[2.0] * _n),
+                  dict(input=_x, output_size=None, scale_factors=[-1.0] * _n))]
+_OFFS = torch.tensor([2, 6], dtype=torch.int32)
+CASES["_grouped_mm"] = [
+    ("default", dict(self=torch.randn(6, 4), mat2=torch.randn(2, 4, 4), offs=_OFFS),
+     dict(self=torch.randn(6, 4), mat2=torch.randn(2, 4, 4), offs=torch.tensor([2, 4], dtype=torch.int32))),
+    ("default", dict(self=torch.randn(6, 4), mat2=torch.randn(2, 4, 4), offs=_OFFS),
+     dict(self=torch.randn(6, 4), mat2=torch.randn(2, 4, 4), offs=torch.tensor([4, 2], dtype=torch.int32)))]
+
+
 def _flat():
     for packet, cases in CASES.items():
         for k, (ov, good, bad) in enumerate(cases):
