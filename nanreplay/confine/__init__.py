@@ -49,15 +49,16 @@ def needed(*, trust: bool, model: str | None, loss: str | None) -> bool:
 
 def analyze(path: str, *, device: str | None = None, verify: bool = True, max_memory: int | None = None,
             source: list[str] | None = None, loss: str | None = None, timeout: float | None = None,
-            threads: int | None = None, fork: bool = False, progress=None) -> dict:
+            threads: int | None = None, fork: bool = False, progress=None, ticker=None) -> dict:
     """The analysis JSON of `path`, computed in a confined child. Raises the child's NanReplayError (the
-    snapshot's path as given here), ConfinedCrash (a signal), LimitError / TimeLimitError (a limit hit)."""
+    snapshot's path as given here), ConfinedCrash (a signal), LimitError / TimeLimitError (a limit hit).
+    `ticker(status)` is called a few times a second while the child runs, with progress.status's tuple."""
     _check_kind(path)
     job = {"path": os.path.abspath(path), "shown": str(path), "cwd": os.getcwd(), "device": device, "verify": verify,
            "max_memory": max_memory, "loss": loss, "threads": threads, "timeout": timeout,
            "source": [os.path.abspath(s) for s in source] if source is not None else None,
            "cpu_seconds": _cpu_seconds(timeout, threads), "progress": progress is not None}
-    d = run(job, fork=fork, progress=progress)
+    d = run(job, fork=fork, progress=progress, ticker=ticker)
     return _compiled_replay(d, job) if _wants_compile(d) else d
 
 
@@ -95,7 +96,7 @@ def _check_kind(path: str) -> None:
         raise SnapshotError(f"{path}: not a regular file, not a snapshot")
 
 
-def run(job: dict, *, fork: bool = False, entry: str = "nanreplay.confine", progress=None) -> dict:
+def run(job: dict, *, fork: bool = False, entry: str = "nanreplay.confine", progress=None, ticker=None) -> dict:
     """Run `job` in a confined child (`python -m ENTRY JOB`, or a fork running child.main) and return what it
     sent back, checked. Tests give their own `entry` (a script) to run probes in the same sandbox. `progress(stage,
     doc)` is called for each pass the child reports before its result (analyze(progress=) in the child)."""
@@ -108,7 +109,7 @@ def run(job: dict, *, fork: bool = False, entry: str = "nanreplay.confine", prog
     page = os.memfd_create("nanreplay-progress")
     try:
         os.ftruncate(page, 4096)
-        reader = _Messages(job, progress)
+        reader = _Messages(job, progress, ticker, page)
         status, text = _fork(job, work, page, reader) if fork and not scratch else \
             _spawn(job, work, page, entry, reader)
         return _result(job, status, text, page, job.get("timeout"), job.get("max_memory"))
@@ -209,13 +210,24 @@ class _Messages:
     """The result pipe: newline-separated JSON messages, each a dict of one entry; `progress` messages ({stage,
     doc}) go to the callback as they arrive, the last message is the child's result."""
 
-    def __init__(self, job: dict, progress):
-        self.job, self.progress = job, progress
+    TICK = 0.25  # seconds between two calls of the ticker
+
+    def __init__(self, job: dict, progress, ticker=None, page: int | None = None):
+        self.job, self.progress, self.ticker, self.page = job, progress, ticker, page
+
+    def _wait(self, fd: int) -> None:
+        """With a ticker: tell it what the child is doing until the pipe has something to read."""
+        import select
+
+        from nanreplay.confine import progress
+
+        while self.ticker is not None and self.page is not None and not select.select([fd], [], [], self.TICK)[0]:
+            self.ticker(progress.status(self.page))
 
     def read(self, fd: int) -> bytes:
         buf, last = b"", b""
         try:
-            while chunk := os.read(fd, 1 << 20):
+            while self._wait(fd) or (chunk := os.read(fd, 1 << 20)):
                 buf += chunk
                 *lines, buf = buf.split(b"\n")
                 for line in lines:
