@@ -85,7 +85,9 @@ def main() -> None:
 @click.option("--no-verify", is_flag=True, help="Skip replaying the suggested fix (faster).")
 @click.option("--source", "source", multiple=True, metavar="DIR", type=click.Path(file_okay=False),
               help="Folder whose .py files may be read to show and rewrite the lines a snapshot recorded (only "
-                   "where the file's line matches the recorded code) [default: the current folder]. Repeatable.")
+                   "where the file's line matches the recorded code) [default: none: no local file is read, not "
+                   "even in the current folder; lines come from the snapshot and paths are shown as recorded]. "
+                   "Repeatable.")
 @click.option("--timeout", type=click.FloatRange(min=0), default=0, metavar="SECONDS",
               help="Give up after SECONDS, counted from the start of the command (imports, loading, replays and "
                    "rendering; exit code 1, no output written) [default: 0, no limit].")

@@ -136,7 +136,8 @@ def test_sample_report_renders_every_section_that_applies(name, tmp_path):
     v = view(a)
 
     # what is on the page: native samples carry their training history; none has non-finite leaves
-    expected = ALL_SECTIONS - {"leaves"} | ({"kernel"} if "differential" in d else set())  # a fused culprit's
+    diff = d.get("differential") or {}  # a fused culprit's kernel replay; the guard's re-run (samples made since it)
+    expected = ALL_SECTIONS - {"leaves"} | {s for s in ("kernel", "machine") if diff.get(s)}
     assert len(d["snapshot_info"]["history"]) == d["snapshot_info"]["step"] + 1
     assert set(page.sections) == expected
     assert [s.id for s in v.sections] == [s for s in page.sections]  # the nav lists them in page order
