@@ -322,7 +322,11 @@ def triage(directory: str, outdir: str | None, jobs: int | None, model: str | No
                                recursive=recursive, use_cache=not no_cache)
         run = dict(jobs=workers, timeout=timeout or None)
         if plan.todo and not quiet and sys.stderr.isatty():
-            with click.progressbar(length=len(plan.todo), label="analyzing", file=sys.stderr) as bar:
+            from nanreplay.triage.parallel import work
+
+            # the ETA from the work done (bytes analyzed), not the count of files: sizes vary by orders of magnitude
+            with click.progressbar(length=sum(map(work, plan.todo)), label=f"analyzing {len(plan.todo)} snapshots",
+                                   file=sys.stderr) as bar:
                 triage_mod.analyze(plan, progress=bar.update, **run)
         else:
             triage_mod.analyze(plan, **run)

@@ -151,3 +151,21 @@ def test_the_why_column_never_splits_a_word():
     page = (ROOT / "nanreplay" / "report" / "templates" / "triage.html.j2").read_text()
     assert 'data-label="why" class="why"' in page
     assert "td.why { overflow-wrap: normal; white-space: nowrap; }" in css
+
+
+def test_the_progress_bar_counts_bytes_not_files(tmp_path):
+    """The ETA comes from the work done: each finished snapshot advances the bar by its size."""
+    from nanreplay import triage
+
+    snaps = tmp_path / "snaps"
+    snaps.mkdir()
+    for name in ("sqrt_zero", "fp16_overflow"):
+        shutil.copy(ROOT / "sample_snapshots" / f"{name}.pt", snaps / f"{name}.pt")
+    plan = triage.plan(str(snaps), str(tmp_path / "out"), options=triage.Options(), recursive=False, use_cache=False)
+    try:
+        steps: list[int] = []
+        triage.analyze(plan, jobs=1, progress=steps.append)
+    finally:
+        plan.release()
+    sizes = sorted((snaps / f).stat().st_size for f in ("sqrt_zero.pt", "fp16_overflow.pt"))
+    assert sorted(steps) == sizes and sizes[0] != sizes[1]
