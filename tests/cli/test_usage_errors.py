@@ -92,3 +92,14 @@ def test_one_tensor_for_a_two_argument_forward_names_the_file_and_model_star_x(t
     torch.save({"x": torch.randn(4, 8), "y": torch.zeros(4), "state": m.state_dict()}, p)
     one_line_error(run("analyze", p, "--model", "nanmodels:siamese"), 2, str(p), "'x' holds one tensor",
                    "passed as model(x)", "takes 2 arguments", "model(*x)")
+
+
+def test_another_models_dict_is_told_so_not_how_to_save_its_inputs(tmp_path):
+    """The seed's dict of one model analyzed with another (two-argument) model: the weights do not fit, and that is
+    what is said — not "save one input per argument as a tuple", which would not help."""
+    other = nanmodels.tiny()
+    p = tmp_path / "other.pt"
+    torch.save({"x": torch.randn(2, 4), "y": torch.zeros(2), "state": other.state_dict()}, p)
+    line = one_line_error(run("analyze", p, "--model", "nanmodels:siamese"), 2, str(p), "its weights are not",
+                          "does not fit", "another model", "--model")
+    assert "one input per argument" not in line
