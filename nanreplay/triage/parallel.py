@@ -23,8 +23,8 @@ def analyze(p: Plan, *, jobs: int, timeout: float | None = DEFAULT_TIMEOUT, prog
     """Analyze every snapshot the cache could not answer, in up to `jobs` worker processes.
 
     Each worker gets `threads` torch threads [default: the CPUs shared out among the
-    workers]. `progress(n)` is called as each snapshot finishes, with its `work` (its bytes). The cache is saved as results come in
-    (and on the way out, even on Ctrl-C), so an interrupted run loses little.
+    workers]. `progress(n)` is called as each snapshot finishes, with its `work` (its bytes). The cache is saved
+    as results come in (and on the way out, even on Ctrl-C), so an interrupted run loses little.
     """
     todo = p.todo
     if not todo:
