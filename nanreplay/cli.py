@@ -13,6 +13,7 @@ from nanreplay import interrupt  # first: Ctrl-C stops the command cleanly from 
 if __name__ == "__main__" or sys.argv[0].rsplit("/", 1)[-1] in ("nanreplay", "nanreplay.exe"):
     interrupt.install()  # the `nanreplay` command (not a test importing this module): before click, torch, ...
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -139,9 +140,10 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
                     doc = confine.analyze(snapshot, device=device, verify=not no_verify, max_memory=memory, loss=loss,
                                           timeout=timeout, source=dirs, progress=live.progress, ticker=live.tick)
                 else:
-                    doc = _analyze_here(snapshot, model=model, loss=loss, device=device, trust=trust,
-                                        verify=not no_verify, max_memory=memory, source=dirs, nproc=nproc,
-                                        progress=live.progress).to_json()
+                    with live.watching():  # the same status line, from this process's own progress page
+                        doc = _analyze_here(snapshot, model=model, loss=loss, device=device, trust=trust,
+                                            verify=not no_verify, max_memory=memory, source=dirs, nproc=nproc,
+                                            progress=live.progress).to_json()
             finally:
                 live.status("")
             html = report_mod.render_html(doc) if report_path != "" else None  # the renderers read the JSON only
@@ -187,7 +189,9 @@ class _Live:
 
     def __init__(self, *, err: bool, quiet: bool = False):
         import os
+        import threading
 
+        self._lock = threading.RLock()  # the in-process analysis ticks from a thread (watching)
         self.err, self.quiet = err, quiet
         self.stream = sys.stderr if err else sys.stdout
         self.tty = self.stream.isatty() and not quiet
@@ -197,22 +201,54 @@ class _Live:
         self._stage = ""
 
     def status(self, text: str) -> None:
-        if not self.tty or text == self._status:
-            return
-        self.stream.write("\r\033[K" + (f"nanreplay: {text}..." if text else ""))
-        self.stream.flush()
-        self._status = text
+        with self._lock:
+            if not self.tty or text == self._status:
+                return
+            self.stream.write("\r\033[K" + (f"nanreplay: {text}..." if text else ""))
+            self.stream.flush()
+            self._status = text
 
     def progress(self, stage: str, result) -> None:
         from nanreplay import report as report_mod
 
-        if stage == "culprit" and not self.quiet:
-            self.status("")
-            self.shown = report_mod.culprit_block(result)
-            shown = report_mod.coloured(self.shown, result) if self.colour else self.shown
-            click.echo("\n".join(shown), err=self.err)
-        self._stage = self.NEXT.get(stage, "")
-        self.status(self._stage)
+        with self._lock:
+            if stage == "culprit" and not self.quiet:
+                self.status("")
+                self.shown = report_mod.culprit_block(result)
+                shown = report_mod.coloured(self.shown, result) if self.colour else self.shown
+                click.echo("\n".join(shown), err=self.err)
+            self._stage = self.NEXT.get(stage, "")
+            self.status(self._stage)
+
+    @contextlib.contextmanager
+    def watching(self):
+        """An analysis in this process (--model, --trust, --no-confine): its node loops write the same progress
+        page (an anonymous temporary file here), which a thread reads for the status line."""
+        if not self.tty:
+            yield
+            return
+        import tempfile
+        import threading
+
+        from nanreplay.confine import progress
+
+        stop = threading.Event()
+        with tempfile.TemporaryFile() as f:
+            f.truncate(progress.SIZE)
+            progress.attach(f.fileno())
+
+            def tick():
+                while not stop.wait(0.25):
+                    self.tick(progress.status(f.fileno()))
+
+            thread = threading.Thread(target=tick, name="nanreplay-status", daemon=True)
+            thread.start()
+            try:
+                yield
+            finally:
+                stop.set()
+                thread.join()
+                progress.detach()
 
     def tick(self, where: tuple[int, int, int] | None) -> None:
         """What the confined child is running now (confine/progress.py's page: numbers only)."""

@@ -29,6 +29,14 @@ def attach(fd: int) -> None:
     _page = mmap.mmap(fd, SIZE)
 
 
+def detach() -> None:
+    """Stop writing progress (an in-process analysis is over: cli.py)."""
+    global _page
+    page, _page = _page, None
+    if page is not None:
+        page.close()
+
+
 def at(phase: int, node: int, name: str = "", total: int = 0) -> None:
     page = _page
     if page is None:

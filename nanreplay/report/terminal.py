@@ -36,12 +36,12 @@ def terminal_lines(a: Analysis | dict, report_path: str | None) -> list[str]:
 _TONE_COLOUR = {"bad": "\033[1;31m", "warn": "\033[1;33m", "ok": "\033[1;32m"}  # bold red / yellow / green
 
 
-def coloured(lines: list[str], d: dict) -> list[str]:
+def coloured(lines: list[str], a: Analysis | dict) -> list[str]:
     """The same lines with the verdict (the end of the first line) in its tone's colour: for a terminal only,
     the caller decides (a TTY, NO_COLOR unset). The verdict label is nanreplay's own text, never the snapshot's."""
     if not lines:
         return lines
-    b = banner(d)
+    b = banner(a.to_json() if isinstance(a, Analysis) else a)
     head, sep, tail = lines[0].rpartition(": ")
     if not sep or tail != b.verdict_label:
         return lines

@@ -13,7 +13,6 @@ import select
 import subprocess
 import sys
 
-import pytest
 from clirun import one_line_error, run
 
 from samples import ROOT
@@ -56,6 +55,16 @@ def test_a_terminal_gets_a_status_line_at_once_and_a_coloured_verdict(tmp_path):
     assert "culprit found" in out and f"sqrt_zero.pt: {RED}culprit found\x1b[0m" in out
     assert "fix      [verified by replay]" in out and out.rstrip().endswith("(a later node than the culprit)")
     assert list(tmp_path.iterdir()) == []  # --no-report: nothing written in the current folder
+
+
+def test_an_analysis_in_this_process_talks_too(tmp_path):
+    """--model runs the analysis in the command's own process: the same status line (from a thread reading the
+    same progress page) and the coloured verdict."""
+    plain = str(ROOT / "sample_snapshots" / "nan_snapshot_step_3.pt")
+    code, out = _on_a_tty(["analyze", plain, "--model", "sample_snapshots.models:triplet", "--no-report"], tmp_path)
+    assert code == 0, out
+    assert out.startswith("\r\x1b[Knanreplay: starting...") and "\r\x1b[Knanreplay: replaying the step..." in out
+    assert f"nan_snapshot_step_3.pt: {RED}culprit found\x1b[0m" in out and "Traceback" not in out
 
 
 def test_no_color_and_quiet_on_a_terminal(tmp_path):
@@ -116,8 +125,7 @@ def test_no_report_with_o_is_one_line(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("flag", ["-q", "--quiet"])
-def test_quiet_prints_only_what_stdout_was_asked_for(tmp_path, flag):
-    res = run("analyze", SAMPLE, flag, "--no-report", "--json", "-", cwd=tmp_path)
+def test_quiet_prints_only_what_stdout_was_asked_for(tmp_path):  # (-q: on a terminal, above)
+    res = run("analyze", SAMPLE, "--quiet", "--no-report", "--json", "-", cwd=tmp_path)
     assert res.exit_code == 0, res.output
     assert res.stdout.lstrip().startswith("{") and res.stderr == ""
