@@ -4,7 +4,7 @@
 
 Each framework trains a small transformer on CPU: Lightning a LightningModule around the benchmarks'
 transformer (2 layers, d=256, seq 128, batch 8), the Hugging Face Trainer a randomly initialised GPT-2 of
-the same size, Accelerate the transformer in the README's loop. A run is `--steps` optimizer steps; the
+the same size, Accelerate the transformer in docs/integrations.md's loop. A run is `--steps` optimizer steps; the
 step time is the median time between consecutive step starts after two warm-up steps (so start-up, which
 the guard does not change, is left out). Runs with and without the guard alternate for `--rounds` rounds;
 the ratio printed is guarded / plain per round, and their median. Nothing is downloaded.

@@ -13,13 +13,14 @@ from nanreplay import interrupt  # first: Ctrl-C stops the command cleanly from 
 if __name__ == "__main__" or sys.argv[0].rsplit("/", 1)[-1] in ("nanreplay", "nanreplay.exe"):
     interrupt.install()  # the `nanreplay` command (not a test importing this module): before click, torch, ...
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import click  # noqa: E402
 
 from nanreplay import __version__, atomic, inputs, limits, outputs  # noqa: E402
-from nanreplay.errors import NanReplayError, OutputError, ReplayError, TimeLimitError  # noqa: E402
+from nanreplay.errors import NanReplayError, OutputError, ReplayError, TimeLimitError, UsageError  # noqa: E402
 from nanreplay.sanitize import one_line  # noqa: E402
 
 
@@ -72,9 +73,12 @@ def main() -> None:
 @click.option("-o", "--output", "report", metavar="REPORT.html",
               help="Where to write the HTML report ('-' for stdout) [default: ./<snapshot-stem>.nanreplay.html]. "
                    "Only a regular file is ever replaced.")
+@click.option("--no-report", is_flag=True, help="Write no HTML report.")
 @click.option("--json", "json_path", metavar="PATH|-", help="Also write the analysis as JSON ('-' for stdout).")
 @click.option("--markdown", "md_path", metavar="PATH|-",
               help="Also write a short Markdown summary to paste into an issue ('-' for stdout).")
+@click.option("-q", "--quiet", is_flag=True,
+              help="Print nothing but errors (and what is asked for on stdout: -o -, --json -, --markdown -).")
 @click.option("--device", metavar="DEV", help="Device to replay on (cpu, cuda, cuda:1) [default: cpu].")
 @click.option("--trust", is_flag=True,
               help="Allow running code the snapshot names or contains (pickled objects, a model factory "
@@ -82,7 +86,9 @@ def main() -> None:
 @click.option("--no-verify", is_flag=True, help="Skip replaying the suggested fix (faster).")
 @click.option("--source", "source", multiple=True, metavar="DIR", type=click.Path(file_okay=False),
               help="Folder whose .py files may be read to show and rewrite the lines a snapshot recorded (only "
-                   "where the file's line matches the recorded code) [default: the current folder]. Repeatable.")
+                   "where the file's line matches the recorded code) [default: none: no local file is read, not "
+                   "even in the current folder; lines come from the snapshot and paths are shown as recorded]. "
+                   "Repeatable.")
 @click.option("--timeout", type=click.FloatRange(min=0), default=limits.DEFAULT_TIMEOUT, metavar="SECONDS",
               help="Give up after SECONDS, counted from the start of the command (imports, loading, replays and "
                    "rendering; exit code 1, no output written); a step program whose work cannot fit is refused "
@@ -98,21 +104,27 @@ def main() -> None:
               help="A sharded snapshot folder: replay its ranks on N local processes with torch.distributed.run "
                    "(gloo on the CPU, NCCL with --device cuda), each holding its shard of the weights; N is the "
                    "snapshot's world size [default: 1, every rank replayed on this process].")
-def analyze(snapshot: str, model: str | None, loss: str | None, report: str | None, json_path: str | None,
-            md_path: str | None, device: str | None, trust: bool, no_verify: bool, source: tuple[str, ...],
-            timeout: float, max_memory: int | None, no_confine: bool, compile_replay: bool, nproc: int) -> None:
+def analyze(snapshot: str, model: str | None, loss: str | None, report: str | None, no_report: bool,
+            json_path: str | None, md_path: str | None, quiet: bool, device: str | None, trust: bool,
+            no_verify: bool, source: tuple[str, ...], timeout: float, max_memory: int | None, no_confine: bool,
+            compile_replay: bool, nproc: int) -> None:
     """Replay SNAPSHOT, name the op that broke the step, explain it and suggest a verified fix.
 
     The analysis runs in a confined child process (docs/trust.md) unless it runs code you name
-    (--trust, --model, a --loss MODULE:CALLABLE) or spans ranks (--nproc).
+    (--trust, --model, a --loss MODULE:CALLABLE) or spans ranks (--nproc). On a terminal a status
+    line says what runs; the verdict is coloured unless NO_COLOR is set.
     """
     message = (f"nanreplay: error: {one_line(snapshot)}: no result after {timeout:g} s (--timeout counts from the "
                "start of the command); nothing was written")
     try:
         with interrupt.deadline(timeout, message):
             # usage errors first, in a fraction of a second: nothing below needs torch until the analysis
+            if no_report and report is not None:
+                raise UsageError("-o and --no-report together: say where the report goes, or that none is wanted")
             dests = _analyze_outputs(snapshot, report, json_path, md_path)
             report_path, json_dest, md_dest = dests
+            if no_report:
+                report_path = ""  # "": no report at all (None: the report on stdout)
             inputs.snapshot_path(snapshot)
             for option, spec in (("--model", model), ("--loss", loss)):
                 if spec and (option == "--model" or ":" in spec):
@@ -125,22 +137,24 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
             dirs = list(source) if source else None
             to_stdout = report_path is None or (json_path is not None and json_dest is None) or \
                 (md_path is not None and md_dest is None)
-            live = _Live(err=to_stdout)
+            live = _Live(err=to_stdout, quiet=quiet)
+            live.status("starting")
             try:
                 confined = confine.needed(trust=trust, model=model, loss=loss) and nproc == 1 and not no_confine
                 if confined:
                     # the child checks --device too; this process never imports torch, it renders the JSON
                     doc = confine.analyze(snapshot, device=device, verify=not no_verify, max_memory=memory, loss=loss,
                                           timeout=timeout, source=dirs, progress=live.progress,
-                                          compile_replay=compile_replay)
+                                          compile_replay=compile_replay, ticker=live.tick)
                 else:
-                    doc = _analyze_here(snapshot, model=model, loss=loss, device=device, trust=trust,
-                                        verify=not no_verify, max_memory=memory, source=dirs, nproc=nproc,
-                                        progress=live.progress).to_json()
+                    with live.watching():  # the same status line, from this process's own progress page
+                        doc = _analyze_here(snapshot, model=model, loss=loss, device=device, trust=trust,
+                                            verify=not no_verify, max_memory=memory, source=dirs, nproc=nproc,
+                                            progress=live.progress).to_json()
             finally:
                 live.status("")
             try:
-                html = report_mod.render_html(doc)  # the renderers read the JSON only
+                html = report_mod.render_html(doc) if report_path != "" else None  # the renderers read the JSON only
                 text = json.dumps(doc, indent=2, allow_nan=False) if json_path else None
                 md = report_mod.markdown_summary(doc) if md_path else None
             except (TypeError, KeyError, AttributeError, ValueError, IndexError) as e:
@@ -149,7 +163,7 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
                 raise ReplayError(f"{one_line(snapshot)}: the confined analysis sent back a result the report "
                                   f"cannot show ({type(e).__name__}); nothing was written") from None
         with interrupt.deferred():  # all of them or none: Ctrl-C here waits until the last one is written
-            if report_path is not None:
+            if report_path:
                 write_atomic(report_path, html, "the report")
             if text is not None and json_dest is not None:
                 write_atomic(json_dest, text, "the JSON")
@@ -165,43 +179,109 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
         click.echo(text)
     if md is not None and md_dest is None:
         click.echo(md.rstrip("\n"))
-    lines = report_mod.terminal_lines(doc, report_path or "(stdout)")
+    if quiet:
+        return
+    lines = report_mod.terminal_lines(doc, "(stdout)" if report_path is None else report_path)
     if live.shown and lines[:len(live.shown)] == live.shown:
         lines = lines[len(live.shown):]  # the culprit block is on the terminal already (it cannot have changed)
+    elif live.colour:
+        lines = report_mod.coloured(lines, doc)
     summary = "\n".join(lines) + _ranks_line(doc.get("distributed"))
     click.echo(summary.lstrip("\n"), err=to_stdout)
 
 
 class _Live:
     """What the terminal shows while an analysis runs: the culprit block as soon as the replay has it, and on a
-    terminal one status line saying which pass is running (rewritten in place, cleared at the end). The JSON and
-    the report are written once, complete, at the end; the rest of the summary follows then."""
+    terminal one status line saying which pass is running, from the first second (rewritten in place, cleared at
+    the end; the node counter read from the confined child's progress page). Nothing of it on a pipe, nothing at
+    all with -q. The JSON and the report are written once, complete, at the end; the rest of the summary follows
+    then."""
 
     NEXT = {"loaded": "replaying the step", "culprit": "diagnosing and verifying the fix",
-            "diagnosis": "precision probe"}
+            "diagnosis": "precision probe", "precision": "finishing"}
 
-    def __init__(self, *, err: bool):
-        self.err = err
+    def __init__(self, *, err: bool, quiet: bool = False):
+        import os
+        import threading
+
+        self._lock = threading.RLock()  # the in-process analysis ticks from a thread (watching)
+        self.err, self.quiet = err, quiet
         self.stream = sys.stderr if err else sys.stdout
-        self.tty = self.stream.isatty()
+        self.tty = self.stream.isatty() and not quiet
+        self.colour = self.tty and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
         self.shown: list[str] = []
-        self._status = False
+        self._status = ""
+        self._stage = ""
 
     def status(self, text: str) -> None:
-        if not self.tty or not (text or self._status):
-            return
-        self.stream.write("\r\033[K" + (f"nanreplay: {text}..." if text else ""))
-        self.stream.flush()
-        self._status = bool(text)
+        with self._lock:
+            if not self.tty or text == self._status:
+                return
+            self.stream.write("\r\033[K" + (f"nanreplay: {text}..." if text else ""))
+            self.stream.flush()
+            self._status = text
 
     def progress(self, stage: str, result) -> None:
         from nanreplay import report as report_mod
 
-        if stage == "culprit":
-            self.status("")
-            self.shown = report_mod.culprit_block(result)
-            click.echo("\n".join(self.shown), err=self.err)
-        self.status(self.NEXT.get(stage, ""))
+        with self._lock:
+            if stage == "culprit" and not self.quiet:
+                self.status("")
+                self.shown = report_mod.culprit_block(result)
+                shown = report_mod.coloured(self.shown, result) if self.colour else self.shown
+                click.echo("\n".join(shown), err=self.err)
+            self._stage = self.NEXT.get(stage, "")
+            self.status(self._stage)
+
+    @contextlib.contextmanager
+    def watching(self):
+        """An analysis in this process (--model, --trust, --no-confine): its node loops write the same progress
+        page (an anonymous temporary file here), which a thread reads for the status line."""
+        if not self.tty:
+            yield
+            return
+        import tempfile
+        import threading
+
+        from nanreplay.confine import progress
+
+        stop = threading.Event()
+        with tempfile.TemporaryFile() as f:
+            f.truncate(progress.SIZE)
+            progress.attach(f.fileno())
+
+            def tick():
+                while not stop.wait(0.25):
+                    self.tick(progress.status(f.fileno()))
+
+            thread = threading.Thread(target=tick, name="nanreplay-status", daemon=True)
+            thread.start()
+            try:
+                yield
+            finally:
+                stop.set()
+                thread.join()
+                progress.detach()
+
+    def tick(self, where: tuple[int, int, int] | None) -> None:
+        """What the confined child is running now (confine/progress.py's page: numbers only)."""
+        from nanreplay.confine import progress
+
+        phase, node, total = where or (0, -1, 0)
+        count = f"node {node + 1}/{total}" if node >= 0 and total else ""
+        if self._stage:  # after the first replay: the stage, and the node of the replay it is running
+            text = self._stage + (f" ({count})" if phase == progress.REPLAY and count else "")
+        elif phase == progress.LOAD:
+            text = "loading the snapshot"
+        elif phase == progress.DRY_RUN:
+            text = f"checking the step program (dry run{', ' + count if count else ''})"
+        elif phase == progress.REPLAY:
+            text = f"replaying the step{' (' + count + ')' if count else ''}"
+        elif phase == progress.AFTER:
+            text = "replaying the step (backward)"
+        else:
+            text = "starting (importing torch)"
+        self.status(text)
 
 
 def _analyze_here(snapshot: str, *, device: str | None, **options):
@@ -291,7 +371,11 @@ def triage(directory: str, outdir: str | None, jobs: int | None, model: str | No
                                recursive=recursive, use_cache=not no_cache)
         run = dict(jobs=workers, timeout=timeout or None)
         if plan.todo and not quiet and sys.stderr.isatty():
-            with click.progressbar(length=len(plan.todo), label="analyzing", file=sys.stderr) as bar:
+            from nanreplay.triage.parallel import work
+
+            # the ETA from the work done (bytes analyzed), not the count of files: sizes vary by orders of magnitude
+            with click.progressbar(length=sum(map(work, plan.todo)), label=f"analyzing {len(plan.todo)} snapshots",
+                                   file=sys.stderr) as bar:
                 triage_mod.analyze(plan, progress=bar.update, **run)
         else:
             triage_mod.analyze(plan, **run)

@@ -24,7 +24,27 @@ sys.path.insert(0, str(HERE.parent))
 
 from nanreplay import NanGuard  # noqa: E402
 from nanreplay.replay.subject import call_model  # noqa: E402
-from sample_snapshots import models  # noqa: E402
+
+
+def _models_as_in_the_repository():
+    """sample_snapshots.models, its code compiled under its path in the repository ("sample_snapshots/models.py")
+    rather than this machine's absolute path: the snapshots record that path, and `nanreplay analyze` shows it —
+    the samples show the path a user of any checkout recognises, not the folder of the machine that made them."""
+    import os
+    import types
+
+    import sample_snapshots
+
+    os.chdir(HERE.parent)  # the recorded context lines are read from there (linecache, by that relative path)
+    name, rel = "sample_snapshots.models", "sample_snapshots/models.py"
+    module = types.ModuleType(name)
+    module.__file__, module.__package__ = rel, "sample_snapshots"
+    sys.modules[name] = sample_snapshots.models = module
+    exec(compile((HERE / "models.py").read_text(), rel, "exec"), module.__dict__)
+    return module
+
+
+models = _models_as_in_the_repository()
 
 SAMPLES = {}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,8 +72,12 @@ def analyze(path: str | Path, *, model: str | None = None, loss: str | None = No
     roots = tuple(os.path.abspath(d) for d in source) if source is not None else ()
     token = replay.SOURCE_ROOTS.set(roots)
     try:
-        return _analyze(path, model=model, loss=loss, device=device, trust=trust, verify=verify,
-                        max_memory=max_memory, source=source, only_if_needed=only_if_needed, progress=progress)
+        with warnings.catch_warnings():
+            # torch's UserWarnings about the user's step (a loss whose target broadcasts, ...) were said in training;
+            # each replay would repeat them, attributed to nanreplay's own lines (replay/recorder.py, subject.py)
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"nanreplay\.")
+            return _analyze(path, model=model, loss=loss, device=device, trust=trust, verify=verify,
+                            max_memory=max_memory, source=source, only_if_needed=only_if_needed, progress=progress)
     finally:
         replay.SOURCE_ROOTS.reset(token)
 

@@ -443,15 +443,20 @@ class NanGuard:
         return path
 
     def _warn_once(self, key: str, msg: str) -> None:
-        """A warning and a log line, once per kind per run; never an exception (also under -W error)."""
+        """A warning, once per kind per run; never an exception (also under -W error). It goes to the log too where
+        logging is set up (the run's own log keeps it) or where the warning could not be issued (-W error): never
+        twice on an unconfigured terminal, where logging's last-resort handler would print it beside the warning."""
         if key in self._warned:
             return
         self._warned.add(key)
-        log.warning("nanreplay: %s", msg)
+        warned = False
         try:
             warnings.warn(f"nanreplay: {msg}", RuntimeWarning, stacklevel=4)
+            warned = True
         except Exception:  # noqa: BLE001, S110 - warnings turned into errors must not stop training
             pass
+        if not warned or log.hasHandlers():
+            log.warning("nanreplay: %s", msg)
 
     def _write(self, trigger: Trigger, extra: dict) -> str:
         if not self._states and trigger != Trigger.UPDATE:

@@ -54,17 +54,18 @@ def needed(*, trust: bool, model: str | None, loss: str | None) -> bool:
 def analyze(path: str, *, device: str | None = None, verify: bool = True, max_memory: int | None = None,
             source: list[str] | None = None, loss: str | None = None, timeout: float | None = None,
             threads: int | None = None, fork: bool = False, progress=None, compile_replay: bool = False,
-            tmpdir: str | None = None) -> dict:
+            tmpdir: str | None = None, ticker=None) -> dict:
     """The analysis JSON of `path`, computed in a confined child. Raises the child's NanReplayError (the
     snapshot's path as given here), ConfinedCrash (a signal), LimitError / TimeLimitError (a limit hit).
     A compiled step is replayed compiled (a compile child: inductor and the C++ compiler) only when the snapshot
-    is small or `compile_replay` says so."""
+    is small or `compile_replay` says so. `ticker(status)` is called a few times a second while the child runs,
+    with progress.status's tuple."""
     _check_kind(path)
     job = {"path": os.path.abspath(path), "shown": str(path), "cwd": os.getcwd(), "device": device, "verify": verify,
            "max_memory": max_memory, "loss": loss, "threads": threads, "timeout": timeout,
            "source": [os.path.abspath(s) for s in source] if source is not None else None,
            "cpu_seconds": _cpu_seconds(timeout, threads), "progress": progress is not None, "tmpdir": tmpdir}
-    d = run(job, fork=fork, progress=progress)
+    d = run(job, fork=fork, progress=progress, ticker=ticker)
     if not _wants_compile(d):
         return d
     why_not = None if compile_replay else _too_big_to_compile(path, d)
@@ -128,7 +129,7 @@ def _check_kind(path: str) -> None:
         raise SnapshotError(f"{path}: not a regular file, not a snapshot")
 
 
-def run(job: dict, *, fork: bool = False, entry: str = "nanreplay.confine", progress=None) -> dict:
+def run(job: dict, *, fork: bool = False, entry: str = "nanreplay.confine", progress=None, ticker=None) -> dict:
     """Run `job` in a confined child (`python -m ENTRY JOB`, or a fork running child.main) and return what it
     sent back, checked. Tests give their own `entry` (a script) to run probes in the same sandbox. `progress(stage,
     doc)` is called for each pass the child reports before its result (analyze(progress=) in the child)."""
@@ -154,7 +155,7 @@ def run(job: dict, *, fork: bool = False, entry: str = "nanreplay.confine", prog
         with interrupt.cleanup(remove):
             page = os.memfd_create("nanreplay-progress")
             os.ftruncate(page, 4096)
-            reader = _Messages(job, progress)
+            reader = _Messages(job, progress, ticker, page)
             status, text = _fork(job, work, page, reader) if fork and not scratch else \
                 _spawn(job, work, page, entry, reader)
             return _result(job, status, text, page, job.get("timeout"), job.get("max_memory"))
@@ -266,8 +267,11 @@ class _Messages:
     trusted: the bytes are bounded (in all and per message) and gathered in linear time, the pipe is read with a
     deadline, and reading stops once the child has exited even if a process it started still holds the pipe."""
 
-    def __init__(self, job: dict, progress):
-        self.job, self.progress = job, progress
+    TICK = 0.25  # seconds between two calls of the ticker
+
+    def __init__(self, job: dict, progress, ticker=None, page: int | None = None):
+        self.job, self.progress, self.ticker, self.page = job, progress, ticker, page
+        self.ticked = 0.0
         t = job.get("timeout")
         self.deadline = time.monotonic() + t + DEADLINE_GRACE if t else None
         self.scratch = job.get("scratch")
@@ -292,7 +296,11 @@ class _Messages:
                     if _folder_size(self.scratch) > SCRATCH_LIMIT:
                         raise LimitError(f"{shown}: the compile child's scratch folder grew past "
                                          f"{_size(SCRATCH_LIMIT)} and was stopped; nothing was written")
-                if not poller.poll(200):
+                if self.ticker is not None and self.page is not None and now - self.ticked >= self.TICK:
+                    from nanreplay.confine import progress as progress_page
+                    self.ticked = now
+                    self.ticker(progress_page.status(self.page))  # what the child is doing, for the status line
+                if not poller.poll(200 if self.ticker is None else int(self.TICK * 1000)):
                     if not running():
                         gone = gone if gone is not None else now
                         if now - gone > EXIT_GRACE:  # a process the child started holds the pipe: stop reading

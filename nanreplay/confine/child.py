@@ -102,6 +102,7 @@ def confine_self(job: dict) -> dict:
                          "opens its device files and maps far more address space than it uses)"
                          + (f"; {state['lost']}" if state["lost"] else ""))
     progress.attach(job["progress_fd"])
+    progress.at(progress.LOAD, -1)
     return state
 
 

@@ -63,8 +63,9 @@ def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]
     made = 0
     work, budget = 0, work_budget()
     dead = program.dead_after()
+    total = len(program.nodes)
     for i, node in enumerate(program.nodes):
-        progress.at(progress.DRY_RUN, i, node.name)  # a crash in a meta kernel below is then named (confine/)
+        progress.at(progress.DRY_RUN, i, node.name, total)  # a crash in a meta kernel below is then named (confine/)
         what = f"node {i} ({node.name})"
         args = [_meta_arg(a, env) for a in node.args]
         kwargs = with_output_size(node, {k: _meta_arg(v, env) for k, v in node.kwargs.items()})

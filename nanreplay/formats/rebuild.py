@@ -23,25 +23,32 @@ def _strip_prefixes(state: dict, own: dict) -> dict:
     return state
 
 
-def load_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a snapshot's state dict, naming exactly what does not fit.
-
-    Floating tensors keep the snapshot's dtype (a model trained in fp16 must
-    replay in fp16, whatever dtype the factory builds it in).
-    """
+def state_misfit(model: nn.Module, state: dict[str, torch.Tensor]) -> str:
+    """What in `state` does not fit `model` (missing and unexpected keys, shapes), in words; "" when it fits."""
     own = model.state_dict()
     state = _strip_prefixes(state, own)
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
     shapes = [f"{k} (snapshot {list(state[k].shape)}, model {list(own[k].shape)})"
               for k in own if k in state and state[k].shape != own[k].shape]
-    if missing or unexpected or shapes:
-        parts = []
-        for label, keys in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatch", shapes)):
-            if keys:
-                more = f" (+{len(keys) - 5} more)" if len(keys) > 5 else ""
-                parts.append(f"{label}: {', '.join(keys[:5])}{more}")
-        raise ModelError("the snapshot's state dict does not fit the model: " + "; ".join(parts))
+    parts = []
+    for label, keys in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatch", shapes)):
+        if keys:
+            more = f" (+{len(keys) - 5} more)" if len(keys) > 5 else ""
+            parts.append(f"{label}: {', '.join(keys[:5])}{more}")
+    return "; ".join(parts)
+
+
+def load_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a snapshot's state dict, naming exactly what does not fit.
+
+    Floating tensors keep the snapshot's dtype (a model trained in fp16 must
+    replay in fp16, whatever dtype the factory builds it in).
+    """
+    state = _strip_prefixes(state, model.state_dict())
+    misfit = state_misfit(model, state)
+    if misfit:
+        raise ModelError(f"the snapshot's state dict does not fit the model: {misfit}")
     with torch.no_grad():
         tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
         for name, t in tensors:

@@ -19,7 +19,7 @@ import torch
 
 from nanreplay.errors import ModelError, SnapshotError
 from nanreplay.formats.base import Format, Snapshot
-from nanreplay.formats.rebuild import eager_subject, parse_device
+from nanreplay.formats.rebuild import eager_subject, parse_device, state_misfit
 from nanreplay.formats.usercode import build_model, resolve_loss
 from nanreplay.replay.subject import Subject
 
@@ -143,6 +143,10 @@ def _check_arguments(snap: Snapshot, model: torch.nn.Module) -> None:
     given = len(snap.inputs) if isinstance(snap.inputs, (tuple, list)) else 1
     if len(required) <= given and (varargs or given <= len(positional)):
         return
+    misfit = state_misfit(model, snap.state) if isinstance(snap.state, dict) else ""
+    if misfit:  # another model's snapshot: how to save the inputs is not the advice
+        raise ModelError(f"{snap.path}: its weights are not {type(model).__name__}'s (the state dict does not fit it: "
+                         f"{misfit}): it was saved from another model; name that model with --model MODULE:FACTORY")
     key = snap.keys.get("inputs", "x")
     if isinstance(snap.inputs, (tuple, list)):
         held = f"a {type(snap.inputs).__name__} of {given}, passed as model(*{key})"

@@ -179,10 +179,11 @@ class StepModule(nn.Module):
 
     def _run_nodes(self, a: int, b: int, env: dict, grad_on: bool) -> None:
         dead = self.program.dead_after()
+        total = len(self.program.nodes)
         for i in range(a, b):
             node = self.program.nodes[i]
             self._node = i
-            progress.at(progress.REPLAY, i, node.name)  # a crash in the kernel below is then named (confine/)
+            progress.at(progress.REPLAY, i, node.name, total)  # a crash in the kernel below is then named (confine/)
             # grad mode as the step had it (parts under no_grad stay so), never on under a caller's no_grad:
             # a forward-only pass must not build the graph
             if (node.grad and grad_on) != torch.is_grad_enabled():

@@ -14,8 +14,8 @@ from nanreplay.report.html import render_html, write_report
 from nanreplay.report.markdown import markdown_summary
 from nanreplay.report.page import ReportView, build_view
 from nanreplay.report.sources import gather_sources
-from nanreplay.report.terminal import culprit_block, terminal_lines, terminal_summary
+from nanreplay.report.terminal import coloured, culprit_block, terminal_lines, terminal_summary
 from nanreplay.report.views.source import SourceLine
 
-__all__ = ["ReportView", "SourceLine", "build_view", "culprit_block", "gather_sources", "markdown_summary",
+__all__ = ["ReportView", "SourceLine", "build_view", "coloured", "culprit_block", "gather_sources", "markdown_summary",
            "module_label", "num", "render_html", "terminal_lines", "terminal_summary", "write_report"]

@@ -67,6 +67,12 @@ def module_short(m: str | None) -> str:
     return module_label(m)
 
 
+def loss_name(d: dict) -> tuple[str | None, bool]:
+    """(the loss's name, whether the user named it with --loss on this command line; else the snapshot did)."""
+    given = (d.get("invocation") or {}).get("loss")
+    return (given or (d.get("model") or {}).get("loss")), bool(given)
+
+
 def where(src: dict | None) -> str:
     return f"{src.get('file')}:{src.get('line')}" if src else ""
 

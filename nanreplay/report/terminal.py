@@ -33,6 +33,21 @@ def terminal_lines(a: Analysis | dict, report_path: str | None) -> list[str]:
     return _lines(d, banner(d), report_path)
 
 
+_TONE_COLOUR = {"bad": "\033[1;31m", "warn": "\033[1;33m", "ok": "\033[1;32m"}  # bold red / yellow / green
+
+
+def coloured(lines: list[str], a: Analysis | dict) -> list[str]:
+    """The same lines with the verdict (the end of the first line) in its tone's colour: for a terminal only,
+    the caller decides (a TTY, NO_COLOR unset). The verdict label is nanreplay's own text, never the snapshot's."""
+    if not lines:
+        return lines
+    b = banner(a.to_json() if isinstance(a, Analysis) else a)
+    head, sep, tail = lines[0].rpartition(": ")
+    if not sep or tail != b.verdict_label:
+        return lines
+    return [f"{head}: {_TONE_COLOUR.get(b.tone, '')}{tail}\033[0m", *lines[1:]]
+
+
 def _lines(d: dict, b, report_path: str | None, *, block_only: bool = False) -> list[str]:
     lines = [f"nanreplay: {d.get('snapshot')}: {b.verdict_label}"]
     c = d.get("culprit")

@@ -8,9 +8,20 @@ from datetime import datetime, timezone
 
 
 def signature(row: dict) -> tuple:
-    """What makes two snapshots the same bug: verdict, cause, forward op, module, source line."""
-    return (row.get("verdict"), row.get("cause"), row.get("forward_op"), row.get("module"),
-            row.get("source_path"), row.get("source_line"))
+    """What makes two snapshots the same bug: the verdict, the cause, the op, and where it ran as what does not
+    move when code is edited — the file's name, the function and the text of the code line (spaces aside). The
+    line number only where no code text was recorded; the folder never (a checkout elsewhere, another machine, a
+    native snapshot beside a plain state dict analyzed with --model: the same line). Without a source line, the
+    module."""
+    op = row.get("forward_op") or row.get("op")
+    path = str(row.get("source_path") or row.get("source") or "")
+    if not path:
+        return (row.get("verdict"), row.get("cause"), op, row.get("module"))
+    name = path.replace("\\", "/").rsplit("/", 1)[-1]
+    if row.get("source") and not row.get("source_path"):
+        name = name.rsplit(":", 1)[0]  # "file:line" as shown
+    code = " ".join(str(row.get("code") or "").split())
+    return (row.get("verdict"), row.get("cause"), op, name, row.get("function"), code or row.get("source_line"))
 
 
 def group_id(sig: tuple) -> str:

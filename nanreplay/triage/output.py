@@ -97,6 +97,15 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
+def _inert(v):
+    """A cell a spreadsheet would read as a formula — one that starts with =, +, -, @, a tab or a carriage return —
+    gets an apostrophe in front. A cell of signs alone (inf_sign's "+", "-", "+-") names nothing and computes
+    nothing: it stays as it is."""
+    if isinstance(v, str) and v and v[:1] in "=+-@\t\r" and v.strip("+-"):
+        return "'" + v
+    return v
+
+
 def summary_csv(rows: list[dict]) -> str:
     import pandas as pd
 
@@ -107,7 +116,7 @@ def summary_csv(rows: list[dict]) -> str:
     # from the snapshots, and a CSV must not run anything when opened.
     for col in df.columns:
         if not (pd.api.types.is_numeric_dtype(df[col]) or pd.api.types.is_bool_dtype(df[col])):
-            df[col] = df[col].map(lambda v: "'" + v if isinstance(v, str) and v[:1] in "=+-@\t\r" and v else v)
+            df[col] = df[col].map(_inert)
     return df.to_csv(index=False)
 
 

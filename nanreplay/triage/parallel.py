@@ -25,8 +25,8 @@ def analyze(p: Plan, *, jobs: int, timeout: float | None = DEFAULT_TIMEOUT, prog
     """Analyze every snapshot the cache could not answer, in up to `jobs` worker processes.
 
     Each worker gets `threads` torch threads [default: the CPUs shared out among the
-    workers]. `progress(n)` is called as snapshots finish. The cache is saved as results come in
-    (and on the way out, even on Ctrl-C), so an interrupted run loses little.
+    workers]. `progress(n)` is called as each snapshot finishes, with its `work` (its bytes). The cache is saved
+    as results come in (and on the way out, even on Ctrl-C), so an interrupted run loses little.
     """
     todo = p.todo
     if not todo:
@@ -72,6 +72,12 @@ def analyze(p: Plan, *, jobs: int, timeout: float | None = DEFAULT_TIMEOUT, prog
     return pool.stats
 
 
+def work(it) -> int:
+    """A snapshot's share of the run, for the progress bar's ETA: its bytes (what its load, dry run and replays
+    scale with — a 500 MB snapshot is not one fiftieth of a run of fifty), at least 1."""
+    return max(1, int(it.size or 0))
+
+
 def _collect(p: Plan, pool: WorkerPool, tasks: list[dict], by_name: dict, fingerprint: str, progress,
              done: list[int]) -> None:
     """Turn each outcome into its row as it comes in, saving the cache every 10 s and on the way out."""
@@ -88,7 +94,7 @@ def _collect(p: Plan, pool: WorkerPool, tasks: list[dict], by_name: dict, finger
                 _remove_debris(p.outdir, it.name)
             done[0] += 1
             if progress is not None:
-                progress(1)
+                progress(work(it))
             if time.monotonic() - saved > 10:
                 save_cache(p.outdir, p.items, p.old_cache, p.dir)
                 saved = time.monotonic()

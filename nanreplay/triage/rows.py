@@ -28,7 +28,8 @@ COLUMNS = ["file", "name", "status", "group", "verdict", "cause", "title", "op",
            "phase", "kind", "inf_sign", "module", "source", "source_path", "source_line", "code", "fix_kind", "fix_code",
            "fix_verified", "step", "rank", "world_size", "created", "format", "trigger", "failure", "reason",
            "duplicate_of", "cached", "seconds", "write_seconds", "sha256", "report", "json",
-           "machine_verdict", "host", "device", "run"]  # the guard's re-run (differential/machine.py; triage/machines.py)
+           "machine_verdict", "host", "device", "run",  # the guard's re-run (differential/machine.py; triage/machines.py)
+           "function"]  # the culprit's function: part of the grouping key (groups.signature)
 # Every other column is text (or empty). A value of another type — a snapshot whose `step` is a string,
 # a rank that is a float — becomes empty, never an error: one bad file is one row, not the end of the run.
 INT_COLUMNS = frozenset({"step", "rank", "world_size", "source_line"})

@@ -321,3 +321,33 @@ def test_rank_and_world_size_come_from_torch_distributed(tmp_path):
     assert (d["rank"], d["world_size"]) == (0, 1) and "_rank0_" in Path(guard.last_snapshot).name
     info = analyze(guard.last_snapshot, model="nanmodels:tiny", verify=False).to_json()["snapshot_info"]
     assert (info["rank"], info["world_size"], info["trigger"]) == (0, 1, "loss")
+
+
+def test_a_capped_spike_is_said_once_on_an_unconfigured_terminal(tmp_path):
+    """The spike cap's message printed twice (logging's last-resort handler and the warning): once now; under
+    -W error, where the warning cannot be issued, the log says it."""
+    import subprocess
+    import sys
+
+    code = textwrap.dedent(f'''
+        import torch, torch.nn as nn, torch.nn.functional as F
+        from nanreplay import NanGuard
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        guard = NanGuard(model, opt, loss_fn=F.mse_loss, folder={str(tmp_path)!r}, spike_factor=5,
+                         max_spike_snapshots=1)
+        for step in range(12):
+            x, y = torch.randn(8, 4) * (1 if step < 5 else 10.0 ** (step - 3)), torch.zeros(8, 1)
+            guard.begin(x, y, step=step)
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            guard.grads_ok()
+            opt.step()
+    ''')
+    for flags in ([], ["-W", "error"]):
+        res = subprocess.run([sys.executable, *flags, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert res.returncode == 0, res.stderr
+        assert res.stderr.count("not writing more than 1 spike snapshots") == 1, res.stderr

@@ -190,4 +190,25 @@ def test_ci_runs_the_readme_commands():
     ci = (ROOT / ".ci" / "run").read_text()
     blocks = [b.split("```", 1)[0].strip() for b in readme.split("```bash\n")[1:3]]
     assert blocks[1] in ci
-    assert blocks[0].startswith(blocks[1].rsplit("&&", 1)[0].strip())
+    # the first sets up a fresh machine with the package alone (no test extra) and analyzes a sample; the
+    # second sets up the same way with the test extra and runs the tests
+    setup, test_setup = blocks[0].rsplit("&&", 1)[0].strip(), blocks[1].rsplit("&&", 1)[0].strip()
+    assert test_setup == setup.replace(" -e .", " -e '.[test]'") and "[test]" not in setup
+    assert blocks[0].rsplit("&&", 1)[1].strip() == ".venv/bin/nanreplay analyze sample_snapshots/sqrt_zero.pt"
+
+
+def test_the_readme_starts_where_the_user_is():
+    """Its first 100 lines hold the install, the sample analysis, the guard loop and the plain-dict snapshot;
+    every link is into the repository and its target exists."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    head = "\n".join(readme.splitlines()[:100])
+    for needle in ("pip install", "nanreplay analyze sample_snapshots/sqrt_zero.pt", "<!-- guard-loop -->",
+                   "guard.grads_ok()", "torch.save({'x': x, 'y': y, 'state': model.state_dict()}", "--model",
+                   "nanreplay triage", "NanGuardCallback", "guard_for", "](docs/"):
+        assert needle in head, needle
+    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for link in re.findall(r"\]\(([^)#]+)\)", doc.read_text()):
+            assert "://" not in link and (doc.parent / link).resolve().is_relative_to(ROOT), (doc.name, link)
+            assert (doc.parent / link).exists(), (doc.name, link)

@@ -313,11 +313,11 @@ def test_a_planted_jinja2_next_to_the_snapshot_never_runs(tmp_path, how):
     assert "LogBackward0" in (tmp_path / "r.html").read_text() or "log" in (tmp_path / "r.html").read_text()
 
 
-def test_the_readme_lists_the_limits_and_their_flags():
+def test_the_docs_list_the_limits_and_their_flags():
     from samples import ROOT
 
-    readme = (ROOT / "README.md").read_text()
-    para = readme.split("Bad input — ", 1)[1].split("## Triage", 1)[0]
+    doc = (ROOT / "docs" / "analyze.md").read_text()
+    para = doc.split("Bad input — ", 1)[1].split("\n## ", 1)[0]
     for needle in ("exit\ncode 2", "exit code 1", "--max-memory SIZE", "--timeout SECONDS", "/dev/null", "symlink",
                    "FIFO", "zip bomb", "SIGBUS", "jinja2.py", "[U+202E]", "ellipsis"):
         assert needle in para, needle

@@ -92,3 +92,42 @@ def test_one_tensor_for_a_two_argument_forward_names_the_file_and_model_star_x(t
     torch.save({"x": torch.randn(4, 8), "y": torch.zeros(4), "state": m.state_dict()}, p)
     one_line_error(run("analyze", p, "--model", "nanmodels:siamese"), 2, str(p), "'x' holds one tensor",
                    "passed as model(x)", "takes 2 arguments", "model(*x)")
+
+
+def test_another_models_dict_is_told_so_not_how_to_save_its_inputs(tmp_path):
+    """The seed's dict of one model analyzed with another (two-argument) model: the weights do not fit, and that is
+    what is said — not "save one input per argument as a tuple", which would not help."""
+    other = nanmodels.tiny()
+    p = tmp_path / "other.pt"
+    torch.save({"x": torch.randn(2, 4), "y": torch.zeros(2), "state": other.state_dict()}, p)
+    line = one_line_error(run("analyze", p, "--model", "nanmodels:siamese"), 2, str(p), "its weights are not",
+                          "does not fit", "another model", "--model")
+    assert "one input per argument" not in line
+
+
+def test_torchs_broadcast_warning_is_not_repeated_by_the_replay(tmp_path, monkeypatch):
+    """A loss whose target broadcasts (output [8, 1], target [8]): torch warns in training; the replay's own calls
+    of the step would repeat it, attributed to nanreplay's lines (replay/recorder.py), on the analyst's terminal."""
+    import warnings
+
+    import torch.nn.functional as F
+
+    from nanreplay.analysis import analyze
+
+    (tmp_path / "bcast_model.py").write_text(
+        "import torch, torch.nn as nn\n\n\nclass M(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.l = nn.Linear(4, 1)\n\n    def forward(self, x):\n        return torch.log(self.l(x) - self.l(x))\n"
+        "\n\ndef build():\n    torch.manual_seed(0)\n    return M()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import bcast_model
+
+    torch.save({"x": torch.randn(8, 4), "y": torch.zeros(8), "state": bcast_model.build().state_dict()},
+               tmp_path / "b.pt")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        F.mse_loss(torch.zeros(8, 1), torch.zeros(8))  # what training saw
+        assert any("target size" in str(w.message) for w in seen)
+        seen.clear()
+        d = analyze(tmp_path / "b.pt", model="bcast_model:build", loss="mse_loss", verify=False).to_json()
+    assert d["culprit"]["op"] == "aten.log.default"
+    assert not [w for w in seen if "target size" in str(w.message)], [str(w.message) for w in seen]

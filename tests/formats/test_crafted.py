@@ -1,7 +1,7 @@
 """Crafted and hostile snapshots, written by these tests: each is refused with one line, runs no code,
 writes nothing outside the outputs and discloses no local file.
 
-The list (the README's Trust section states the guarantees these prove):
+The list (docs/safety.md states the guarantees these prove):
 pickles in every place a snapshot holds objects (top level, batch, constants, optimizer state, a legacy
 non-zip file), a version-1 snapshot whose embedded torch.export archive carries a pickle, step programs
 with a symbolic size, a file-reading op (`from_file`), storage/stride tricks, unknown and custom ops,

@@ -1,4 +1,4 @@
-"""nanreplay.accelerate.guard_for in the loop the README documents, run as written there (CPU, seconds each).
+"""nanreplay.accelerate.guard_for in the loop docs/integrations.md documents, run as written there (CPU, seconds each).
 
 sqrt at zero in a bad micro-batch in the middle of an accumulation window, and under bf16 mixed precision:
 the snapshot is the micro-batch that broke, numbered by the accelerator's accumulation boundary, recorded
@@ -58,9 +58,9 @@ def train(folder, dataset, accumulate=1, mixed_precision="no", lr=0.05):
 
 
 def readme_loop() -> str:
-    """The README's Accelerate loop, exactly (writing to the test's folder)."""
-    readme = (ROOT / "README.md").read_text()
-    loop = readme.split("<!-- accelerate-loop -->")[1].split("```python\n")[1].split("```")[0]
+    """docs/integrations.md's Accelerate loop, exactly (writing to the test's folder)."""
+    doc = (ROOT / "docs" / "integrations.md").read_text()
+    loop = doc.split("<!-- accelerate-loop -->")[1].split("```python\n")[1].split("```")[0]
     assert 'folder="nan_snapshots"' in loop and "guard.begin(x, y)" in loop
     loop = loop.replace("from nanreplay.accelerate import guard_for\n", "").replace('folder="nan_snapshots"',
                                                                                     "folder=folder")

@@ -110,9 +110,9 @@ def test_verdicts_without_a_culprit(verdict_case, tmp_path):
         assert "NaN/Inf was already in the input batch" in md and "``x[`0`]``" in md
 
 
-def test_the_readme_shows_what_the_command_prints(monkeypatch):
-    """README's Markdown sample is the summary of sample_snapshots/sqrt_zero.pt (the environment line aside),
-    analyzed as the README says: from the repository root."""
+def test_the_docs_show_what_the_command_prints(monkeypatch):
+    """docs/analyze.md's Markdown sample is the summary of sample_snapshots/sqrt_zero.pt (the environment line aside),
+    analyzed as docs/analyze.md says: from the repository root."""
     import linecache
 
     from samples import ROOT
@@ -120,8 +120,8 @@ def test_the_readme_shows_what_the_command_prints(monkeypatch):
     monkeypatch.chdir(ROOT)
     # (lines are cached by path, and paths are shown relative to the current folder)
     linecache.checkcache()  # ... and lines are cached by those (relative) paths
-    readme = (ROOT / "README.md").read_text()
-    shown = readme.split("````markdown\n", 1)[1].split("\n````", 1)[0]
+    doc = (ROOT / "docs" / "analyze.md").read_text()
+    shown = doc.split("````markdown\n", 1)[1].split("\n````", 1)[0]
     actual = report.markdown_summary(analyze("sample_snapshots/sqrt_zero.pt", source=["."])).rstrip("\n")
 
     def body(md: str) -> list[str]:

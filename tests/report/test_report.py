@@ -136,7 +136,8 @@ def test_sample_report_renders_every_section_that_applies(name, tmp_path):
     v = view(a)
 
     # what is on the page: native samples carry their training history; none has non-finite leaves
-    expected = ALL_SECTIONS - {"leaves"} | ({"kernel"} if "differential" in d else set())  # a fused culprit's
+    diff = d.get("differential") or {}  # a fused culprit's kernel replay; the guard's re-run (samples made since it)
+    expected = ALL_SECTIONS - {"leaves"} | {s for s in ("kernel", "machine") if diff.get(s)}
     assert len(d["snapshot_info"]["history"]) == d["snapshot_info"]["step"] + 1
     assert set(page.sections) == expected
     assert [s.id for s in v.sections] == [s for s in page.sections]  # the nav lists them in page order
@@ -707,6 +708,33 @@ def test_wheel_installed_non_editably_renders_a_report(tmp_path):
                          cwd=work, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     page = Page((work / "out.html").read_text())
-    assert set(page.sections) == ALL_SECTIONS - {"leaves"}
+    assert set(page.sections) == ALL_SECTIONS - {"leaves"} | {"machine"}  # the sample carries the guard's re-run
     assert "SqrtBackward0" in page.section_text("verdict") and page.scripts and page.styles
     assert "out.html" in res.stdout
+
+
+def test_a_loss_the_snapshot_recorded_is_not_cited_as_a_flag(tmp_path):
+    """A native snapshot whose culprit runs inside the guard's loss_fn (F.mse_loss overflowing float16): analyzed
+    with no --loss, nothing says `--loss` (the user gave none); the loss is named as the snapshot recorded it."""
+    import torch.nn.functional as F
+
+    from nanreplay import NanGuard
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    guard = NanGuard(model, opt, loss_fn=F.mse_loss, folder=tmp_path, max_snapshots=1)
+    for step in range(2):
+        x, y = (torch.randn(3, 4) * (1 if step == 0 else 400)).half(), torch.zeros(3, 2).half()
+        guard.begin(x, y, step=step)
+        loss = F.mse_loss(model(x), y)
+        if not guard.loss_ok(loss):
+            break
+        loss.backward()
+    a = analyze(guard.last_snapshot, verify=False)
+    d = a.to_json()
+    assert d["culprit"]["module"] == "<loss>" and d["invocation"]["loss"] is None and d["model"]["loss"]
+    v = view(a)
+    facts = {f.label: f.value for f in v.banner.facts}
+    for text in (report.terminal_summary(a, None), facts["source"], v.source.note):
+        assert "--loss" not in text and d["model"]["loss"] in text, text

@@ -18,6 +18,7 @@ from nanreplay.report.format import (
     fix_label,
     kind_of_value,
     kind_text,
+    loss_name,
     module_label,
     num,
     op_base,
@@ -261,6 +262,8 @@ def banner(d: dict) -> Banner:
 
 
 def loss_source_note(d: dict) -> str:
-    loss = (d.get("model") or {}).get("loss")
-    what = f"--loss {loss}" if loss else "the loss"
+    """Where a culprit without a source line of the user's ran: the loss function, named as the user named it —
+    `--loss X` only when they gave --loss; the loss a snapshot recorded (the guard's loss_fn) by its name alone."""
+    loss, named = loss_name(d)
+    what = f"--loss {loss}" if named else loss or "the loss"
     return f"inside the loss function ({what}), library code: no line of yours"

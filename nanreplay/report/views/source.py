@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from nanreplay.report.format import where
+from nanreplay.report.format import loss_name, where
 from nanreplay.report.sources import SOURCE_CONTEXT, Sources, excerpt, upstream_event
 
 
@@ -90,8 +90,9 @@ def source_view(d: dict, sources: Sources) -> SourceView | None:
     src = c.get("source")
     if not src:
         if c.get("module") == "<loss>":
-            loss = (d.get("model") or {}).get("loss")
-            what = f"the loss function you named with --loss {loss}" if loss else "the loss function"
+            loss, named = loss_name(d)
+            what = f"the loss function you named with --loss {loss}" if named else \
+                f"the loss function, {loss}" if loss else "the loss function"
             note = (f"The culprit {c.get('op')} ran inside {what}: library code, not yours, so there is no source "
                     "line of yours to show for it.")
         else:
