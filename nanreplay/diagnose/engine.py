@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from nanreplay import torch_internals as ti
 from nanreplay import verify
 from nanreplay.diagnose import (
@@ -197,13 +199,24 @@ def _judge(fix: Fix, o: verify.Outcome, subject, same: plausible.SameStep, ref: 
         probe_loss = p.loss if p.ok else None
         if probe_loss is not None and checked and p.noop is not None and not p.noop.ok and o.loss is not None \
                 and not plausible.agree(o.loss, probe_loss):
-            # ε × 100 that changes values the original computed fine is no reference for an ε that does not
-            note = (f"; the loss at ε = {fix.epsilon * 100:.0e} ({num(probe_loss)}) is no reference: "
-                    f"that ε {p.noop.sentence()}")
-            probe_loss = None
+            # ε × 100 that changes values the original computed fine is no reference for an ε that does not: ε / 100
+            # is (it moves nothing the candidate does not), where the dtype still resolves it
+            unused = (f"; the loss at ε = {fix.epsilon * 100:.0e} ({num(probe_loss)}) is no reference: "
+                      f"that ε {p.noop.sentence()}")
             shown = probes.get(("depends on ε", fix.kind))
-            if shown and o.loss is not None:  # a smaller ε already showed it, with a probe that was a no-op
-                return False, f"finite but implausible against the same step: {shown}{note}"
+            if shown:  # a smaller ε already showed it, with a probe that was a no-op
+                return False, f"finite but implausible against the same step: {shown}{unused}"
+            q = verify.try_patch(subject, _landing(fix.probe_down, step, []), label=label, compare_at=fix.compare_at,
+                                 reference=f64) if fix.probe_down else None
+            # where ε / 100 cannot answer (not resolved by the dtype: not finite), ε × 100 stands as the evidence
+            if q is not None and q.ok and q.loss is not None and q.noop is not None and q.noop.ok:
+                probe_loss, note = None, unused
+                if not plausible.agree(o.loss, q.loss):
+                    return False, (f"finite but implausible against the same step: the loss moves when ε shrinks by two "
+                                   f"decades ({num(o.loss)} at ε = {fix.epsilon:.0e}, {num(q.loss)} at ε = "
+                                   f"{fix.epsilon / 100:.0e}){note}")
+                note = (f"; the loss does not move when ε shrinks by two decades ({num(q.loss)} at ε = "
+                        f"{fix.epsilon / 100:.0e})" + note)
         elif probe_loss is not None and o.loss is not None and not plausible.agree(o.loss, probe_loss):
             # both no-ops where the original was fine: the loss moves with ε through the broken values alone
             probes[("depends on ε", fix.kind)] = (
@@ -213,6 +226,16 @@ def _judge(fix: Fix, o: verify.Outcome, subject, same: plausible.SameStep, ref: 
     ok, why = plausible.judge_same_step(o.loss, same, probe_loss, fix.epsilon if probe_loss is not None else None)
     if ok is None:
         ok, why = plausible.judge(o.loss, o.grad_norm, o.grad_norms, history)
+        if ok is False and fix.variant and o.loss is not None:  # a wider dtype computes what the step meant: the
+            if "float64" not in probes:                          # same step in float64 says so, not the history
+                probes["float64"] = plausible.float64_loss(subject)
+            f64 = probes["float64"]
+            dt = fix.variant.get("dtype") or (fix.variant.get("autocast") or {}).get("dtype")
+            tol = max(plausible.SAME_RTOL, 8 * torch.finfo(dt).eps) if isinstance(dt, torch.dtype) else \
+                plausible.SAME_RTOL
+            if f64 is not None and abs(abs(o.loss) - f64) <= tol * f64 + plausible.SAME_ATOL:
+                ok, why = True, (f"plausible against the same step in float64: loss {num(o.loss)} ≈ {num(f64)} "
+                                 f"(within {tol:.2g})" + plausible.unusual_batch(o.loss, history))
     elif ok:
         why += plausible.unusual_batch(o.loss, history)
     return ok, why + note
