@@ -71,6 +71,8 @@ class Float64Reference:
                 try:
                     s = self.subject
                     variant = s.converted(torch.float64, None if s.autocast else "same")
+                    for q in variant.model.parameters():  # no graph is kept (grad mode stays on: a step program
+                        q.requires_grad_(False)           # numbers its calls with it), one activation at a time
                     default = torch.get_default_dtype()
                     torch.set_default_dtype(torch.float64)  # the step's own torch.zeros(...) in float64 too
                     try:
