@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -27,6 +27,7 @@ from nanreplay.differential import reference
 from nanreplay.errors import raised
 from nanreplay.formats.stepmodel import recomputing
 from nanreplay.limits import release_memory
+from nanreplay.noop import NOOP_RTOL, Float64Reference, NoOp, _tensors, working_rtol  # noqa: F401 - re-exported
 from nanreplay.replay.subject import Subject
 
 
@@ -42,79 +43,6 @@ class Outcome:
     raised: bool = False  # the replay raised: a fix nanreplay made broke the step's code (a bug, not an answer)
 
 
-NOOP_RTOL = 1e-3  # "within rounding": no finite value of the original moves by more than this share of its scale
-
-
-def working_rtol(subject: Subject) -> float:
-    """The no-op tolerance of this step: NOOP_RTOL, or the resolution of the precision the step computes in
-    where that is coarser (bf16 autocast, half weights). An ε the epsilon policy sized to one bf16 rounding
-    step moves a float32 rsqrt under bf16 autocast by ~0.6%: within the step's own rounding, not a change."""
-    dts = [subject.step_dtype(), (subject.autocast or {}).get("dtype")]
-    return max([NOOP_RTOL] + [torch.finfo(d).eps for d in dts if isinstance(d, torch.dtype) and d.is_floating_point])
-
-
-@dataclass
-class NoOp:
-    """Is a fix a no-op where the original was fine? At every patched call the original call runs too (on the
-    same inputs, without gradients) and the two outputs are compared on every element where the original was
-    finite: |patched - original| ≤ rtol × (|original| + the original's largest finite magnitude) + the
-    dtype's eps (rtol: NOOP_RTOL, or the step's working precision where coarser: `working_rtol`)."""
-    rtol: float = NOOP_RTOL
-    calls: int = 0  # patched calls compared
-    elements: int = 0  # elements where the original was finite
-    changed: int = 0  # of those, how many the fix moved beyond rounding
-    worst: float = 0.0  # the largest move, relative to the output's scale
-    where: str = ""  # the call that moved most
-    seen: set = field(default_factory=set)  # call numbers compared
-
-    @property
-    def ok(self) -> bool:
-        return self.changed == 0
-
-    def sentence(self) -> str:
-        if self.ok:
-            return (f"a no-op where the original was fine ({self.elements} finite values at {self.calls} patched "
-                    f"call{'s' if self.calls != 1 else ''} unchanged within {self.rtol:g} of their scale)")
-        return (f"changes values the original computed fine: {self.changed} of {self.elements} finite values at "
-                f"the patched calls moved by up to {self.worst:.3g} of their scale ({self.where})")
-
-    def compare(self, name: str, got, want) -> None:
-        outs_got = _tensors(got)
-        outs_want = _tensors(want)
-        if len(outs_got) != len(outs_want):
-            return
-        self.calls += 1
-        for g, w in zip(outs_got, outs_want, strict=True):
-            if not (w.is_floating_point() and g.shape == w.shape):
-                continue
-            w64, g64 = w.detach().double(), g.detach().double()
-            ok = torch.isfinite(w64)
-            n = int(ok.sum())
-            if not n:
-                continue
-            self.elements += n
-            wf = torch.where(ok, w64, 0.0)
-            scale = float(wf.abs().max())
-            diff = torch.where(ok, (g64 - wf).abs(), 0.0)
-            diff = torch.where(torch.isnan(diff), math.inf, diff)  # a finite value the fix made NaN moved infinitely
-            # plus the dtype's resolution at 1: log(p) of a p that rounded to 1 is 0, the exact form's -1e-17 is not
-            bad = diff > self.rtol * (wf.abs() + scale) + torch.finfo(w.dtype).eps
-            k = int(bad.sum())
-            if k:
-                self.changed += k
-                rel = float(torch.where(bad, diff, 0.0).max()) / max(scale, torch.finfo(w.dtype).eps)
-                if rel >= self.worst:
-                    self.worst, self.where = rel, name
-
-
-def _tensors(out) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (list, tuple)):
-        return [t for t in out if isinstance(t, torch.Tensor)]
-    return []
-
-
 def _checked(intercepts: dict[int, Callable], noop: NoOp) -> dict[int, Callable]:
     """The same patches, each also running the original call on the same inputs and comparing (see NoOp);
     once per call (a fix that did not verify is replayed again, instrumented, with the same calls)."""
@@ -126,7 +54,7 @@ def _checked(intercepts: dict[int, Callable], noop: NoOp) -> dict[int, Callable]
                 try:
                     with torch.no_grad():
                         want = func(*args, **kwargs)
-                    noop.compare(getattr(func, "__name__", str(func)), out, want)
+                    noop.compare(getattr(func, "__name__", str(func)), out, want, c, func, args, kwargs)
                 except Exception:  # noqa: BLE001 - the original raising is not the fix's fault; nothing to compare
                     pass
             return out
@@ -160,7 +88,8 @@ def _outcome(step: replay.Step) -> Outcome:
 
 
 def try_patch(subject: Subject, intercepts: dict[int, Callable] | None = None, *,
-              label: str = "with the fix", noop: bool = True, compare_at: list[int] | None = None) -> Outcome:
+              label: str = "with the fix", noop: bool = True, compare_at: list[int] | None = None,
+              reference: Float64Reference | None = None) -> Outcome:
     """Replay (instrumented, to name the next culprit if it fails) with the given call sites rewritten,
     on an independent copy of the step; with `noop`, each patched call is compared with the original call
     on the same inputs (`Outcome.noop`) — or, with `compare_at`, the outputs of those calls (where a rewritten
@@ -169,7 +98,7 @@ def try_patch(subject: Subject, intercepts: dict[int, Callable] | None = None, *
         copy = subject.converted()
     except Exception as e:  # noqa: BLE001
         return Outcome(False, f"copying the step to replay it {label} raised {raised(e)}", raised=True)
-    check = NoOp(rtol=working_rtol(subject)) if noop and intercepts else None
+    check = NoOp(rtol=working_rtol(subject), reference=reference) if noop and intercepts else None
     if check is not None and compare_at:
         patched = _at_expression_end(subject, intercepts, compare_at, check)
         if patched is None:
@@ -206,7 +135,7 @@ def _at_expression_end(subject: Subject, intercepts: dict[int, Callable], compar
             out = fn(func, args, kwargs) if fn is not None else func(*args, **kwargs)
             if c not in noop.seen and c in want:
                 noop.seen.add(c)
-                noop.compare(getattr(func, "__name__", str(func)), out, want[c])
+                noop.compare(getattr(func, "__name__", str(func)), out, want[c], c, func, args, kwargs, own=False)
             return out
         return checked
     out = dict(intercepts)

@@ -66,9 +66,15 @@ def autocast_arg(autocast: dict | bool | None) -> dict | bool | None:
 
 def saved_low_precision(loss: torch.Tensor, model: nn.Module, limit: int = 20000) -> dict | None:
     """The autocast the forward evidently ran under: ops that saved fp16/bf16 tensors while the weights are
-    fp32 (loss_ok() was called after the autocast block). Walks the autograd graph once, first step only."""
+    fp32 (loss_ok() was called after the autocast block). Walks the autograd graph once, first step only.
+
+    Not where any weight is itself fp16/bf16: a model the code cast (`model.half()`, a body in half with a norm
+    kept in float32, `x.half()` into it) saves low-precision tensors without any autocast — those casts are the
+    code's own, and advice about autocast would not apply to it."""
     p = next(model.parameters(), None)
     if p is None or p.dtype != torch.float32 or loss.grad_fn is None:
+        return None
+    if any(q.dtype in (torch.float16, torch.bfloat16) for q in model.parameters()):
         return None
     try:
         for node in ti.autograd_nodes(loss.grad_fn, limit):

@@ -20,6 +20,38 @@ LOSS_CLIMB = 10.0  # the last loss at least this many times the healthy minimum 
 NORM_CLIMB = 100.0  # ... or the last gradient norm at least this many times the healthy median
 
 
+LR_JUMP = 100.0  # a learning rate this many times every rate the history had before it is a jump, not a schedule
+
+
+@dataclass
+class LrJump:
+    """The learning rate jumped between two steps of the history (a scheduler bug, a manual edit, a resumed state)."""
+    step: int  # the first step at the new rate
+    before: float  # the rate the history had before it (the median of the earlier steps')
+    after: float
+    healthy_steps: tuple[int, int]  # the steps at the earlier rate
+
+    @property
+    def sentence(self) -> str:
+        a, b = self.healthy_steps
+        return (f"the learning rate jumped from {self.before:g} (steps {a}–{b}) to {self.after:g} at step {self.step} "
+                f"({self.after / self.before:.3g}×)")
+
+
+def lr_jump(info: dict) -> LrJump | None:
+    """A jump in the history's learning rate: a step whose rate is at least LR_JUMP × every rate of the two or more
+    steps before it, and above the configured rate (a warmup climbs to the configured rate, never past it)."""
+    rows = history_rows(info)
+    lrs = [(r.get("step", i), v) for i, r in enumerate(rows) if (v := finite_float(r.get("lr"))) is not None]
+    base = next((v for r in reversed(rows) if (v := finite_float(r.get("base_lr"))) is not None), None)
+    for k in range(2, len(lrs)):
+        prev = [v for _, v in lrs[:k] if v > 0]
+        s, v = lrs[k]
+        if len(prev) >= 2 and v >= LR_JUMP * max(prev) and (base is None or v > 2 * base):
+            return LrJump(s, statistics.median(prev), v, (lrs[0][0], lrs[k - 1][0]))
+    return None
+
+
 @dataclass
 class Divergence:
     onset: int  # the first step of the climb
@@ -30,17 +62,20 @@ class Divergence:
     lr_at_onset: float | None = None  # the learning rate the schedule gave at the onset
     base_lr: float | None = None  # the configured learning rate (the scheduler's initial_lr)
     clip: float | None = None  # the max_norm gradients were already clipped to
+    jump: LrJump | None = None  # the learning rate jumped before the climb (or before the failure, with no climb)
 
     @property
     def story(self) -> str:
-        parts = []
+        parts = [self.jump.sentence] if self.jump else []
         if self.loss:
             (s0, a), (s1, b) = self.loss
             parts.append(f"the loss climbed from {a:.3g} (step {s0}) to {b:.3g} (step {s1})")
         if self.grad_norm:
             (s0, a), (s1, b) = self.grad_norm
             parts.append(f"the gradient norm from {a:.3g} to {b:.3g} (step {s1})")
-        lr = f" (learning rate {self.lr_at_onset:.3g})" if self.lr_at_onset is not None else ""
+        lr = f" (learning rate {self.lr_at_onset:.3g})" if self.lr_at_onset is not None and not self.jump else ""
+        if self.jump and not (self.loss or self.grad_norm):
+            return parts[0] + ", and the next update broke the weights"
         return " and ".join(parts) + f", starting at step {self.onset}{lr}"
 
     def to_json(self) -> dict:
@@ -49,7 +84,9 @@ class Divergence:
                 "grad_norm": [{"step": s, "grad_norm": v} for s, v in self.grad_norm] if self.grad_norm else None,
                 "healthy_grad_norm": self.healthy_grad_norm,
                 "healthy_steps": list(self.healthy_steps) if self.healthy_steps else None,
-                "lr_at_onset": self.lr_at_onset, "base_lr": self.base_lr, "clip": self.clip}
+                "lr_at_onset": self.lr_at_onset, "base_lr": self.base_lr, "clip": self.clip,
+                "lr_jump": {"step": self.jump.step, "before": self.jump.before, "after": self.jump.after}
+                if self.jump else None}
 
 
 def _series(rows: list[dict], key: str) -> list[tuple[int, float]]:
@@ -59,10 +96,28 @@ def _series(rows: list[dict], key: str) -> list[tuple[int, float]]:
 def divergence(info: dict) -> Divergence | None:
     """The climb in the snapshot's history, or None when the history is short or healthy. A climb is the peak
     after the onset orders of magnitude above the steps before it, whatever follows: a loss that climbs and then
-    oscillates, or falls back a little, diverged all the same."""
+    oscillates, or falls back a little, diverged all the same. A learning rate that jumped (`lr_jump`) is a
+    divergence too, from the jump on, even where the loss had no step to climb in before the weights broke."""
     rows = history_rows(info)
     if len(rows) < 3:
         return None
+    jump = lr_jump(info)
+    d = _climb(rows)
+    if jump is None:
+        return d
+    if d is None:
+        norms = [v for s, v in _series(rows, "grad_norm") if s < jump.step]
+        return Divergence(jump.step, None, None, statistics.median(norms) if norms else None, jump.healthy_steps,
+                          jump.after, _base(rows), None, jump)
+    d.jump = jump
+    return d
+
+
+def _base(rows: list[dict]) -> float | None:
+    return next((v for r in reversed(rows) if (v := finite_float(r.get("base_lr"))) is not None), None)
+
+
+def _climb(rows: list[dict]) -> Divergence | None:
     losses, norms = _series(rows, "loss"), _series(rows, "grad_norm")
     onset = None
     for i, r in enumerate(rows[1:], 1):
@@ -120,6 +175,9 @@ def _typo(lr: float) -> str | None:
 def remedy(d: Divergence) -> str:
     """What to change, in a few words, from the history: a typo'd learning rate; a lower one where gradients are
     already clipped; else a lower one (or a warmup) and clipping."""
+    if d.jump:
+        return (f"set the learning rate back to {d.jump.before:g}, the rate the history trained at: what changed it "
+                f"at step {d.jump.step} is the bug")
     typo = _typo(d.base_lr) if d.base_lr is not None else None
     if typo:
         return f"the configured learning rate {d.base_lr:g} is a typo (for {typo}, most likely): fix it"
@@ -135,6 +193,19 @@ def lr_clip_fix(d: Divergence | None, info: dict) -> Fix:
     opt = info.get("optimizer") if isinstance(info.get("optimizer"), dict) else {}
     lr = finite_float(opt.get("lr", info.get("lr")))
     base = d.base_lr if d and d.base_lr is not None else None
+    jump = d.jump if d else lr_jump(info)
+    if jump is not None:  # the history shows the rate it trained at: back to that, never a guess at a typo
+        j = jump
+        lines = [f"{j.sentence}: set it back to {j.before:g}, the rate the history trained at — whatever changed it "
+                 f"at step {j.step} (a scheduler's step, an edit of optimizer.param_groups, a resumed optimizer "
+                 "state) is the bug",
+                 f"for group in optimizer.param_groups: group['lr'] = {j.before:g}",
+                 f"and restart from a checkpoint from before step {j.step}: the update made at "
+                 f"{j.after:g} already damaged the weights"]
+        return Fix(FixKind.LOWER_LR_CLIP_GRADS, "", guidance="\n".join(lines),
+                   verification="not replayed: the change is to the training of earlier steps (learning rate, "
+                                "clipping); replaying this step cannot test it",
+                   reasoning="numbers from the snapshot's history: the rate it trained at before the jump")
     typo = _typo(base if base is not None else lr) if (base or lr) else None
     lines = []
     if typo:

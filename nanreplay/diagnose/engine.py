@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from nanreplay import torch_internals as ti
 from nanreplay import verify
 from nanreplay.diagnose import (
@@ -21,6 +23,7 @@ from nanreplay.diagnose.model import EXACT_KINDS, RULES, Diagnosis, Fix
 from nanreplay.diagnose.prose import anomaly_sentence
 from nanreplay.diagnose.site import Site
 from nanreplay.enums import FixKind
+from nanreplay.numbers import num
 from nanreplay.replay import Step
 from nanreplay.replay.recorder import call_name
 
@@ -99,6 +102,7 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | N
     if step is not None and step.failure is not None and step.failure.what == "gradient":
         same.own = _finite_loss(step, subject)
     probes: dict = {}  # (kind, ε) -> the Outcome of an ε-probe replay: the next candidate (ε × 100) reuses it
+    f64 = _reference(diag, subject, step)
     for fix in diag.fixes:
         label = "with the fix"
         if fix.patch:
@@ -107,7 +111,7 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | N
             o = probes.pop((fix.kind, f"{fix.epsilon:.0e}"), None) if fix.epsilon is not None else None
             if o is None:
                 o = verify.try_patch(subject, _landing(fix.patch, step, fix.patched_ops), label=label,
-                                     noop=fix.noop_exempt is None, compare_at=fix.compare_at)
+                                     noop=fix.noop_exempt is None, compare_at=fix.compare_at, reference=f64)
         elif fix.variant:
             v = fix.variant
             o = verify.try_variant(subject, dtype=v.get("dtype"), autocast=v.get("autocast", "same"),
@@ -120,7 +124,7 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | N
             ok, why = False, f"finite, but not a no-op: it {o.noop.sentence()}"
             fix.verified, fix.verification = False, f"{o.detail} — {why}"
         elif o.ok:
-            ok, why = _judge(fix, o, subject, same, ref, probes, label, step)
+            ok, why = _judge(fix, o, subject, same, ref, probes, label, step, f64)
             fix.verified = ok is not False  # not judged (nothing to compare with) is said, not hidden
             if o.noop is not None and o.noop.elements:
                 why += f"; {o.noop.sentence()}"
@@ -155,6 +159,17 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | N
     return (finite_ones[0] if finite_ones else code_fixes[0] if code_fixes else diag.fixes[0]), tried
 
 
+def _reference(diag: Diagnosis, subject, step: Step | None) -> verify.Float64Reference:
+    """The float64 values of this step at every call any candidate patches or compares at: one forward, made the
+    first time a candidate's no-op check needs it (never, where every change is within rounding)."""
+    calls: set[int] = set()
+    for fix in diag.fixes:
+        for p in (fix.patch, fix.probe):
+            calls.update(c for c in (p or {}) if isinstance(c, int))
+        calls.update(fix.compare_at or [])
+    return verify.Float64Reference(subject, calls, step.call_names if step is not None else None)
+
+
 def _finite_loss(step: Step, subject) -> float | None:
     v = step.loss
     if isinstance(v, (int, float)) and math.isfinite(v):
@@ -163,25 +178,67 @@ def _finite_loss(step: Step, subject) -> float | None:
 
 
 def _judge(fix: Fix, o: verify.Outcome, subject, same: plausible.SameStep, ref: plausible.Lazy | None,
-           probes: dict, label: str, step: Step | None = None) -> tuple[bool | None, str]:
+           probes: dict, label: str, step: Step | None = None, f64: verify.Float64Reference | None = None
+           ) -> tuple[bool | None, str]:
     """Plausible? An exact reformulation that is a no-op where the original was fine computes this step's own
     value; any other fix must agree with the references of the same step there are (that exact loss, the step's
-    own finite loss, the same fix at ε × 100); only with none of those is the history asked. Where the same step
-    says yes and the history says no, the batch is unusual, and that is said."""
+    own finite loss, and — only where the no-op check could not be made — the same fix at ε × 100: an ε whose
+    no-op check passed changes nothing the original computed fine, so a larger ε that clamps healthy values says
+    nothing about it); only with none of those is the history asked. Where the same step says yes and the history
+    says no, the batch is unusual, and that is said."""
     history = ref.get() if ref is not None else None
     if fix.kind in EXACT_KINDS and fix.patch and o.noop is not None and o.noop.elements:
         return True, ("plausible against the same step: an exact reformulation of it, equal to the original "
                       "wherever the original was finite" + plausible.unusual_batch(o.loss, history))
-    probe_loss = None
+    probe_loss, note = None, ""
+    checked = o.noop is not None and o.noop.elements > 0 and o.noop.ok
     if fix.probe and fix.epsilon is not None:
         p = verify.try_patch(subject, _landing(fix.probe, step, []), label=label, noop=fix.noop_exempt is None,
-                             compare_at=fix.compare_at)
+                             compare_at=fix.compare_at, reference=f64)
         probes[(fix.kind, f"{fix.epsilon * 100:.0e}")] = p  # the same replay as the candidate at ε × 100
         probe_loss = p.loss if p.ok else None
+        if probe_loss is not None and checked and p.noop is not None and not p.noop.ok and o.loss is not None \
+                and not plausible.agree(o.loss, probe_loss):
+            # ε × 100 that changes values the original computed fine is no reference for an ε that does not: ε / 100
+            # is (it moves nothing the candidate does not), where the dtype still resolves it
+            unused = (f"; the loss at ε = {fix.epsilon * 100:.0e} ({num(probe_loss)}) is no reference: "
+                      f"that ε {p.noop.sentence()}")
+            shown = probes.get(("depends on ε", fix.kind))
+            if shown:  # a smaller ε already showed it, with a probe that was a no-op
+                return False, f"finite but implausible against the same step: {shown}{unused}"
+            q = verify.try_patch(subject, _landing(fix.probe_down, step, []), label=label, compare_at=fix.compare_at,
+                                 reference=f64) if fix.probe_down else None
+            # where ε / 100 cannot answer (not resolved by the dtype: not finite), ε × 100 stands as the evidence
+            if q is not None and q.ok and q.loss is not None and q.noop is not None and q.noop.ok:
+                probe_loss, note = None, unused
+                if not plausible.agree(o.loss, q.loss):
+                    return False, (f"finite but implausible against the same step: the loss moves when ε shrinks by two "
+                                   f"decades ({num(o.loss)} at ε = {fix.epsilon:.0e}, {num(q.loss)} at ε = "
+                                   f"{fix.epsilon / 100:.0e}){note}")
+                note = (f"; the loss does not move when ε shrinks by two decades ({num(q.loss)} at ε = "
+                        f"{fix.epsilon / 100:.0e})" + note)
+        elif probe_loss is not None and o.loss is not None and not plausible.agree(o.loss, probe_loss):
+            # both no-ops where the original was fine: the loss moves with ε through the broken values alone
+            probes[("depends on ε", fix.kind)] = (
+                f"the loss moves when ε changes by two decades ({num(o.loss)} at ε = {fix.epsilon:.0e}, "
+                f"{num(probe_loss)} at ε = {fix.epsilon * 100:.0e}, both no-ops where the original was fine): it "
+                "depends on ε where the original broke, so no ε is the step's own value")
     ok, why = plausible.judge_same_step(o.loss, same, probe_loss, fix.epsilon if probe_loss is not None else None)
-    if ok is not None:
-        return ok, why + (plausible.unusual_batch(o.loss, history) if ok else "")
-    return plausible.judge(o.loss, o.grad_norm, o.grad_norms, history)
+    if ok is None:
+        ok, why = plausible.judge(o.loss, o.grad_norm, o.grad_norms, history)
+        if ok is False and fix.variant and o.loss is not None:  # a wider dtype computes what the step meant: the
+            if "float64" not in probes:                          # same step in float64 says so, not the history
+                probes["float64"] = plausible.float64_loss(subject)
+            f64 = probes["float64"]
+            dt = fix.variant.get("dtype") or (fix.variant.get("autocast") or {}).get("dtype")
+            tol = max(plausible.SAME_RTOL, 8 * torch.finfo(dt).eps) if isinstance(dt, torch.dtype) else \
+                plausible.SAME_RTOL
+            if f64 is not None and abs(abs(o.loss) - f64) <= tol * f64 + plausible.SAME_ATOL:
+                ok, why = True, (f"plausible against the same step in float64: loss {num(o.loss)} ≈ {num(f64)} "
+                                 f"(within {tol:.2g})" + plausible.unusual_batch(o.loss, history))
+    elif ok:
+        why += plausible.unusual_batch(o.loss, history)
+    return ok, why + note
 
 
 def for_leaves(verdict: str, rows: list[dict], snap) -> dict:

@@ -56,6 +56,9 @@ def diagnose_finite(result, subject, step: replay.Step | None, info: dict) -> di
         return _norm_overflow(result, info)
     if trigger in GRADIENT_TRIGGERS and (world > 1 or isinstance(coll, dict)):
         return _from_allreduce(result, info, coll or {})
+    d = divergence(info) if trigger in ("loss", *GRADIENT_TRIGGERS) else None
+    if d is not None:  # the history climbs (or its learning rate jumped): a run at the edge of float32, not a fault
+        return _diverged(result, info, d, machine)
     if env.get("compiled"):
         return _compiled(result, info)
     if trigger in ("loss", *GRADIENT_TRIGGERS) and info.get("format") == "native":
@@ -118,6 +121,17 @@ def _norm_overflow(result, info: dict) -> dict:
             "and restart from a checkpoint from before the climb.")
     return _result("training_diverged", "training diverged: the gradient norm overflowed float32", expl,
                    lr_clip_fix(d, info))
+
+
+def _diverged(result, info: dict, d, machine: dict) -> dict:
+    """A finite replay of a run whose history diverged: the values are at the edge of float32's range, where the
+    order of a sum decides finite or not. Transient only where a re-run of the same step was finite (above)."""
+    again = f" {machine['sentence']}" if machine.get("verdict") == "reproducible" and machine.get("sentence") else ""
+    expl = (f"Training diverged: {d.story}. This step replays finite here ({_replayed(result)}), but {_recorded(info)}:"
+            f" its values are at the edge of float32's range, where the order of a sum decides whether a gradient "
+            f"overflows.{again} The run failed deterministically, not by a fault of the machine: "
+            f"{remedy(d)}, and restart from a checkpoint from before step {d.onset}.")
+    return _result("training_diverged", "training diverged", expl, lr_clip_fix(d, info), divergence=d.to_json())
 
 
 def _compiled(result, info: dict) -> dict:

@@ -208,7 +208,7 @@ def edge_fix(s: Site, kind: FixKind, scale: float | None, what: str, change_code
     for e, why in cands:
         rw, patch = made(e)
         fixes.append(Fix(kind, "", epsilon=e, reasoning=why, rewrite=rw, guidance=f"{guidance(e)} at {s.where}",
-                         patch=patch, probe=made(e * 100)[1]))
+                         patch=patch, probe=made(e * 100)[1], probe_down=made(e / 100)[1]))
     return fixes
 
 

@@ -42,6 +42,7 @@ class Fix:
     replay: dict | None = None  # {loss, grad_norm, plausible, why} of the verification replay
     tested_as: str | None = None  # "line" (the rewritten line, at every call) | "op" (an op-level patch) | "step"
     probe: dict[int, Callable] | None = None  # the same patch with ε × 100: the loss must not depend on ε
+    probe_down: dict[int, Callable] | None = None  # ... and with ε / 100: asked where ε × 100 moves healthy values
     compare_at: list[int] | None = None  # where the no-op check compares (the rewritten expression's end), if not
                                          # at the patched calls themselves (exp(x - max) differs from exp(x))
     noop_exempt: str | None = None  # why the no-op check does not apply (the original's finite values are noise)

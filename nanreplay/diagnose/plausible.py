@@ -249,7 +249,7 @@ class SameStep:
     own: float | None = None  # the step's own finite loss (unscaled)
 
 
-def _agree(a: float, b: float) -> bool:
+def agree(a: float, b: float) -> bool:
     return abs(a - b) <= SAME_RTOL * max(abs(a), abs(b)) + SAME_ATOL
 
 
@@ -262,12 +262,12 @@ def judge_same_step(loss: float | None, same: SameStep, probe_loss: float | None
     parts, bad = [], []
     for what, ref in ([same.exact] if same.exact else []) + ([("the step's own finite loss", same.own)]
                                                              if same.own is not None else []):
-        (parts if _agree(loss, ref) else bad).append(f"loss {stats.num(loss)} {'≈' if _agree(loss, ref) else '≠'} "
+        (parts if agree(loss, ref) else bad).append(f"loss {stats.num(loss)} {'≈' if agree(loss, ref) else '≠'} "
                                                      f"{stats.num(ref)}, {what}")
     if probe_loss is not None and eps is not None:
         e2 = eps * 100
-        (parts if _agree(loss, probe_loss) else bad).append(
-            f"the loss {'does not move' if _agree(loss, probe_loss) else 'moves'} when ε changes by two decades "
+        (parts if agree(loss, probe_loss) else bad).append(
+            f"the loss {'does not move' if agree(loss, probe_loss) else 'moves'} when ε changes by two decades "
             f"({stats.num(loss)} at ε = {eps:.0e}, {stats.num(probe_loss)} at ε = {e2:.0e})")
     if bad:
         return False, f"finite but implausible against the same step: {'; '.join(bad)}"

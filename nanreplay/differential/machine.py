@@ -130,6 +130,9 @@ def _failed_again(trigger: Any, training: dict, rerun: dict, raw: dict) -> tuple
             return True, f"made {bad} gradient entr{'ies' if bad != 1 else 'y'} non-finite"
         if bad is None:
             return True, "computed no gradients to compare (counted as failing again)"
+        if isinstance(norm, (int, float)) and not math.isfinite(norm):  # entries at the edge of float32's range:
+            return True, (f"made every gradient entry finite but overflowed their float32 norm ({_num(norm)}): the "
+                          "same gradients at the edge of float32's range, not a finite step")
         return False, f"was finite (loss {_num(loss)}, every gradient entry finite, gradient norm {_num(norm)})"
     if trigger == "grad_norm_overflow":
         if norm is None or not math.isfinite(norm):

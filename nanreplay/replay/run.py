@@ -147,6 +147,37 @@ def run_patched(subject, intercepts: dict[int, Callable] | None) -> tuple[float,
     return float(loss.detach().double()), norms
 
 
+def outputs_at(subject, calls: set[int]) -> dict[int, Any]:
+    """The outputs of the given calls (numbered exactly as in `run`) in one forward of `subject`, with no
+    instrumentation: each detached, the rest of the step not run once the last of them has been made (its graph
+    freed with it). Not under no_grad: a step program numbers its calls with autograd on (no_grad adds calls).
+    Calls the forward does not make (a call in backward) are missing from the answer."""
+    rec = Recorder(subject.names, subject.site)
+    got: dict[int, Any] = {}
+    last = max(calls, default=0)
+
+    def keep(c: int):
+        def fn(func, args, kwargs):
+            out = func(*args, **kwargs)
+            got[c] = (call_name(func), out.detach() if isinstance(out, torch.Tensor) else
+                      type(out)(t.detach() if isinstance(t, torch.Tensor) else t for t in out)
+                      if isinstance(out, (list, tuple)) and not hasattr(out, "_fields") else out)
+            if c == last:
+                raise StopReplay
+            return out
+        return fn
+    rec.intercepts = {c: keep(c) for c in calls}
+    with anomaly_off():
+        if subject.prepare is not None:
+            subject.prepare()
+        try:
+            with _CallMode(rec), autocast_from(subject.run_autocast):
+                subject.loss(subject.forward())
+        except StopReplay:
+            pass
+    return got
+
+
 def _finite_or_stop(p: torch.Tensor, rec: Recorder) -> None:
     """A post-accumulate-grad hook of run_patched (not a numbered call: the Recorder is busy)."""
     rec.busy = True

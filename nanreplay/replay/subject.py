@@ -81,7 +81,13 @@ class Subject:
                 cast_map = {low: autocast["dtype"] if autocast else (dtype or torch.float32)}
             model.set_policy(all_map, cast_map)
         if dtype is not None:
-            model.to(dtype)
+            src = self.step_dtype()
+            mixed = {p.dtype for p in self.model.parameters() if p.is_floating_point()} - {src}
+            if self.program and mixed:  # a body the code cast to half beside float32 layers: the program's own
+                # casts map only the step's dtype (its .float() stays float32), so only those weights change
+                model._apply(lambda t: t.to(dtype) if t.dtype == src else t)
+            else:
+                model.to(dtype)
             if isinstance(loss_fn, nn.Module):  # e.g. CrossEntropyLoss(weight=...)
                 loss_fn = copy.deepcopy(loss_fn).to(dtype)
 

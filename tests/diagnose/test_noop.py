@@ -92,4 +92,64 @@ def test_the_no_op_check_judges_in_the_precision_the_step_computes_in(tmp_path):
     best = eps[min(eps)]
     assert "not a no-op" not in best["verification"], best["verification"]
     assert f"unchanged within {2 ** -7:g} of their scale" in best["verification"], best["verification"]
-    assert any("not a no-op" in f["verification"] for f in eps.values() if f["epsilon"] >= 100 * min(eps))
+    # ε × 100 changes healthy rows: its loss is no reference for an ε that does not (the ε-sensitivity test
+    # counts only where the no-op check could not be made), and the check says why
+    assert best["verified"] is True, best["verification"]
+    assert f"the loss at ε = {best['epsilon'] * 100:.0e}" in best["verification"], best["verification"]
+    assert "is no reference: that ε changes values the original computed fine" in best["verification"]
+
+
+class _Exact:
+    """A float64 reference of the step at one call (what verify.Float64Reference gives), here the exact value."""
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+    def at(self, call):
+        return [self.value]
+
+
+def test_a_fix_that_moves_values_towards_the_float64_value_is_a_no_op():
+    # log(softmax(x)) → log_softmax(x): where softmax underflowed to a subnormal, log(p) is far from the exact value
+    # (a subnormal p has few bits), and the exact form moves it by much more than rounding — towards that value
+    from nanreplay.verify import NoOp
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 200, generator=g) * torch.tensor([[1.0], [20.0], [40.0], [60.0]])
+    p = torch.softmax(x, -1)
+    exact = torch.log_softmax(x.double(), -1)
+    original = torch.log(p)
+    sub = torch.isfinite(original) & (p < torch.finfo(torch.float32).tiny)
+    assert sub.sum() > 3, int(sub.sum())  # the case needs values that underflowed to subnormals
+
+    by_rounding = NoOp()  # without a reference: the raw move alone, as before
+    by_rounding.compare("log", torch.log_softmax(x, -1), original)
+    assert not by_rounding.ok and by_rounding.changed > 0
+
+    check = NoOp(reference=_Exact(exact))
+    check.compare("log", torch.log_softmax(x, -1), original, call=7, func=torch.log, args=(p,))
+    assert check.ok, check.sentence()
+    assert check.closer == by_rounding.changed and check.referenced > 0
+    assert "no farther from a float64 replay of the step" in check.sentence()
+
+    # an ε that moves those values away from the exact value, beyond the original's own error there, is rejected
+    away = NoOp(reference=_Exact(exact))
+    away.compare("log", torch.log(p + 1e-30), original, call=7, func=torch.log, args=(p,))
+    assert not away.ok and away.changed >= int(sub.sum()) // 2, away.sentence()
+    assert "farther from a float64 replay of the step than the original's own error" in away.sentence()
+
+
+def test_a_clamp_within_the_inputs_last_bit_is_a_no_op_and_a_wider_one_is_not():
+    # acos of cosines near 1 (small angles): clamping 1.0 to the float32 just below it moves acos by 3.5e-4 — a
+    # large share of these small angles, but no more than acos moves when its input moves by its last bit
+    from nanreplay.verify import NoOp
+    cos = torch.tensor([1.0, 1.0 - 2 ** -24, 0.99995, 0.9999, 0.99993], dtype=torch.float32)
+    original = torch.acos(cos)
+
+    tight = NoOp()
+    tight.compare("acos", torch.acos(cos.clamp(-1 + 6e-8, 1 - 6e-8)), original, call=3, func=torch.acos,
+                  args=(cos,))
+    assert tight.ok and tight.closer == 1, tight.sentence()
+
+    wide = NoOp()
+    wide.compare("acos", torch.acos(cos.clamp(-1 + 1e-4, 1 - 1e-4)), original, call=3, func=torch.acos, args=(cos,))
+    assert not wide.ok, wide.sentence()

@@ -160,11 +160,13 @@ def _fp16(s: Site) -> Diagnosis | None:
         where_run = f"under torch.autocast({dev!r}, dtype=torch.float16)"
         if scale is None and not s.forward:
             alternatives.append(f"keep float16 autocast and scale the loss: scaler = torch.amp.GradScaler({dev!r})")
-    else:
-        code = ("# run the step in torch.bfloat16 instead of torch.float16 (convert the model and the batch with "
-                ".to(torch.bfloat16)): same range as float32")
-        variant = {"dtype": torch.bfloat16, "label": "in bfloat16"}
-        where_run = "in float16"
+    else:  # no autocast ran: the float16 is a cast the code made (model.half(), .to(torch.float16))
+        held = _half_modules(s)
+        code = (f"# no autocast ran: the code casts to float16 itself ({held}). Where it does (.half(), "
+                ".to(torch.float16)),\n# cast to torch.bfloat16 instead — the same range as float32 — e.g. "
+                "model.to(torch.bfloat16) for model.half()")
+        variant = {"dtype": torch.bfloat16, "label": "with the float16 casts made bfloat16"}
+        where_run = f"in float16, a cast the code made ({held}; no autocast)"
         if scale is None:
             alternatives.append("keep float32 weights, run the forward under torch.autocast(..., dtype=torch.float16) "
                                 "and scale the loss with torch.amp.GradScaler()")
@@ -193,6 +195,18 @@ def _fp16(s: Site) -> Diagnosis | None:
                      f"{s.event.op} produced Inf from finite inputs ({operands(s) or f'|x| up to {big:.4g}'}) "
                      f"{where_run}, whose largest "
                      f"value is {lmax:.0f} ({s.where}). The same op is finite in a wider dtype.{have}", fixes)
+
+
+def _half_modules(s: Site) -> str:
+    """Where the model holds float16 weights, in words: "float16 weights in `body`" or "the whole model in float16"."""
+    named = [(n, p) for n, p in s.subject.model.named_parameters() if p.is_floating_point()]
+    half = [n for n, p in named if p.dtype == torch.float16]
+    if not half:
+        return "the batch or an activation cast to float16"
+    if len(half) == len(named):
+        return "the whole model in float16"
+    tops = sorted({n.split(".")[0] for n in half})
+    return f"float16 weights in {', '.join(f'`{t}`' for t in tops[:3])}{' and more' if len(tops) > 3 else ''}"
 
 
 def _raw_batch_input(s: Site) -> tuple[str, float] | None:

@@ -1,0 +1,217 @@
+"""Is a fix a no-op where the original was fine? (docs/fix-verification.md)
+
+At every patched call the original call runs too, on the same inputs, and `NoOp` compares the two outputs where
+the original was finite: by rounding, and against the step's own float64 values (`Float64Reference`, one forward
+per analysis), with the op's conditioning at its inputs as the tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from nanreplay import replay
+from nanreplay.limits import release_memory
+from nanreplay.replay.subject import Subject
+
+NOOP_RTOL = 1e-3  # "within rounding": no finite value of the original moves by more than this share of its scale
+
+
+def working_rtol(subject: Subject) -> float:
+    """The no-op tolerance of this step: NOOP_RTOL, or the resolution of the precision the step computes in
+    where that is coarser (bf16 autocast, half weights). An ε the epsilon policy sized to one bf16 rounding
+    step moves a float32 rsqrt under bf16 autocast by ~0.6%: within the step's own rounding, not a change."""
+    dts = [subject.step_dtype(), (subject.autocast or {}).get("dtype")]
+    return max([NOOP_RTOL] + [torch.finfo(d).eps for d in dts if isinstance(d, torch.dtype) and d.is_floating_point])
+
+
+class Float64Reference:
+    """The step's own values at the calls a no-op check compares, computed in float64 (autocast off): one forward
+    under no_grad, made once per analysis (the first time a candidate needs it) for every call any candidate
+    patches or compares at, and only those outputs kept. Missing (None) where the float64 step cannot run or
+    makes a call differently (another function, another shape): the check then falls back to each call's own
+    inputs in float64."""
+
+    def __init__(self, subject: Subject, calls: set[int], names: list[str] | None = None):
+        self.subject, self.calls, self.names = subject, set(calls), names
+        self._values: dict[int, tuple[str, object]] | None = None
+
+    def at(self, c: int) -> list[torch.Tensor] | None:
+        if self._values is None:
+            self._values = {}
+            if self.calls:
+                try:
+                    s = self.subject
+                    variant = s.converted(torch.float64, None if s.autocast else "same")
+                    for q in variant.model.parameters():  # no graph is kept (grad mode stays on: a step program
+                        q.requires_grad_(False)           # numbers its calls with it), one activation at a time
+                    default = torch.get_default_dtype()
+                    torch.set_default_dtype(torch.float64)  # the step's own torch.zeros(...) in float64 too
+                    try:
+                        self._values = replay.outputs_at(variant, self.calls)
+                    finally:
+                        torch.set_default_dtype(default)
+                    del variant
+                except Exception:  # noqa: BLE001 - no reference: the check falls back to each call's inputs
+                    self._values = {}
+                release_memory()
+        got = self._values.get(c)
+        if got is None:
+            return None
+        name, out = got
+        if self.names is not None and 0 <= c < len(self.names) and self.names[c] and name != self.names[c]:
+            return None  # the float64 step made another call at this number: not a reference for this one
+        return _tensors(out)
+
+
+REF_ULPS = 4  # the rounding one op adds to a value, in units of its working precision, beside its input's error
+
+
+@dataclass
+class NoOp:
+    """Is a fix a no-op where the original was fine? At every patched call the original call runs too (on the
+    same inputs, without gradients) and the two outputs are compared on every element where the original was
+    finite. An element is unchanged when it moved by no more than rounding: |patched - original| ≤ rtol ×
+    (|original| + the original's largest finite magnitude) + the dtype's eps (rtol: NOOP_RTOL, or the step's
+    working precision where coarser: `working_rtol`) — or by no more than the original's own error there: the
+    patched value is no farther from the float64 reference (`Float64Reference`: the same step in float64; else
+    the call on its own inputs in float64) than the original was, give or take the op's conditioning (how far
+    its float64 value moves when its inputs move by one step of their own precision) and a few roundings of the
+    working precision. A fix that moves values towards the exact value is never "not a no-op"."""
+    rtol: float = NOOP_RTOL
+    calls: int = 0  # patched calls compared
+    elements: int = 0  # elements where the original was finite
+    changed: int = 0  # of those, how many the fix moved beyond rounding and beyond the original's own error
+    worst: float = 0.0  # the largest move, relative to the output's scale
+    where: str = ""  # the call that moved most
+    seen: set = field(default_factory=set)  # call numbers compared
+    reference: Float64Reference | None = None
+    referenced: int = 0  # elements judged against a float64 value of the step
+    closer: int = 0  # elements the fix moved beyond rounding, but towards the float64 value (within its error)
+    how: str = ""  # "the step in float64" | "each call's own inputs in float64"
+
+    @property
+    def ok(self) -> bool:
+        return self.changed == 0
+
+    def sentence(self) -> str:
+        ref = ""
+        if self.closer:
+            ref = (f"; {self.closer} moved beyond that, but no farther from a float64 replay of {self.how} than the "
+                   f"original's own error there")
+        if self.ok:
+            return (f"a no-op where the original was fine ({self.elements} finite values at {self.calls} patched "
+                    f"call{'s' if self.calls != 1 else ''} unchanged within {self.rtol:g} of their scale{ref})")
+        against = f", and farther from a float64 replay of {self.how} than the original's own error" \
+            if self.referenced else ""
+        return (f"changes values the original computed fine: {self.changed} of {self.elements} finite values at "
+                f"the patched calls moved by up to {self.worst:.3g} of their scale{against} ({self.where})")
+
+    def compare(self, name: str, got, want, call: int | None = None, func=None, args=(), kwargs=None,
+                own: bool = True) -> None:
+        """`own`: `args` are the inputs the original call had, so the call on them in float64 is a reference
+        where the step's float64 value is missing (not so where a rewritten expression ends: `compare_at`)."""
+        outs_got = _tensors(got)
+        outs_want = _tensors(want)
+        if len(outs_got) != len(outs_want):
+            return
+        self.calls += 1
+        refs = conds = None
+        how = ""
+        for i, (g, w) in enumerate(zip(outs_got, outs_want, strict=True)):
+            if not (w.is_floating_point() and g.shape == w.shape):
+                continue
+            w64, g64 = w.detach().double(), g.detach().double()
+            ok = torch.isfinite(w64)
+            n = int(ok.sum())
+            if not n:
+                continue
+            self.elements += n
+            wf = torch.where(ok, w64, 0.0)
+            scale = float(wf.abs().max())
+            diff = torch.where(ok, (g64 - wf).abs(), 0.0)
+            diff = torch.where(torch.isnan(diff), math.inf, diff)  # a finite value the fix made NaN moved infinitely
+            # plus the dtype's resolution at 1: log(p) of a p that rounded to 1 is 0, the exact form's -1e-17 is not
+            bad = diff > self.rtol * (wf.abs() + scale) + torch.finfo(w.dtype).eps
+            if bool(bad.any()) and not how:  # only where rounding alone does not answer: the reference, once
+                refs = self.reference.at(call) if self.reference is not None and call is not None else None
+                how = "the step"
+                if (refs is None or len(refs) != len(outs_want)) and own:
+                    refs, how = _own_inputs_f64(func, args, kwargs), "the call on its own inputs"
+                conds = _conditioning(func, args, kwargs) if own else None
+            r = refs[i] if refs is not None and i < len(refs) else None
+            if bool(bad.any()) and r is not None and r.is_floating_point() and r.shape == w.shape:
+                r64 = r.detach().to(w64.device, torch.float64)
+                fine = torch.isfinite(r64) & ok
+                self.referenced += int(fine.sum())
+                self.how = self.how or how
+                err = torch.where(fine, (wf - r64).abs(), 0.0)  # the original's own error there
+                tol = REF_ULPS * torch.finfo(w.dtype).eps * r64.abs()
+                cond = conds[i] if conds is not None and i < len(conds) else None
+                if cond is not None and cond.shape == w.shape:
+                    tol = tol + 2 * cond  # its inputs are known to their last bit, and rounded once more upstream
+                towards = fine & ((g64 - r64).abs() <= err + torch.where(fine, tol, 0.0))
+                self.closer += int((bad & towards).sum())
+                bad = bad & ~towards
+            k = int(bad.sum())
+            if k:
+                self.changed += k
+                rel = float(torch.where(bad, diff, 0.0).max()) / max(scale, torch.finfo(w.dtype).eps)
+                if rel >= self.worst:
+                    self.worst, self.where = rel, name
+
+
+def _up(a):
+    return a.detach().double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+
+
+def _own_inputs_f64(func, args, kwargs) -> list[torch.Tensor] | None:
+    """The call on its own inputs, each float tensor in float64: the op's exact value at the inputs it got."""
+    if func is None:
+        return None
+    try:
+        with torch.no_grad():
+            return _tensors(func(*[_up(a) for a in args], **{k: _up(v) for k, v in (kwargs or {}).items()}))
+    except Exception:  # noqa: BLE001 - an op without a float64 kernel: judged by rounding alone
+        return None
+
+
+COND_LIMIT = 1 << 22  # elements: beyond this the conditioning is not measured (the check stays by rounding)
+
+
+def _conditioning(func, args, kwargs) -> list[torch.Tensor] | None:
+    """How far the call's float64 value moves when one of its float inputs moves by one step of its own dtype
+    (up or down, each input in turn): the op's conditioning at these inputs. acos at x = 1.0 moves by 3.5e-4
+    when x moves to the float32 below 1: a clamp that moves it by that much changes nothing the input knew."""
+    floats = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    if func is None or not floats or len(floats) > 3 or any(args[i].numel() > COND_LIMIT for i in floats):
+        return None
+    kwargs = kwargs or {}
+    try:
+        with torch.no_grad():
+            base = _tensors(func(*[_up(a) for a in args], **{k: _up(v) for k, v in kwargs.items()}))
+            worst = [torch.zeros_like(b, dtype=torch.float64) if b.is_floating_point() else None for b in base]
+            for i in floats:
+                a = args[i].detach()
+                for to in (math.inf, -math.inf):
+                    moved = list(args)
+                    moved[i] = torch.nextafter(a, torch.full_like(a, to))
+                    outs = _tensors(func(*[_up(x) for x in moved], **{k: _up(v) for k, v in kwargs.items()}))
+                    for j, (o, b) in enumerate(zip(outs, base, strict=False)):
+                        if worst[j] is None or o.shape != b.shape:
+                            continue
+                        d = (o.double() - b.double()).abs()
+                        worst[j] = torch.maximum(worst[j], torch.where(torch.isfinite(d), d, 0.0))
+    except Exception:  # noqa: BLE001 - not measurable here: the check goes by rounding and the reference alone
+        return None
+    return worst
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []
