@@ -141,7 +141,12 @@ def sweep_one(arch, folder: str) -> Row:
             row.reason = "the tiny model's loss is not finite"
             guard.close()
             return row
-        d = guard.to_dict("loss")
+        try:
+            d = guard.to_dict("loss")
+        except Exception as e:  # noqa: BLE001 - in a loop the guard says this in its one warning
+            guard.close()
+            row.status, row.reason = "not_recorded", f"the snapshot cannot be written: {_line(e)}"
+            return row
         guard.close()
         if "_Timeout" in str(d.get("program_error")):  # the alarm went off while the guard was recording
             raise _Timeout()
@@ -185,6 +190,15 @@ def _line(e: BaseException, n: int = 200) -> str:
     return (s[0] if s else "")[:n]
 
 
+LIBRARIES = (("hf:", "transformers"), ("diffusers:", "diffusers"), ("pyg", "torch_geometric"), ("timm:", "timm"),
+             ("torchaudio:", "torchaudio"), ("ops:", "torch (issue 36 op families)"))
+
+
+def library(name: str) -> str:
+    """Which library's code an architecture is: transformers, diffusers, torch_geometric, timm, torchaudio, torch.nn."""
+    return next((lib for prefix, lib in LIBRARIES if name.startswith(prefix)), "torch.nn")
+
+
 def summary(rows: list[Row]) -> dict:
     trained = [r for r in rows if r.status != "skipped"]
     ok = [r for r in trained if r.status == "recorded"]
@@ -192,9 +206,16 @@ def summary(rows: list[Row]) -> dict:
             "bitwise": sum(1 for r in ok if r.bitwise), "percent": round(100 * len(ok) / max(1, len(trained)), 1)}
 
 
+def by_library(rows: list[Row]) -> dict[str, dict]:
+    libs: dict[str, list[Row]] = {}
+    for r in rows:
+        libs.setdefault(library(r.name), []).append(r)
+    return {lib: summary(rs) for lib, rs in libs.items()}
+
+
 def versions() -> dict:
     v = {"torch": torch.__version__, "python": sys.version.split()[0]}
-    for mod in ("transformers", "diffusers"):
+    for mod in ("transformers", "diffusers", "torch_geometric", "timm", "torchaudio"):
         try:
             v[mod] = __import__(mod).__version__
         except ImportError:
@@ -255,13 +276,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row.status:15s} {row.name:45s} {row.seconds:6.1f}s{tail}", flush=True)
     s = summary(rows)
     v = versions()
-    print(f"\narchitectures recorded {s['recorded']}/{s['trainable']} ({s['percent']}%), {s['bitwise']} bitwise; "
+    print()
+    for lib, ls in by_library(rows).items():
+        print(f"{lib}: architectures recorded {ls['recorded']}/{ls['trainable']} ({ls['percent']}%), "
+              f"{ls['bitwise']} bitwise; {ls['total'] - ls['trainable']} not built/trained")
+    print(f"overall: architectures recorded {s['recorded']}/{s['trainable']} ({s['percent']}%), {s['bitwise']} bitwise; "
           f"{s['total'] - s['trainable']} not built/trained; {time.perf_counter() - t0:.0f}s")
     for r in rows:
         if r.status in ("not_recorded", "replay_differs"):
             print(f"  not recorded: {r.name}: {r.op or r.reason}")
     if not args.no_write:
-        Path(args.out + ".json").write_text(json.dumps({"versions": v, "summary": s, "rows": [asdict(r) for r in rows]},
+        Path(args.out + ".json").write_text(json.dumps({"versions": v, "summary": s, "libraries": by_library(rows), "rows": [asdict(r) for r in rows]},
                                                        indent=1) + "\n")
         Path(args.out + ".md").write_text(markdown(rows, s, v))
     return 0

@@ -427,6 +427,23 @@ class ModuleHooks:
     after: Callable[[torch.nn.Module], None]
 
 
+FREED = ("a batch tensor no longer holds its data: the step freed its storage (a memory-saving layer, e.g. "
+         "torch_geometric's GroupAddRev, resizes its inputs' storage to 0), so the step cannot run again or be stored")
+
+
+def storage_freed(t: torch.Tensor) -> bool:
+    """Whether `t`'s storage no longer holds the elements `t` addresses (freed or shrunk in place since it was made):
+    reading it would read past the storage."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return False
+    try:
+        have = t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return False
+    extent = t.storage_offset() + sum((d - 1) * abs(s) for d, s in zip(t.shape, t.stride(), strict=True)) + 1
+    return have < extent * t.element_size()
+
+
 def record_step(forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor], *, model: torch.nn.Module,
                 batch: dict[str, Any], hooks: ModuleHooks | None = None, watch: Any = None) -> Recorded:
     """Run `loss(forward())` once under the recorder; the program or NotRecordable(why).
@@ -438,6 +455,8 @@ def record_step(forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor],
     for name, b in model.named_buffers(remove_duplicate=True):
         leaves.setdefault(id(b), ("buffer", name, None))
     for path, t in _batch_tensors(batch):
+        if storage_freed(t):
+            raise NotRecordable(FREED)
         leaves.setdefault(id(t), ("batch", _path_name(path), path))
     rec = _Recorder(leaves)
     rec.watch = watch

@@ -458,6 +458,29 @@ def _fft(call: Call) -> None:
             raise Refused("last_dim_size does not fit the input's last transformed dimension")
 
 
+@rule("unfold_backward")
+def _unfold_backward(call: Call) -> None:
+    """torch.istft's overlap-add: the kernel walks grad_in with strides computed from input_sizes, size and step,
+    so grad_in must be exactly what `unfold(dim, size, step)` of a tensor of input_sizes makes."""
+    g, sizes, size, step = call["grad_in"], call["input_sizes"], call["size"], call["step"]
+    gs = _shape(g)
+    if not isinstance(sizes, list) or not all(isinstance(s, int) and s >= 0 for s in sizes):
+        raise Refused("input_sizes must be sizes")
+    n = max(len(sizes), 1)
+    d = call["dim"]
+    if not isinstance(d, int) or not -n <= d < n:
+        raise Refused(f"dim is outside the {len(sizes)} dimensions of input_sizes")
+    d %= n
+    if not (isinstance(size, int) and isinstance(step, int) and size > 0 and step > 0):
+        raise Refused("size and step must be positive")
+    full = list(sizes) if sizes else [1]
+    if full[d] < size:
+        raise Refused("size is larger than the unfolded dimension")
+    want = full[:d] + [(full[d] - size) // step + 1] + full[d + 1:] + [size]
+    if list(gs) != want:
+        raise Refused(f"grad_in is {list(gs)}, not what unfolding input_sizes makes")
+
+
 # ------------------------------------------------------------------ torch.distributions' argument validation
 
 
