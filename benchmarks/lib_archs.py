@@ -221,10 +221,10 @@ _FILL: dict[str, Callable[[], object]] = {
     "scalers": lambda: ["identity"], "deg": lambda: torch.tensor([0, 4, 6, 2]), "space_dimensions": lambda: 2,
     "propagate_dimensions": lambda: D, "k": lambda: 3, "num_bases": lambda: 2, "groups": lambda: 1,
     "in_features": lambda: D, "out_features": lambda: D, "num_nodes": lambda: N_NODES,
-    "powers": lambda: [0, 1, 2], "mlp": _mlp, "edge_dim": None,
+    "powers": lambda: [0, 1, 2], "mlp": _mlp, "edge_dim": lambda: 2,
 }
-_EDGE_ATTR_LAYERS = {"GINEConv": D, "NNConv": 2, "GMMConv": 2, "SplineConv": 2, "CGConv": 2, "PDNConv": 2,
-                     "GENConv": None}
+_EDGE_ATTR_LAYERS = {"GINEConv": D, "NNConv": 2, "GMMConv": 2, "SplineConv": 2, "PDNConv": 2}
+_WITH_X0 = {"GCN2Conv", "FAConv"}  # forward(x, x_0, edge_index): the initial features again
 _NOT_NODE_LAYERS = {  # layers whose inputs are not (x, edge_index): the reason, listed in the sweep's table
     "MessagePassing": "the abstract base class", "HeteroConv": "takes dicts of node types (heterogeneous graphs)",
     "HGTConv": "takes dicts of node types (heterogeneous graphs)", "HANConv": "takes dicts of node types",
@@ -256,6 +256,8 @@ def _conv_build(cls) -> Callable[[], nn.Module]:
             kw["edge_dim"] = None
         if name in ("NNConv",):
             kw["nn"] = nn.Sequential(nn.Linear(2, D * D))
+        if name in ("EdgeConv",):
+            kw["nn"] = nn.Sequential(nn.Linear(2 * D, D), nn.ReLU(), nn.Linear(D, D))
         if name in ("GATConv", "GATv2Conv", "TransformerConv") and "heads" not in kw:
             kw["heads"] = 2
         return cls(**kw)
@@ -310,7 +312,8 @@ def pyg_archs() -> list[Arch]:
         if name in _NOT_NODE_LAYERS:
             out.append(Arch(f"pyg-conv:{name}", "graph", _skip(_NOT_NODE_LAYERS[name]), "node_cls"))
             continue
-        out.append(Arch(f"pyg-conv:{name}", "graph", _node_model(_conv_build(cls), _plain,
+        call = (lambda b, x, ei, ea: b(x, x, ei)) if name in _WITH_X0 else _plain
+        out.append(Arch(f"pyg-conv:{name}", "graph", _node_model(_conv_build(cls), call,
                                                                  _EDGE_ATTR_LAYERS.get(name)), "node_cls"))
     return out
 

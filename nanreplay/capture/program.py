@@ -188,6 +188,8 @@ class _Recorder:
         if name == _RRELU:
             self._rrelu(args, kwargs, out)
             return
+        if name not in ALLOWED_OPS and name.endswith(".out") and self._out_variant(func, args, kwargs, out):
+            return
         if name not in ALLOWED_OPS:
             raise NotRecordable(f"the step uses {name}, which is not on nanreplay's allowlist of pure tensor ops")
         node: dict[str, Any] = {"op": name}
@@ -244,6 +246,34 @@ class _Recorder:
         self.on_op(torch.ops.aten.view.default, (dense, [-1]), {}, flat)
         self.on_op(torch.ops.aten.take.default, (flat, index), {}, out)
         self.strided[out] = True
+
+    def _out_variant(self, func, args: tuple, kwargs: dict, out: Any) -> bool:
+        """`torch.cumsum(x, 0, out=buf)` (torch_geometric's `cumsum` writes into a slice this way): `out=` overloads
+        are never in a program, so it is recorded as the op's functional overload, then `buf.copy_(result)` — the
+        same values, where `buf` already has the result's shape and dtype (an `out=` that would resize is not)."""
+        target = kwargs.get("out")
+        if not isinstance(target, torch.Tensor) or target is not out:
+            return False
+        packet = getattr(torch.ops.aten, str(func).split(".")[1], None)
+        schema = ti.op_schema(func)
+        if packet is None or schema is None:
+            return False
+        want = [a.name for a in schema.arguments if a.name != "out"]
+        rest = {k: v for k, v in kwargs.items() if k != "out"}
+        for ov in packet.overloads():
+            functional = getattr(packet, ov)
+            fs = ti.op_schema(functional)
+            if ov == "out" or fs is None or [a.name for a in fs.arguments] != want or str(functional) not in ALLOWED_OPS:
+                continue
+            with torch.no_grad():
+                result = functional(*args, **rest)
+            if not isinstance(result, torch.Tensor) or result.shape != target.shape or result.dtype != target.dtype:
+                return False
+            self.keep.append(result)
+            self.on_op(functional, args, rest, result)
+            self.on_op(torch.ops.aten.copy_.default, (target, result), {}, target)
+            return True
+        return False
 
     def _rrelu(self, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
         """nn.RReLU: in training, the slopes it drew are recorded values, like a dropout mask — noise.copy_(slopes),

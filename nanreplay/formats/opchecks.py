@@ -232,7 +232,7 @@ def _gather_scatter(call: Call) -> None:
     _in_range(call, idx, 0, n, "index")
 
 
-@rule("index_select", "index_add", "index_add_", "index_copy", "index_fill", "index_fill_", "index_reduce",
+@rule("index_select", "index_add", "index_add_", "index_copy", "index_copy_", "index_fill", "index_fill_", "index_reduce",
       "index_reduce_")
 def _index_dim(call: Call) -> None:
     x, idx = call["self"], call["index"]

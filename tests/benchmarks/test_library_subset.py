@@ -25,6 +25,7 @@ pytestmark = pytest.mark.zoo
 OPS = ("ops:stft_log_power", "ops:istft_mask", "ops:fnet_mixing", "ops:rotary_complex", "ops:normal_policy",
        "ops:beta_policy")
 PYG = ("pyg:GCN", "pyg:GraphSAGE", "pyg:GIN", "pyg:GAT", "pyg:GAT_edge", "pyg:PNA", "pyg:EdgeCNN", "pyg:AttentiveFP",
+       "pyg:SGFormer",  # torch_geometric's cumsum(out=a slice): recorded as cumsum, then copy_ into the slice
        "pyg-conv:TransformerConv", "pyg-conv:GATv2Conv", "pyg-conv:GENConv")
 TIMM = ("timm:resnet:resnet18", "timm:convnext:convnext_atto", "timm:deit:deit_tiny_patch16_224")
 

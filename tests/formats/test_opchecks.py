@@ -102,6 +102,8 @@ CASES: dict[str, list[tuple[str, dict, dict]]] = {
                          dict(grad_in=torch.ones(2, 3, 4), input_sizes=[2, BIG], dim=1, size=4, step=3)),
                         ("default", dict(grad_in=torch.ones(2, 3, 4), input_sizes=[2, 10], dim=1, size=4, step=3),
                          dict(grad_in=torch.ones(2, 3, 4), input_sizes=[2, 10], dim=1, size=4, step=0))],
+    "index_copy_": [("default", dict(self=X34, dim=1, index=t(3), source=torch.ones(3, 1)),
+                     dict(self=X34, dim=1, index=t(BIG), source=torch.ones(3, 1)))],
     "_is_all_true": [("default", dict(self=torch.ones(3, dtype=torch.bool)), dict(self=torch.ones(3)))],
     "index_select": [("default", dict(self=X34, dim=0, index=t(2, -3)), dict(self=X34, dim=0, index=t(BIG)))],
     "index_add": [("default", dict(self=X34, dim=0, index=t(2), source=torch.ones(1, 4)),
