@@ -41,7 +41,7 @@ def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]
     inputs = 0
     for ref, (shape, dtype) in leaf_meta.items():
         env[ref] = torch.empty(shape, dtype=dtype, device="meta")
-        inputs += _nbytes(shape, dtype) * (2 if dtype.is_floating_point else 1) + TENSOR_BYTES
+        inputs += _nbytes(shape, dtype) * (2 if dtype.is_floating_point or dtype.is_complex else 1) + TENSOR_BYTES
         if values is not None and ref in values:
             known[id(env[ref])] = (env[ref], values[ref])
     made = 0

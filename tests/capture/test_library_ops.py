@@ -232,3 +232,46 @@ def test_a_batch_freed_by_the_step_is_one_warning_not_a_segfault(tmp_path):
     with pytest.warns(RuntimeWarning, match="no longer holds its data"):
         ok = guard.loss_ok(model(x))
     assert not ok and guard.last_snapshot is None and list(tmp_path.iterdir()) == []
+
+
+class _StandardizingPolicy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.mu = torch.nn.Linear(4, 16), torch.nn.Linear(16, 2)
+        self.log_std = torch.nn.Parameter(torch.zeros(2))
+
+    def forward(self, obs):
+        z = (obs - obs.mean(0)) / obs.std(0)  # a constant observation column: 0/0
+        return self.mu(torch.tanh(self.body(z))), self.log_std.exp().expand(obs.shape[0], 2)
+
+
+def _policy_nll(out, actions):
+    mu, std = out
+    return -torch.distributions.Normal(mu, std, validate_args=True).log_prob(actions).mean()
+
+
+def test_a_nan_the_validation_would_reject_gets_a_culprit_not_a_crash(tmp_path):
+    """torch.distributions' validation is a pure `_is_all_true` in the program (its `raise` is Python the program
+    does not hold): a batch whose NaN the validation would reject in eager (ValueError) replays to a culprit."""
+    from nanreplay.analysis import analyze
+
+    torch.manual_seed(0)
+    model = _StandardizingPolicy()
+    guard = NanGuard(model, loss_fn=_policy_nll, folder=tmp_path)
+    obs, actions = torch.randn(8, 4), torch.randn(8, 2)
+    guard.begin(obs, actions)
+    _policy_nll(model(obs), actions)
+    d = guard.to_dict("loss")
+    guard.close()
+    assert d["step_program"] is not None, d.get("program_error")
+    bad = obs.clone()
+    bad[:, 2] = 0.5  # a sensor stuck at one value: finite, but its standard deviation is 0
+    with pytest.raises(ValueError, match="constraint"):
+        _policy_nll(model(bad), actions)  # eager: the validation rejects the NaN loc
+    d["batch"]["inputs"] = bad
+    path = tmp_path / "stuck_sensor.pt"
+    torch.save(d, path)
+    r = analyze(str(path)).to_json()
+    c = r["culprit"]
+    assert r["verdict"] == "culprit_found" and c["op"] == "aten.div.Tensor", (r["verdict"], c)
+    assert "obs.std(0)" in c["source"]["code"]
