@@ -223,13 +223,27 @@ def versions() -> dict:
     return v
 
 
-def markdown(rows: list[Row], s: dict, v: dict) -> str:
-    out = ["# Capture sweep", "",
-           f"torch {v['torch']}, transformers {v['transformers']}, diffusers {v['diffusers']}, python {v['python']}; "
-           "`python benchmarks/capture_sweep.py`.", "",
-           f"**architectures recorded {s['recorded']}/{s['trainable']}** ({s['percent']}%; {s['bitwise']} bitwise "
-           f"equal to eager, the rest within relative {RTOL:g}); {s['total'] - s['trainable']} of {s['total']} "
-           "did not build or train a step on CPU from a tiny config (listed at the end).", ""]
+def _versions_line(v: dict) -> str:
+    libs = ", ".join(f"{k} {v[k]}" for k in ("transformers", "diffusers", "torch_geometric", "timm", "torchaudio")
+                     if v.get(k))
+    return f"torch {v['torch']}, {libs}, python {v['python']}"
+
+
+def markdown(rows: list[Row], s: dict, v: dict, runs: list[tuple[dict, list[str]]] | None = None) -> str:
+    """The note: overall and per-library figures, every architecture not recorded and why, the rest listed."""
+    runs = runs or [(v, sorted({library(r.name) for r in rows}))]
+    out = ["# Capture sweep", "", "`python benchmarks/capture_sweep.py` (`--archs pyg timm: ...` for a part; "
+           "`--combine A.json B.json` merges runs made in different environments into this note). Runs:", ""]
+    out += [f"* {_versions_line(rv)}: {', '.join(libs)}" for rv, libs in runs]
+    out += ["", f"**architectures recorded {s['recorded']}/{s['trainable']}** ({s['percent']}%; {s['bitwise']} bitwise "
+            f"equal to eager, the rest within relative {RTOL:g}); {s['total'] - s['trainable']} of {s['total']} "
+            "did not build or train a step on CPU from a tiny config (listed at the end).", "",
+            "| library | recorded | of those that build and train | % | bitwise | not built/trained |",
+            "|---|---|---|---|---|---|"]
+    for lib, ls in by_library(rows).items():
+        out.append(f"| {lib} | {ls['recorded']} | {ls['trainable']} | {ls['percent']} | {ls['bitwise']} | "
+                   f"{ls['total'] - ls['trainable']} |")
+    out.append("")
     bad = [r for r in rows if r.status in ("not_recorded", "replay_differs")]
     if bad:
         out += ["## Not recorded or not equal to eager", "", "| architecture | family | status | op / reason |",
@@ -259,7 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, help="at most this many architectures (spread over the list)")
     ap.add_argument("--no-write", action="store_true", help="print only; do not write capture_sweep.{md,json}")
     ap.add_argument("--out", default=str(HERE / "capture_sweep"), help="output path without extension")
+    ap.add_argument("--combine", nargs="+", metavar="JSON", help="merge these runs' rows (the first run of an "
+                    "architecture wins) into the note instead of sweeping")
     args = ap.parse_args(argv)
+    if args.combine:
+        return combine(args.combine, args.out)
     torch.set_num_threads(1)
     import warnings
     warnings.filterwarnings("ignore")
@@ -289,6 +307,28 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out + ".json").write_text(json.dumps({"versions": v, "summary": s, "libraries": by_library(rows), "rows": [asdict(r) for r in rows]},
                                                        indent=1) + "\n")
         Path(args.out + ".md").write_text(markdown(rows, s, v))
+    return 0
+
+
+def combine(paths: list[str], out: str) -> int:
+    """One note from runs made in different environments (timm and torchaudio need a torch their builds load with)."""
+    rows: dict[str, Row] = {}
+    runs = []
+    for p in paths:
+        d = json.loads(Path(p).read_text())
+        new = [Row(**r) for r in d["rows"] if r["name"] not in rows]
+        rows.update({r.name: r for r in new})
+        if new:
+            runs.append((d["versions"], sorted({library(r.name) for r in new})))
+    merged = list(rows.values())
+    s = summary(merged)
+    Path(out + ".json").write_text(json.dumps({"versions": runs[0][0] if runs else versions(), "runs": runs,
+                                               "summary": s, "libraries": by_library(merged),
+                                               "rows": [asdict(r) for r in merged]}, indent=1) + "\n")
+    Path(out + ".md").write_text(markdown(merged, s, runs[0][0] if runs else versions(), runs))
+    for lib, ls in by_library(merged).items():
+        print(f"{lib}: architectures recorded {ls['recorded']}/{ls['trainable']} ({ls['percent']}%)")
+    print(f"overall: architectures recorded {s['recorded']}/{s['trainable']} ({s['percent']}%)")
     return 0
 
 

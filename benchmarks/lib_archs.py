@@ -237,7 +237,6 @@ _NOT_NODE_LAYERS = {  # layers whose inputs are not (x, edge_index): the reason,
     "MeshCNNConv": "needs a mesh", "DNAConv": "needs a stack of layer outputs",
     "CuGraphSAGEConv": "needs CUDA (cugraph)", "CuGraphGATConv": "needs CUDA (cugraph)",
     "CuGraphRGCNConv": "needs CUDA (cugraph)", "FusedGATConv": "needs dgNN (CUDA)",
-    "GPSConv": "takes a whole conv layer", "DirGNNConv": "takes a whole conv layer",
 }
 
 
@@ -305,9 +304,14 @@ def pyg_archs() -> list[Arch]:
             continue
         edge = 2 if name == "AttentiveFP" else None
         out.append(Arch(f"pyg:{name}", "graph", _node_model(build, call, edge), "node_cls"))
+    wrappers = {"GPSConv": lambda: gnn.GPSConv(D, gnn.GINConv(_mlp()), heads=2),  # layers that wrap a conv layer
+                "DirGNNConv": lambda: gnn.DirGNNConv(gnn.GCNConv(D, D))}
     for name in gnn.conv.__all__:
         cls = getattr(gnn.conv, name, None)
         if cls is None:
+            continue
+        if name in wrappers:
+            out.append(Arch(f"pyg-conv:{name}", "graph", _node_model(wrappers[name], _plain), "node_cls"))
             continue
         if name in _NOT_NODE_LAYERS:
             out.append(Arch(f"pyg-conv:{name}", "graph", _skip(_NOT_NODE_LAYERS[name]), "node_cls"))

@@ -82,12 +82,12 @@ PACKETS = PACKETS | SWEEP_PACKETS
 # scatter_reduce_ in place), the FFT family (torch.stft / log-Mel front-ends, FNet), complex tensors as data
 # (view_as_complex rotary embeddings), and torch.distributions' argument validation, whose `_is_all_true` is a pure
 # reduction of a bool tensor (the Python `raise` after it is not an op; `_assert_*` stays denied). torch.istft's
-# overlap-add runs unfold_backward in its forward. Each comes with
+# overlap-add runs unfold_backward in its forward; nn.utils.spectral_norm's power iteration runs vdot. Each comes with
 # its checks in formats/opchecks.py: index values and shapes, FFT dims, norms and sizes, a bool input.
 OPS_36 = frozenset("""
 scatter_reduce_ index_reduce_ _fft_r2c _fft_c2r _fft_c2c view_as_complex view_as_real real imag conj _conj
 resolve_conj conj_physical _conj_physical complex _neg_view resolve_neg _is_all_true unfold_backward
-logical_not_ logical_and_ logical_or_ logical_xor_ index_copy_
+logical_not_ logical_and_ logical_or_ logical_xor_ index_copy_ vdot
 """.split())
 PACKETS = PACKETS | OPS_36
 

@@ -27,6 +27,7 @@ OPS = ("ops:stft_log_power", "ops:istft_mask", "ops:fnet_mixing", "ops:rotary_co
 PYG = ("pyg:GCN", "pyg:GraphSAGE", "pyg:GIN", "pyg:GAT", "pyg:GAT_edge", "pyg:PNA", "pyg:EdgeCNN", "pyg:AttentiveFP",
        "pyg:SGFormer",  # torch_geometric's cumsum(out=a slice): recorded as cumsum, then copy_ into the slice
        "pyg-conv:TransformerConv", "pyg-conv:GATv2Conv", "pyg-conv:GENConv")
+HF = ("hf:fnet", "hf:llama4_text")  # complex-valued steps: FNet's FFT mixing, llama4's view_as_complex rotary
 TIMM = ("timm:resnet:resnet18", "timm:convnext:convnext_atto", "timm:deit:deit_tiny_patch16_224")
 
 
@@ -51,6 +52,24 @@ def pyg():
 @pytest.mark.parametrize("name", PYG)
 def test_torch_geometric_model_records_and_replays_bitwise(name, pyg, tmp_path):
     _sweep(pyg[name], tmp_path)
+
+
+def test_spectral_norm_out_division_records_and_replays_bitwise(tmp_path):
+    """nn.utils.spectral_norm normalises its power-iteration vectors with `F.normalize(..., out=u)`: the `out=`
+    division is recorded as div then copy_ into u."""
+    import archs
+
+    (arch,) = [a for a in archs.nn_layer_archs() if a.name == "nn:spectral_norm"]
+    _sweep(arch, tmp_path)
+
+
+@pytest.mark.parametrize("name", HF)
+def test_complex_valued_transformers_step_records_and_replays_bitwise(name, tmp_path):
+    pytest.importorskip("transformers")
+    import hf_archs
+
+    (arch,) = [a for a in hf_archs.hf_archs() if a.name == name]
+    _sweep(arch, tmp_path)
 
 
 @pytest.mark.parametrize("name", TIMM)
