@@ -304,8 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         if r.status in ("not_recorded", "replay_differs"):
             print(f"  not recorded: {r.name}: {r.op or r.reason}")
     if not args.no_write:
-        Path(args.out + ".json").write_text(json.dumps({"versions": v, "summary": s, "libraries": by_library(rows), "rows": [asdict(r) for r in rows]},
-                                                       indent=1) + "\n")
+        doc = {"versions": v, "summary": s, "libraries": by_library(rows), "rows": [asdict(r) for r in rows]}
+        Path(args.out + ".json").write_text(json.dumps(doc, indent=1) + "\n")
         Path(args.out + ".md").write_text(markdown(rows, s, v))
     return 0
 
