@@ -88,6 +88,18 @@ class Rotary(nn.Module):
         return torch.view_as_real(q * self.freqs_cis).flatten(-2)
 
 
+class ComplexGate(nn.Module):
+    """A complex-valued layer with a complex scalar in the step (`z * (0.5 + 1j)`): a literal the program stores."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        z = torch.view_as_complex(self.lin(x).reshape(*x.shape[:-1], -1, 2)) * (0.5 + 1j)
+        return torch.view_as_real(z.conj().resolve_conj() * z.sgn()).flatten(-2)
+
+
 class NormalPolicy(nn.Module):
     def __init__(self, obs=4, act=2):
         super().__init__()
@@ -144,6 +156,7 @@ def op_archs() -> list[Arch]:
         Arch("ops:istft_mask", "spectral", _op_make(ISTFT, (2, 256), _regress), "denoise"),
         Arch("ops:fnet_mixing", "spectral", _op_make(FNetMix, (2, 6, 16), _regress), "layer"),
         Arch("ops:rotary_complex", "complex", _op_make(Rotary, (2, 6, 16), _regress), "layer"),
+        Arch("ops:complex_scalar", "complex", _op_make(ComplexGate, (2, 6, 16), _regress), "layer"),
         Arch("ops:normal_policy", "distributions", _op_make(NormalPolicy, (8, 4), _normal_nll, actions), "policy"),
         Arch("ops:beta_policy", "distributions", _op_make(BetaPolicy, (8, 4), _beta_nll, unit), "policy"),
     ]

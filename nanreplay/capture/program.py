@@ -138,6 +138,8 @@ class _Recorder:
             return x
         if isinstance(x, float):
             return encode_float(x)
+        if isinstance(x, complex):
+            return {"c": [encode_float(x.real), encode_float(x.imag)]}
         if isinstance(x, (list, tuple)):
             return [self.enc(v) for v in x]
         if isinstance(x, torch.dtype):

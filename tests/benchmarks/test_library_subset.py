@@ -22,8 +22,8 @@ import lib_archs  # noqa: E402
 
 pytestmark = pytest.mark.zoo
 
-OPS = ("ops:stft_log_power", "ops:istft_mask", "ops:fnet_mixing", "ops:rotary_complex", "ops:normal_policy",
-       "ops:beta_policy")
+OPS = ("ops:stft_log_power", "ops:istft_mask", "ops:fnet_mixing", "ops:rotary_complex", "ops:complex_scalar",
+       "ops:normal_policy", "ops:beta_policy")
 PYG = ("pyg:GCN", "pyg:GraphSAGE", "pyg:GIN", "pyg:GAT", "pyg:GAT_edge", "pyg:PNA", "pyg:EdgeCNN", "pyg:AttentiveFP",
        "pyg:SGFormer",  # torch_geometric's cumsum(out=a slice): recorded as cumsum, then copy_ into the slice
        "pyg-conv:TransformerConv", "pyg-conv:GATv2Conv", "pyg-conv:GENConv")

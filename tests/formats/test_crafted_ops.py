@@ -106,6 +106,8 @@ REFUSED: dict[str, tuple[dict, list, tuple]] = {
     "_fft_c2c of a real input": (
         {"x": X34}, [("aten._fft_c2c.default", [R("x"), [1], 0, True], {}, [[[3, 4], "complex64"]])],
         ("complex",)),
+    "a complex literal that is not two numbers": (
+        {"x": X34}, [("aten.mul.Tensor", [R("x"), {"c": ["nan", 1, 2]}], {}, [[[3, 4], F32]])], ("number",)),
     "_is_all_true of a float tensor": (
         {"x": X34}, [("aten._is_all_true.default", [R("x")], {}, [[[], "bool"]])], ("bool",)),
     "_assert_async from a validation": (
