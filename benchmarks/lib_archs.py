@@ -196,7 +196,7 @@ def _node_model(build: Callable[[], nn.Module], call: Callable, edge_dim: int | 
         except Skipped:
             raise
         except Exception as e:  # noqa: BLE001 - a layer that needs more than its channels
-            raise Skipped(f"not built from channels alone: {type(e).__name__}: {str(e)[:120]}") from None
+            raise Skipped(f"needs more than its channels: {type(e).__name__}: {str(e)[:120]}") from None
         g0 = torch.Generator().manual_seed(0)
         x, ei, _ = _graph(g0)
         ea = torch.randn(ei.shape[1], edge_dim, generator=g0) if edge_dim else None
@@ -368,7 +368,7 @@ def _timm_make(name: str) -> Callable[[], Built]:
             except Exception as e:  # noqa: BLE001 - a size or argument this model does not take
                 model, err = None, e
         if model is None:
-            raise Skipped(f"not built: {type(err).__name__}: {str(err)[:120]}")
+            raise Skipped(f"{type(err).__name__}: {str(err)[:120]}")
         if sum(p.numel() for p in model.parameters()) > MAX_TIMM_PARAMS:
             raise Skipped(f"more than {MAX_TIMM_PARAMS // 10**6}M parameters at its smallest")
         model.train()
