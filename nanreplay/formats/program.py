@@ -15,8 +15,8 @@ real tensors by `capture/program.py`), stored as strict JSON next to the snapsho
      "calls": ["", "F.linear", ...]}  # torch-level call names, by call number
 
 Arguments are a closed grammar of literals: null, booleans, integers, finite floats,
-`{"f": "inf" | "-inf" | "nan"}`, `{"c": [re, im]}` (a complex scalar), `{"r": ref}` (a tensor), `{"dtype": ...}`, `{"device": ...}`,
-`{"layout": ...}`, `{"memory_format": ...}`, lists of these, and strings only where a rule
+`{"f": "inf" | "-inf" | "nan"}`, `{"c": [re, im]}` (a complex scalar), `{"r": ref}` (a tensor),
+`{"dtype": ...}`, `{"device": ...}`, `{"layout": ...}`, `{"memory_format": ...}`, lists of these, and strings only where a rule
 for that (op, argument) exists. Node flags: `"grad": false` (ran under no_grad), `"cast": true`
 (its dtype literal is autocast's dtype: a cast autocast inserted, or a dtype taken from a tensor
 autocast made, `torch.zeros(..., dtype=q.dtype)`; replays in other dtypes map it as autocast's),
