@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from arch_types import Arch, Built, Skipped
 from hf_archs import hf_archs
+from lib_archs import lib_archs
 
 __all__ = ["Arch", "Built", "Skipped", "all_archs", "hf_archs", "select"]
 
@@ -419,7 +420,7 @@ def other_archs() -> list[Arch]:
 
 
 def all_archs() -> list[Arch]:
-    return other_archs() + nn_layer_archs() + hf_archs()
+    return other_archs() + nn_layer_archs() + hf_archs() + lib_archs()
 
 
 def select(archs: list[Arch], names: list[str] | None, limit: int | None) -> list[Arch]:

@@ -141,7 +141,12 @@ def sweep_one(arch, folder: str) -> Row:
             row.reason = "the tiny model's loss is not finite"
             guard.close()
             return row
-        d = guard.to_dict("loss")
+        try:
+            d = guard.to_dict("loss")
+        except Exception as e:  # noqa: BLE001 - in a loop the guard says this in its one warning
+            guard.close()
+            row.status, row.reason = "not_recorded", f"the snapshot cannot be written: {_line(e)}"
+            return row
         guard.close()
         if "_Timeout" in str(d.get("program_error")):  # the alarm went off while the guard was recording
             raise _Timeout()
@@ -185,6 +190,15 @@ def _line(e: BaseException, n: int = 200) -> str:
     return (s[0] if s else "")[:n]
 
 
+LIBRARIES = (("hf:", "transformers"), ("diffusers:", "diffusers"), ("pyg", "torch_geometric"), ("timm:", "timm"),
+             ("torchaudio:", "torchaudio"), ("ops:", "torch (issue 36 op families)"))
+
+
+def library(name: str) -> str:
+    """Which library's code an architecture is: transformers, diffusers, torch_geometric, timm, torchaudio, torch.nn."""
+    return next((lib for prefix, lib in LIBRARIES if name.startswith(prefix)), "torch.nn")
+
+
 def summary(rows: list[Row]) -> dict:
     trained = [r for r in rows if r.status != "skipped"]
     ok = [r for r in trained if r.status == "recorded"]
@@ -192,9 +206,16 @@ def summary(rows: list[Row]) -> dict:
             "bitwise": sum(1 for r in ok if r.bitwise), "percent": round(100 * len(ok) / max(1, len(trained)), 1)}
 
 
+def by_library(rows: list[Row]) -> dict[str, dict]:
+    libs: dict[str, list[Row]] = {}
+    for r in rows:
+        libs.setdefault(library(r.name), []).append(r)
+    return {lib: summary(rs) for lib, rs in libs.items()}
+
+
 def versions() -> dict:
     v = {"torch": torch.__version__, "python": sys.version.split()[0]}
-    for mod in ("transformers", "diffusers"):
+    for mod in ("transformers", "diffusers", "torch_geometric", "timm", "torchaudio"):
         try:
             v[mod] = __import__(mod).__version__
         except ImportError:
@@ -202,13 +223,27 @@ def versions() -> dict:
     return v
 
 
-def markdown(rows: list[Row], s: dict, v: dict) -> str:
-    out = ["# Capture sweep", "",
-           f"torch {v['torch']}, transformers {v['transformers']}, diffusers {v['diffusers']}, python {v['python']}; "
-           "`python benchmarks/capture_sweep.py`.", "",
-           f"**architectures recorded {s['recorded']}/{s['trainable']}** ({s['percent']}%; {s['bitwise']} bitwise "
-           f"equal to eager, the rest within relative {RTOL:g}); {s['total'] - s['trainable']} of {s['total']} "
-           "did not build or train a step on CPU from a tiny config (listed at the end).", ""]
+def _versions_line(v: dict) -> str:
+    libs = ", ".join(f"{k} {v[k]}" for k in ("transformers", "diffusers", "torch_geometric", "timm", "torchaudio")
+                     if v.get(k))
+    return f"torch {v['torch']}, {libs}, python {v['python']}"
+
+
+def markdown(rows: list[Row], s: dict, v: dict, runs: list[tuple[dict, list[str]]] | None = None) -> str:
+    """The note: overall and per-library figures, every architecture not recorded and why, the rest listed."""
+    runs = runs or [(v, sorted({library(r.name) for r in rows}))]
+    out = ["# Capture sweep", "", "`python benchmarks/capture_sweep.py` (`--archs pyg timm: ...` for a part; "
+           "`--combine A.json B.json` merges runs made in different environments into this note). Runs:", ""]
+    out += [f"* {_versions_line(rv)}: {', '.join(libs)}" for rv, libs in runs]
+    out += ["", f"**architectures recorded {s['recorded']}/{s['trainable']}** ({s['percent']}%; {s['bitwise']} bitwise "
+            f"equal to eager, the rest within relative {RTOL:g}); {s['total'] - s['trainable']} of {s['total']} "
+            "did not build or train a step on CPU from a tiny config (listed at the end).", "",
+            "| library | recorded | of those that build and train | % | bitwise | not built/trained |",
+            "|---|---|---|---|---|---|"]
+    for lib, ls in by_library(rows).items():
+        out.append(f"| {lib} | {ls['recorded']} | {ls['trainable']} | {ls['percent']} | {ls['bitwise']} | "
+                   f"{ls['total'] - ls['trainable']} |")
+    out.append("")
     bad = [r for r in rows if r.status in ("not_recorded", "replay_differs")]
     if bad:
         out += ["## Not recorded or not equal to eager", "", "| architecture | family | status | op / reason |",
@@ -238,7 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, help="at most this many architectures (spread over the list)")
     ap.add_argument("--no-write", action="store_true", help="print only; do not write capture_sweep.{md,json}")
     ap.add_argument("--out", default=str(HERE / "capture_sweep"), help="output path without extension")
+    ap.add_argument("--combine", nargs="+", metavar="JSON", help="merge these runs' rows (the first run of an "
+                    "architecture wins) into the note instead of sweeping")
     args = ap.parse_args(argv)
+    if args.combine:
+        return combine(args.combine, args.out)
     torch.set_num_threads(1)
     import warnings
     warnings.filterwarnings("ignore")
@@ -255,15 +294,41 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row.status:15s} {row.name:45s} {row.seconds:6.1f}s{tail}", flush=True)
     s = summary(rows)
     v = versions()
-    print(f"\narchitectures recorded {s['recorded']}/{s['trainable']} ({s['percent']}%), {s['bitwise']} bitwise; "
+    print()
+    for lib, ls in by_library(rows).items():
+        print(f"{lib}: architectures recorded {ls['recorded']}/{ls['trainable']} ({ls['percent']}%), "
+              f"{ls['bitwise']} bitwise; {ls['total'] - ls['trainable']} not built/trained")
+    print(f"overall: architectures recorded {s['recorded']}/{s['trainable']} ({s['percent']}%), {s['bitwise']} bitwise; "
           f"{s['total'] - s['trainable']} not built/trained; {time.perf_counter() - t0:.0f}s")
     for r in rows:
         if r.status in ("not_recorded", "replay_differs"):
             print(f"  not recorded: {r.name}: {r.op or r.reason}")
     if not args.no_write:
-        Path(args.out + ".json").write_text(json.dumps({"versions": v, "summary": s, "rows": [asdict(r) for r in rows]},
-                                                       indent=1) + "\n")
+        doc = {"versions": v, "summary": s, "libraries": by_library(rows), "rows": [asdict(r) for r in rows]}
+        Path(args.out + ".json").write_text(json.dumps(doc, indent=1) + "\n")
         Path(args.out + ".md").write_text(markdown(rows, s, v))
+    return 0
+
+
+def combine(paths: list[str], out: str) -> int:
+    """One note from runs made in different environments (timm and torchaudio need a torch their builds load with)."""
+    rows: dict[str, Row] = {}
+    runs = []
+    for p in paths:
+        d = json.loads(Path(p).read_text())
+        new = [Row(**r) for r in d["rows"] if r["name"] not in rows]
+        rows.update({r.name: r for r in new})
+        if new:
+            runs.append((d["versions"], sorted({library(r.name) for r in new})))
+    merged = list(rows.values())
+    s = summary(merged)
+    Path(out + ".json").write_text(json.dumps({"versions": runs[0][0] if runs else versions(), "runs": runs,
+                                               "summary": s, "libraries": by_library(merged),
+                                               "rows": [asdict(r) for r in merged]}, indent=1) + "\n")
+    Path(out + ".md").write_text(markdown(merged, s, runs[0][0] if runs else versions(), runs))
+    for lib, ls in by_library(merged).items():
+        print(f"{lib}: architectures recorded {ls['recorded']}/{ls['trainable']} ({ls['percent']}%)")
+    print(f"overall: architectures recorded {s['recorded']}/{s['trainable']} ({s['percent']}%)")
     return 0
 
 

@@ -138,6 +138,8 @@ class _Recorder:
             return x
         if isinstance(x, float):
             return encode_float(x)
+        if isinstance(x, complex):
+            return {"c": [encode_float(x.real), encode_float(x.imag)]}
         if isinstance(x, (list, tuple)):
             return [self.enc(v) for v in x]
         if isinstance(x, torch.dtype):
@@ -187,6 +189,8 @@ class _Recorder:
             return
         if name == _RRELU:
             self._rrelu(args, kwargs, out)
+            return
+        if name not in ALLOWED_OPS and name.endswith(".out") and self._out_variant(func, args, kwargs, out):
             return
         if name not in ALLOWED_OPS:
             raise NotRecordable(f"the step uses {name}, which is not on nanreplay's allowlist of pure tensor ops")
@@ -244,6 +248,34 @@ class _Recorder:
         self.on_op(torch.ops.aten.view.default, (dense, [-1]), {}, flat)
         self.on_op(torch.ops.aten.take.default, (flat, index), {}, out)
         self.strided[out] = True
+
+    def _out_variant(self, func, args: tuple, kwargs: dict, out: Any) -> bool:
+        """`torch.cumsum(x, 0, out=buf)` (torch_geometric's `cumsum` writes into a slice this way): `out=` overloads
+        are never in a program, so it is recorded as the op's functional overload, then `buf.copy_(result)` — the
+        same values, where `buf` already has the result's shape and dtype (an `out=` that would resize is not)."""
+        target = kwargs.get("out")
+        if not isinstance(target, torch.Tensor) or target is not out:
+            return False
+        packet = getattr(torch.ops.aten, str(func).split(".")[1], None)
+        schema = ti.op_schema(func)
+        if packet is None or schema is None:
+            return False
+        want = [a.name for a in schema.arguments if a.name != "out"]
+        rest = {k: v for k, v in kwargs.items() if k != "out"}
+        for ov in packet.overloads():
+            functional = getattr(packet, ov)
+            fs = ti.op_schema(functional)
+            if ov == "out" or fs is None or [a.name for a in fs.arguments] != want or str(functional) not in ALLOWED_OPS:
+                continue
+            with torch.no_grad():
+                result = functional(*args, **rest)
+            if not isinstance(result, torch.Tensor) or result.shape != target.shape or result.dtype != target.dtype:
+                return False
+            self.keep.append(result)
+            self.on_op(functional, args, rest, result)
+            self.on_op(torch.ops.aten.copy_.default, (target, result), {}, target)
+            return True
+        return False
 
     def _rrelu(self, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
         """nn.RReLU: in training, the slopes it drew are recorded values, like a dropout mask — noise.copy_(slopes),
@@ -427,6 +459,23 @@ class ModuleHooks:
     after: Callable[[torch.nn.Module], None]
 
 
+FREED = ("a batch tensor no longer holds its data: the step freed its storage (a memory-saving layer, e.g. "
+         "torch_geometric's GroupAddRev, resizes its inputs' storage to 0), so the step cannot run again or be stored")
+
+
+def storage_freed(t: torch.Tensor) -> bool:
+    """Whether `t`'s storage no longer holds the elements `t` addresses (freed or shrunk in place since it was made):
+    reading it would read past the storage."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return False
+    try:
+        have = t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return False
+    extent = t.storage_offset() + sum((d - 1) * abs(s) for d, s in zip(t.shape, t.stride(), strict=True)) + 1
+    return have < extent * t.element_size()
+
+
 def record_step(forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor], *, model: torch.nn.Module,
                 batch: dict[str, Any], hooks: ModuleHooks | None = None, watch: Any = None) -> Recorded:
     """Run `loss(forward())` once under the recorder; the program or NotRecordable(why).
@@ -438,6 +487,8 @@ def record_step(forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor],
     for name, b in model.named_buffers(remove_duplicate=True):
         leaves.setdefault(id(b), ("buffer", name, None))
     for path, t in _batch_tensors(batch):
+        if storage_freed(t):
+            raise NotRecordable(FREED)
         leaves.setdefault(id(t), ("batch", _path_name(path), path))
     rec = _Recorder(leaves)
     rec.watch = watch

@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from nanreplay import __version__
 from nanreplay.capture import plain, recipe
-from nanreplay.capture.program import ModuleHooks, NotRecordable, record_step
+from nanreplay.capture.program import FREED, ModuleHooks, NotRecordable, record_step, storage_freed
 from nanreplay.errors import first_line
 from nanreplay.formats.loss_spec import loss_spec
 from nanreplay.formats.native import FORMAT, VERSION
@@ -118,6 +118,9 @@ def cpu_copy(obj: Any) -> Any:
     tensor) keep sharing it, so they are stored once; a view of some larger tensor the batch does not hold
     (a slice of a dataset) is copied alone, never its whole base."""
     leaves = [t for t in _tensors(obj)]
+    for t in leaves:
+        if storage_freed(t):  # copying it would read past its storage (a segfault)
+            raise RuntimeError(FREED)
     groups: dict[int, list[torch.Tensor]] = {}
     for t in leaves:
         try:

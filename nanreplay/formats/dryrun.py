@@ -57,7 +57,7 @@ def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]
             env[ref] = env[first]  # one object in the snapshot: one here (an in-place view change shows in both)
             continue
         env[ref] = torch.empty(shape, dtype=dtype, device="meta")
-        inputs += _nbytes(shape, dtype) * (2 if dtype.is_floating_point else 1) + TENSOR_BYTES
+        inputs += _nbytes(shape, dtype) * (2 if dtype.is_floating_point or dtype.is_complex else 1) + TENSOR_BYTES
         if values is not None and ref in values:
             known[id(env[ref])] = (env[ref], values[ref])
     made = 0

@@ -212,14 +212,28 @@ def _embedding_bag(call: Call) -> None:
 # ------------------------------------------------------------------ gather / scatter / index
 
 
-@rule("gather", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce")
+@rule("gather", "scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_")
 def _gather_scatter(call: Call) -> None:
+    """Every index addresses a slice of `self` along `dim`; the index fits inside `self` (but along `dim`) and
+    inside `src`, where the kernels walk it (torch_geometric's scatter softmax and aggregations run these)."""
     x, idx = call["self"], call["index"]
-    n = _size(x, _dim(call, "dim", x))
+    d = _dim(call, "dim", x)
+    n = _size(x, d)
+    xs, ishape = _shape(x), _shape(idx)
+    if isinstance(idx, torch.Tensor) and idx.dim() > 0:
+        if len(ishape) != max(len(xs), 1):
+            raise Refused("index must have as many dimensions as self")
+        if any(ishape[k] > _size(x, k) for k in range(len(ishape)) if k != d):
+            raise Refused("index is larger than self outside dim")
+        src = call["src"]
+        if isinstance(src, torch.Tensor) and src.dim() > 0:
+            if src.dim() != len(ishape) or any(i > s for i, s in zip(ishape, _shape(src), strict=False)):
+                raise Refused("index is larger than src")
     _in_range(call, idx, 0, n, "index")
 
 
-@rule("index_select", "index_add", "index_add_", "index_copy", "index_fill", "index_fill_", "index_reduce")
+@rule("index_select", "index_add", "index_add_", "index_copy", "index_copy_", "index_fill", "index_fill_", "index_reduce",
+      "index_reduce_")
 def _index_dim(call: Call) -> None:
     x, idx = call["self"], call["index"]
     d = _dim(call, "dim", x)
@@ -465,3 +479,73 @@ def _grouped_mm(call: Call) -> None:
     if len(sb) == 3 and int(v[-1]) != n or len(sa) == 3 and int(v[-1]) != n:
         raise Refused(f"the offsets end at {int(v[-1])}, short of the {n} rows or columns they group: the rest of "
                       "the result would be uninitialised memory")
+
+
+# ------------------------------------------------------------------ the FFT family (torch.stft, torch.fft.*)
+
+
+_FFT_NORMS = frozenset({0, 1, 2})  # none, by 1/sqrt(n), by 1/n (fft_norm_mode)
+
+
+@rule("_fft_r2c", "_fft_c2r", "_fft_c2c")
+def _fft(call: Call) -> None:
+    """The transformed dims exist, are distinct and non-empty; the norm is a code the kernel knows; the input is
+    real for r2c and complex otherwise; a c2r reads last_dim_size // 2 + 1 bins of its last dim (torch.fft always
+    trims or pads the input to that), so the input holds exactly that many."""
+    x, dims = call["self"], call["dim"]
+    xs = _shape(x)
+    if not isinstance(x, torch.Tensor):
+        return  # the schema check has already refused it
+    if not isinstance(dims, list) or not dims or len(dims) > len(xs):
+        raise Refused(f"dim must name 1 to {len(xs)} dimensions of the input")
+    if any(not isinstance(d, int) or not -len(xs) <= d < len(xs) for d in dims):
+        raise Refused(f"dim is outside the {len(xs)} dimensions of the input")
+    wrapped = [d % len(xs) for d in dims]
+    if len(set(wrapped)) != len(wrapped):
+        raise Refused("dim names a dimension twice")
+    if any(xs[d] == 0 for d in wrapped):
+        raise Refused("a transformed dimension is empty")
+    if call["normalization"] not in _FFT_NORMS:
+        raise Refused("normalization is not one of the codes the op knows (0, 1, 2)")
+    real = call.name.startswith("aten._fft_r2c")
+    if real != (not x.is_complex()) or (real and not x.is_floating_point()):
+        raise Refused("the input must be real floating point" if real else "the input must be complex")
+    if call.name.startswith("aten._fft_c2r"):
+        last = call["last_dim_size"]
+        if not isinstance(last, int) or last < 1 or xs[wrapped[-1]] != last // 2 + 1:
+            raise Refused("last_dim_size does not fit the input's last transformed dimension")
+
+
+@rule("unfold_backward")
+def _unfold_backward(call: Call) -> None:
+    """torch.istft's overlap-add: the kernel walks grad_in with strides computed from input_sizes, size and step,
+    so grad_in must be exactly what `unfold(dim, size, step)` of a tensor of input_sizes makes."""
+    g, sizes, size, step = call["grad_in"], call["input_sizes"], call["size"], call["step"]
+    gs = _shape(g)
+    if not isinstance(sizes, list) or not all(isinstance(s, int) and s >= 0 for s in sizes):
+        raise Refused("input_sizes must be sizes")
+    n = max(len(sizes), 1)
+    d = call["dim"]
+    if not isinstance(d, int) or not -n <= d < n:
+        raise Refused(f"dim is outside the {len(sizes)} dimensions of input_sizes")
+    d %= n
+    if not (isinstance(size, int) and isinstance(step, int) and size > 0 and step > 0):
+        raise Refused("size and step must be positive")
+    full = list(sizes) if sizes else [1]
+    if full[d] < size:
+        raise Refused("size is larger than the unfolded dimension")
+    want = full[:d] + [(full[d] - size) // step + 1] + full[d + 1:] + [size]
+    if list(gs) != want:
+        raise Refused(f"grad_in is {list(gs)}, not what unfolding input_sizes makes")
+
+
+# ------------------------------------------------------------------ torch.distributions' argument validation
+
+
+@rule("_is_all_true")
+def _is_all_true(call: Call) -> None:
+    """`torch._is_all_true(valid)`: a reduction of the bool tensor a constraint check made (the `raise` after it
+    is Python, not an op, and is not in a program); its kernel asserts the dtype."""
+    x = call["self"]
+    if isinstance(x, torch.Tensor) and x.dtype != torch.bool:
+        raise Refused("the input must be a bool tensor")

@@ -78,6 +78,19 @@ fractional_max_pool2d fractional_max_pool3d matrix_exp linalg_matrix_exp
 """.split())
 PACKETS = PACKETS | SWEEP_PACKETS
 
+# ---- Added for issue 36 (what real models run): scatter-based GNNs (torch_geometric's softmax and aggregations run
+# scatter_reduce_ in place), the FFT family (torch.stft / log-Mel front-ends, FNet), complex tensors as data
+# (view_as_complex rotary embeddings), and torch.distributions' argument validation, whose `_is_all_true` is a pure
+# reduction of a bool tensor (the Python `raise` after it is not an op; `_assert_*` stays denied). torch.istft's
+# overlap-add runs unfold_backward in its forward; nn.utils.spectral_norm's power iteration runs vdot. Each comes with
+# its checks in formats/opchecks.py: index values and shapes, FFT dims, norms and sizes, a bool input.
+OPS_36 = frozenset("""
+scatter_reduce_ index_reduce_ _fft_r2c _fft_c2r _fft_c2c view_as_complex view_as_real real imag conj _conj
+resolve_conj conj_physical _conj_physical complex _neg_view resolve_neg _is_all_true unfold_backward
+logical_not_ logical_and_ logical_or_ logical_xor_ index_copy_ vdot
+""".split())
+PACKETS = PACKETS | OPS_36
+
 # (op packet, argument) -> allowed values (a frozenset) or a full-match regex.
 STRING_ARGS: dict[tuple[str, str], frozenset[str] | re.Pattern] = {
     ("div", "rounding_mode"): frozenset({"trunc", "floor"}),
@@ -88,7 +101,9 @@ STRING_ARGS: dict[tuple[str, str], frozenset[str] | re.Pattern] = {
     ("scatter", "reduce"): frozenset({"add", "multiply"}),
     ("scatter_", "reduce"): frozenset({"add", "multiply"}),
     ("scatter_reduce", "reduce"): frozenset({"sum", "prod", "mean", "amax", "amin"}),
+    ("scatter_reduce_", "reduce"): frozenset({"sum", "prod", "mean", "amax", "amin"}),
     ("index_reduce", "reduce"): frozenset({"prod", "mean", "amax", "amin"}),
+    ("index_reduce_", "reduce"): frozenset({"prod", "mean", "amax", "amin"}),
     ("searchsorted", "side"): frozenset({"left", "right"}),
     ("pad", "mode"): frozenset({"constant", "reflect", "replicate", "circular"}),
     ("norm", "p"): frozenset({"fro"}),

@@ -15,8 +15,8 @@ real tensors by `capture/program.py`), stored as strict JSON next to the snapsho
      "calls": ["", "F.linear", ...]}  # torch-level call names, by call number
 
 Arguments are a closed grammar of literals: null, booleans, integers, finite floats,
-`{"f": "inf" | "-inf" | "nan"}`, `{"r": ref}` (a tensor), `{"dtype": ...}`, `{"device": ...}`,
-`{"layout": ...}`, `{"memory_format": ...}`, lists of these, and strings only where a rule
+`{"f": "inf" | "-inf" | "nan"}`, `{"c": [re, im]}` (a complex scalar), `{"r": ref}` (a tensor),
+`{"dtype": ...}`, `{"device": ...}`, `{"layout": ...}`, `{"memory_format": ...}`, lists of these, and strings only where a rule
 for that (op, argument) exists. Node flags: `"grad": false` (ran under no_grad), `"cast": true`
 (its dtype literal is autocast's dtype: a cast autocast inserted, or a dtype taken from a tensor
 autocast made, `torch.zeros(..., dtype=q.dtype)`; replays in other dtypes map it as autocast's),
@@ -555,6 +555,12 @@ def _number(v: Any, arg: str, what: str, allow_int: bool) -> float | int:
         return v
     if isinstance(v, dict) and set(v) == {"f"} and v["f"] in _FLOAT_WORDS:
         return _FLOAT_WORDS[v["f"]]
+    if isinstance(v, dict) and set(v) == {"c"} and isinstance(v["c"], list) and len(v["c"]) == 2:
+        # a complex scalar (`z * 1j`): its real and imaginary parts, each a float literal
+        re_, im_ = (_number(x, arg, what, allow_int=False) for x in v["c"])
+        if isinstance(re_, bool) or isinstance(im_, bool):
+            raise _Invalid(f"{what}: argument {arg} must be a number")
+        return complex(re_, im_)
     raise _Invalid(f"{what}: argument {arg} must be a number")
 
 

@@ -67,6 +67,51 @@ REFUSED: dict[str, tuple[dict, list, tuple]] = {
                              [("aten.index_put.default", [R("x"), [R("i")], R("v"), True], {}, [[[3, 4], F32]])],
                              ("index",)),
     "take": ({"x": X34, "i": _t(-BIG)}, [("aten.take.default", [R("x"), R("i")], {}, [[[1], F32]])], ("index",)),
+    # ---- issue 36: scatter-based GNNs, the FFT family, torch.distributions' validation
+    "scatter_reduce_ index 2**40": (
+        {"x": X34, "i": _t(BIG, 0, 0, 0).view(1, 4), "s": torch.ones(1, 4)},
+        [("aten.scatter_reduce_.two", [R("x"), 0, R("i"), R("s"), "sum"], {}, [[[3, 4], F32]])], ("index",)),
+    "scatter_reduce_ negative index": (
+        {"x": X34, "i": _t(-1, 0, 0, 0).view(1, 4), "s": torch.ones(1, 4)},
+        [("aten.scatter_reduce_.two", [R("x"), 0, R("i"), R("s"), "amax"], {"include_self": False},
+          [[[3, 4], F32]])], ("index",)),
+    "scatter_reduce_ index larger than src": (
+        {"x": X34, "i": _t(0, 1, 2, 0, 1, 2, 0, 1).view(2, 4), "s": torch.ones(1, 4)},
+        [("aten.scatter_reduce_.two", [R("x"), 0, R("i"), R("s"), "sum"], {}, [[[3, 4], F32]])], ("src",)),
+    "scatter_reduce_ index wider than self": (
+        {"x": X34, "i": _t(0, 1, 2, 0, 1).view(1, 5), "s": torch.ones(1, 5)},
+        [("aten.scatter_reduce_.two", [R("x"), 0, R("i"), R("s"), "sum"], {}, [[[3, 4], F32]])], ("outside dim",)),
+    "scatter_reduce_ reduce 'xor'": (
+        {"x": X34, "i": _t(0, 1, 2, 0).view(1, 4), "s": torch.ones(1, 4)},
+        [("aten.scatter_reduce_.two", [R("x"), 0, R("i"), R("s"), "xor"], {}, [[[3, 4], F32]])], ("reduce",)),
+    "index_add_ source of the wrong size": (
+        {"x": X34, "i": _t(2), "s": torch.ones(2, 4)},
+        [("aten.index_add_.default", [R("x"), 0, R("i"), R("s")], {}, [[[3, 4], F32]])], ("source",)),
+    "computed index reaches scatter_reduce_": (
+        {"x": X34, "i": _t(0, 1, 2, 0).view(1, 4), "s": torch.ones(1, 4)},
+        [("aten.add.Tensor", [R("i"), BIG], {}, [[[1, 4], I64]]),
+         ("aten.scatter_reduce_.two", [R("x"), 0, R(0), R("s"), "sum"], {}, [[[3, 4], F32]])],
+        ("index", "nothing was run")),
+    "_fft_r2c dim 5 of a 2-d input": (
+        {"x": X34}, [("aten._fft_r2c.default", [R("x"), [5], 0, True], {}, [[[3, 3], "complex64"]])], ("dim",)),
+    "_fft_r2c normalization 200": (
+        {"x": X34}, [("aten._fft_r2c.default", [R("x"), [1], 200, True], {}, [[[3, 3], "complex64"]])],
+        ("normalization",)),
+    "_fft_c2r last_dim_size 2**40 (reads past the input)": (
+        {"c": torch.randn(3, 3, dtype=torch.complex64)},
+        [("aten._fft_c2r.default", [R("c"), [1], 2, BIG], {}, [[[3, 4], F32]])], ("last_dim_size",)),
+    "_fft_c2c of an empty dimension": (
+        {"c": torch.randn(3, 0, dtype=torch.complex64)},
+        [("aten._fft_c2c.default", [R("c"), [1], 0, True], {}, [[[3, 0], "complex64"]])], ("empty",)),
+    "_fft_c2c of a real input": (
+        {"x": X34}, [("aten._fft_c2c.default", [R("x"), [1], 0, True], {}, [[[3, 4], "complex64"]])],
+        ("complex",)),
+    "a complex literal that is not two numbers": (
+        {"x": X34}, [("aten.mul.Tensor", [R("x"), {"c": ["nan", 1, 2]}], {}, [[[3, 4], F32]])], ("number",)),
+    "_is_all_true of a float tensor": (
+        {"x": X34}, [("aten._is_all_true.default", [R("x")], {}, [[[], "bool"]])], ("bool",)),
+    "_assert_async from a validation": (
+        {"b": torch.ones((), dtype=torch.bool)}, [("aten._assert_async.msg", [R("b"), "x"], {}, [])], ("allowlist",)),
     # ---- computed index values: refused by the replay, before the kernel
     "computed index reaches embedding_dense_backward": (
         {"g": G34, "i": _t(1, 0, 1)},
