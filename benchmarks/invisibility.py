@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import archs as zoo_archs  # noqa: E402
+import invisibility_trainers as trainers  # noqa: E402
 
 from nanreplay import NanGuard  # noqa: E402
 from nanreplay.replay.subject import call_model, compute_loss  # noqa: E402
@@ -49,6 +50,8 @@ HERE = Path(__file__).resolve().parent
 K = 3
 NAN_STEP = 1
 MODES = ("loss", "step_fn", "micro", "scaler", "skip")
+TRAINER_ARCHS = ("cnn:resnet", "nn:BatchNorm1d", "nn:TransformerEncoderLayer", "rnn:lstm_lm", "hf:bert", "hf:llama",
+                 "hf:vit", "hf:gpt2", "hf:wav2vec2", "hf:resnet")  # also run in the trainer modes
 ARCH_SECONDS = 240  # all modes of one architecture; longer is skipped as too slow here
 
 
@@ -95,6 +98,8 @@ def _clone_grads(model) -> dict:
 
 def train(arch, mode: str, guarded: bool, folder: str) -> dict:
     """K steps of `arch` in `mode`, guarded or not: the run's fingerprint."""
+    if mode in trainers.RUNNERS:
+        return trainers.RUNNERS[mode](arch, guarded, folder, k=K, seed=_seed, rng=_rng)
     _seed()
     built = arch.make()
     model, loss_fn = built.model, built.loss_fn
@@ -242,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--archs", nargs="*", help="only architectures whose name contains one of these")
     ap.add_argument("--limit", type=int, help="at most this many architectures (spread evenly)")
-    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES)
+    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES + trainers.TRAINER_MODES)
+    ap.add_argument("--trainer-archs", nargs="*", default=list(TRAINER_ARCHS),
+                    help="architectures (names containing these) also run under Accelerate, Lightning, HF Trainer")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--write", action="store_true", help="write benchmarks/invisibility.json")
     args = ap.parse_args(argv)
@@ -257,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         for i, arch in enumerate(archs, 1):
-            got = sweep_arch(arch, tuple(args.modes), folder)
+            extra = trainers.TRAINER_MODES if any(n == arch.name for n in args.trainer_archs or ()) else ()
+            extra = tuple(m for m in extra if m not in args.modes and (not m.startswith("hf_") or arch.name.startswith("hf:")))
+            got = sweep_arch(arch, tuple(args.modes) + extra, folder)
             rows += got
             bad = [r for r in got if r.status in ("differs", "raised")]
             print(f"[{i}/{len(archs)}] {arch.name}: " + ", ".join(f"{r.mode} {r.status}" for r in got), flush=True)
@@ -265,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"    {r.mode}: " + "; ".join(r.differences[:6]), flush=True)
     s = summary(rows)
     print(f"\nguarded runs identical {s['identical']}/{s['ran']} ({s['architectures']} architectures x modes "
-          f"{', '.join(args.modes)}; {s['skipped']} runs skipped: they do not train here unguarded; "
+          f"{', '.join(args.modes)}; the trainer modes on {', '.join(args.trainer_archs or ['none'])}; "
+          f"{s['skipped']} runs skipped: they do not train here unguarded; "
           f"{time.perf_counter() - t0:.0f}s)")
     for r in rows:
         if r.status in ("differs", "raised"):
