@@ -72,9 +72,14 @@ class _Swaps:
 
 
 def _clone(src: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A tensor of `src`'s value the re-run may write; one computed with grad (weight_norm's `weight` attribute)
+    keeps its graph to the parameters, so the re-run's gradients still reach them."""
+    if src.grad_fn is not None:
+        with torch.enable_grad():
+            return src.clone()
     with torch.no_grad():
         t = src.detach().clone()
-    if like.requires_grad and t.is_floating_point():
+    if like.requires_grad and (t.is_floating_point() or t.is_complex()):
         t.requires_grad_(True)
     return t
 
