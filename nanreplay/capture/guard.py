@@ -520,10 +520,11 @@ class NanGuard:
             st, why = snapshot.StepState({}, {}), "no batch: begin() was not called for this step"
         elif self.export:
             st = self._as_called(st)
-            forward, loss = self._forward_loss(st)
+            run = snapshot.rerun_copy(st)  # the re-run's own batch: the snapshot keeps the loop's (st)
+            forward, loss = self._forward_loss(run)
             watch = rerun.RandomWatch(st.rng)
             with self._calls_paused():
-                program, constants, why, seconds = snapshot.record(self.model, st, forward, loss,
+                program, constants, why, seconds = snapshot.record(self.model, run, forward, loss,
                                                                    self._autocast or None, watch=watch, seen=seen)
             if program is None:
                 self.last_error = why

@@ -87,7 +87,7 @@ def first_step(guard: Any, loss: torch.Tensor, value: float) -> None:
         if guard.step_fn is not None:
             def rerun():
                 with snapshot.from_begin_state(guard.model, st, guard._autocast or None):
-                    return guard.step_fn(guard.model, st.batch["batch"])
+                    return guard.step_fn(guard.model, snapshot.rerun_copy(st).batch["batch"])
             msg = check_step_fn(rerun, guard.step_fn, value)
         elif output is not None:
             with calls.looking_away(), snapshot.autocast_context(guard._autocast or None):  # as the loop's loss ran

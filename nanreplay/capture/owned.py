@@ -115,6 +115,79 @@ def _swap_state(model: nn.Module, begin: dict[str, torch.Tensor], swaps: _Swaps)
                 swaps.put(m.__dict__, key, memo[id(v)])
 
 
+def clone_tensors(obj: Any) -> Any:
+    """`obj` (nested dicts, lists, tuples) with every tensor replaced by a clone the re-run may write (a forward
+    that writes its inputs in place: FSMT's `shift_tokens_right` masks the labels with `masked_fill_`); anything
+    else is kept as it is. One clone per tensor object (the same tensor in the batch and in the model call stays
+    one tensor), and tensors that share a storage (inputs and shifted targets cut from one tensor) share one
+    cloned span of it, so in-place writes alias as they did. A tensor whose storage does not hold it (one the
+    step freed) is kept: reading it would read past its storage."""
+    leaves = [t for t in _walk(obj) if isinstance(t, torch.Tensor)]
+    memo: dict[int, torch.Tensor] = {}
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in leaves:
+        if id(t) in memo or not _held(t):
+            memo.setdefault(id(t), t)
+            continue
+        memo[id(t)] = t  # (placeholder: cloned below)
+        try:
+            groups.setdefault((t.untyped_storage().data_ptr(), t.dtype, t.device), []).append(t)
+        except (RuntimeError, NotImplementedError):
+            memo[id(t)] = _clone(t, t)
+    for (ptr, _, _), ts in groups.items():
+        if len(ts) < 2 or not ptr or any(t.requires_grad or type(t) is not torch.Tensor for t in ts):
+            for t in ts:
+                memo[id(t)] = _clone(t, t)
+            continue
+        lo = min(t.storage_offset() for t in ts)
+        hi = max(_end(t) for t in ts)
+        with torch.no_grad():
+            flat = ts[0].detach().as_strided((hi - lo,), (1,), lo).clone()
+        for t in ts:
+            memo[id(t)] = flat.as_strided(t.size(), t.stride(), t.storage_offset() - lo)
+    return _rebuild(obj, memo)
+
+
+def _walk(x: Any, depth: int = 0):
+    if depth > 32:
+        return
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _walk(v, depth + 1)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _walk(v, depth + 1)
+
+
+def _rebuild(x: Any, memo: dict, depth: int = 0) -> Any:
+    if depth > 32:
+        return x
+    if isinstance(x, torch.Tensor):
+        return memo.get(id(x), x)
+    if type(x) is dict:
+        return {k: _rebuild(v, memo, depth + 1) for k, v in x.items()}
+    if type(x) is list:
+        return [_rebuild(v, memo, depth + 1) for v in x]
+    if type(x) is tuple:
+        return tuple(_rebuild(v, memo, depth + 1) for v in x)
+    return x  # other containers (a namedtuple, a BatchEncoding, a dataclass) as they are: their tensors live
+
+
+def _end(t: torch.Tensor) -> int:
+    return t.storage_offset() + sum((d - 1) * st for d, st in zip(t.shape, t.stride(), strict=True)) + 1 \
+        if t.numel() else t.storage_offset()
+
+
+def _held(t: torch.Tensor) -> bool:
+    """The tensor's storage holds every element it addresses."""
+    try:
+        return t.numel() == 0 or _end(t) * t.element_size() <= t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return True
+
+
 @contextlib.contextmanager
 def rerun_state(model: nn.Module, rng: dict | None = None,
                 begin: dict[str, torch.Tensor] | None = None) -> Iterator[None]:

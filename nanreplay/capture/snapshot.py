@@ -162,6 +162,13 @@ def from_begin_state(model: nn.Module, state: StepState, autocast: dict | None) 
         yield
 
 
+def rerun_copy(state: StepState) -> StepState:
+    """The step with its batch, and the model call the loop made, as tensors the re-run owns (capture/owned.py
+    `clone_tensors`): a forward that writes its inputs in place writes these, never the loop's."""
+    batch, call = owned.clone_tensors((state.batch, state.call))
+    return StepState(batch, state.rng, state.buffers, state.micro_batch, call, state.loss, state.loss_scaled)
+
+
 def record(model: nn.Module, state: StepState, forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor],
            autocast: dict | None, hooks: ModuleHooks | None = None, *, watch: Any = None,
            seen: dict | None = None) -> tuple[dict | None, dict, str | None, float]:
@@ -223,7 +230,7 @@ def first_nonfinite_micro_batch(model: nn.Module, states: list[StepState], forwa
     for st in states:
         params = [p for p in model.parameters() if p.requires_grad]
         with from_begin_state(model, st, autocast):
-            forward, loss = forward_loss(st)
+            forward, loss = forward_loss(rerun_copy(st))
             value = loss(forward())
         grads = torch.autograd.grad(value, params, allow_unused=True)  # (outside autocast, as backward() ran)
         if not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):

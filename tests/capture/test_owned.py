@@ -179,3 +179,36 @@ def test_a_loss_no_element_gives_is_said_on_the_first_step(tmp_path):
         guard.loss_ok(_gpt_loss(out["logits"], y) * 3.7)  # not what loss_fn gives on any element
     said = [str(w.message) for w in caught if "nanreplay" in str(w.message)]
     assert len(said) == 1 and "loss_fn=_gpt_loss" in said[0], said
+
+
+class ShiftsLabels(nn.Module):
+    """FSMT's shift_tokens_right: the labels the loop passes are masked in place by forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(8, 4), nn.Linear(4, 8)
+
+    def forward(self, labels):
+        labels.masked_fill_(labels == -100, 1)
+        return self.head(self.emb(labels))
+
+
+def _shift_step(model, batch):
+    logits = model(batch["labels"])
+    return F.cross_entropy(logits.reshape(-1, 8), batch["labels"].reshape(-1))
+
+
+def test_a_forward_that_writes_its_inputs_writes_the_guards_copy(tmp_path):
+    torch.manual_seed(0)
+    model = ShiftsLabels()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = NanGuard(model, opt, step_fn=_shift_step, folder=tmp_path)
+    labels = torch.tensor([[3, -100, 5], [-100, 2, 7]])
+    batch = {"labels": labels}
+    guard.begin(batch, step=0)
+    loss = _shift_step(model, batch)
+    version = labels._version
+    assert guard.loss_ok(loss)  # the first step's check runs the step again: on a copy of the batch
+    d = guard.to_dict("loss")
+    assert labels._version == version and d["step_program"] is not None, d.get("program_error")
+    loss.backward()  # the cross-entropy saved the labels: still at the version it saved
