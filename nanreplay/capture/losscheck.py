@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from nanreplay.capture import snapshot
+from nanreplay.capture import owned, snapshot
 from nanreplay.errors import first_line
 from nanreplay.replay.subject import compute_loss, model_loss
 
@@ -198,7 +198,7 @@ def used_element(output: Any, target: Any, loss_fn: Callable, loss: torch.Tensor
     for path, t in found[:_MAX_ELEMENTS]:
         try:
             with torch.no_grad():
-                got = float(compute_loss(t, target, loss_fn).detach().float())
+                got = float(compute_loss(owned.clone_tensors(t), owned.clone_tensors(target), loss_fn).detach().float())
         except Exception:  # noqa: BLE001, S112 - not the element the loop used
             continue
         if agrees(got, value, rtol):
@@ -267,8 +267,8 @@ def check_loss_fn(output: Any, target: Any, loss_fn: Callable | None, loss: torc
     """(a recording loss to use instead, or None; the warning to give, or None) for the first step."""
     rtol = _RTOL if not any(t.dtype in (torch.float16, torch.bfloat16) for _, t in _tensors(output, [])) else 3e-2
     try:
-        with torch.no_grad():
-            mine = compute_loss(output, target, loss_fn)
+        with torch.no_grad():  # (on copies: a loss that writes its target in place must not write the loop's)
+            mine = compute_loss(owned.clone_tensors(output), owned.clone_tensors(target), loss_fn)
         got = float(mine.detach().float())
         if agrees(got, value, rtol):
             return None, None
