@@ -77,6 +77,7 @@ class NanGuardCallback(Callback):
         self.guard = NanGuard(pl_module, optimizers[0] if len(optimizers) == 1 else None, folder=self.folder,
                               step_fn=self._training_step, scaler=self._scaler, autocast=autocast,
                               on_nonfinite="return", **options)
+        self.guard._step_is_loops = True  # training_step is the loop's step: no first-step re-run to check it
         clip = getattr(trainer, "gradient_clip_val", None)  # clipped after on_before_optimizer_step: its norm is pre-clip
         algo = str(getattr(trainer, "gradient_clip_algorithm", "norm") or "norm")
         self.guard.clip = float(clip) if clip and float(clip) > 0 and algo.endswith("norm") else None

@@ -90,6 +90,7 @@ class NanGuardCallback(TrainerCallback):
         if self._compute_loss is not None:
             self.guard = NanGuard(model, optimizer, folder=self.folder, step_fn=self._recorded_compute_loss,
                                   on_nonfinite="return", **options)
+            self.guard._step_is_loops = True  # the Trainer's compute_loss is the loop's: no first-step re-run
         else:
             self.guard = NanGuard(model, optimizer, loss_fn=None, folder=self.folder, on_nonfinite="return",
                                   **options)

@@ -49,7 +49,7 @@ import torch
 import torch.nn as nn
 
 from nanreplay import atomic
-from nanreplay.capture import losscheck, rerun, snapshot
+from nanreplay.capture import losscheck, owned, rerun, snapshot
 from nanreplay.capture import modelstate as ms
 from nanreplay.capture import sharded as sharded_capture
 from nanreplay.capture import update as upd
@@ -162,6 +162,7 @@ class NanGuard:
         self._record_loss: Callable | None = loss_fn  # the loss a recording uses (the loop's own, after the check)
         self._loss_note: str | None = None
         self._check_pending = True  # the first loss_ok() checks that the guard's loss is the loop's
+        self._step_is_loops = False  # step_fn is the framework's own step (a trainer integration): nothing to check
         self._calls = losscheck.CallWatch(self) if step_fn is None else None
         inner = upd.unwrap_optimizer(optimizer)  # accelerate's / Lightning's wrappers hold the torch optimizer
         if inner is not None and check_update:
@@ -204,7 +205,7 @@ class NanGuard:
         self.micro_batch = micro_batch
         rng = {"cpu": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
-               "host": snapshot.host_rng()}
+               "host": owned.host_rng()}
         batch = {"batch": inputs} if self.step_fn is not None else {"inputs": inputs, "target": target}
         self._states.append(snapshot.StepState(batch, rng, self._buffers.begin(), micro_batch))
 
@@ -499,7 +500,9 @@ class NanGuard:
 
     def _recorded_loss_fn(self) -> Callable | None:
         """The loss a snapshot names: None (the model's own) where the recording picks it from the output."""
-        return None if self._record_loss is not self.loss_fn else self.loss_fn
+        if self._record_loss is self.loss_fn or getattr(self._record_loss, "loss_fn", None) is self.loss_fn:
+            return self.loss_fn  # (loss_fn itself, or loss_fn on the one element of the output the loop gave it)
+        return None
 
     def _calls_paused(self):
         return contextlib.nullcontext() if self._calls is None else self._calls.looking_away()
@@ -522,10 +525,11 @@ class NanGuard:
             st, why = snapshot.StepState({}, {}), "no batch: begin() was not called for this step"
         elif self.export:
             st = self._as_called(st)
-            forward, loss = self._forward_loss(st)
+            run = snapshot.rerun_copy(st)  # the re-run's own batch: the snapshot keeps the loop's (st)
+            forward, loss = self._forward_loss(run)
             watch = rerun.RandomWatch(st.rng)
             with self._calls_paused():
-                program, constants, why, seconds = snapshot.record(self.model, st, forward, loss,
+                program, constants, why, seconds = snapshot.record(self.model, run, forward, loss,
                                                                    self._autocast or None, watch=watch, seen=seen)
             if program is None:
                 self.last_error = why

@@ -30,11 +30,12 @@ from typing import Any
 
 import torch
 
-from nanreplay.capture import snapshot
+from nanreplay.capture import owned, snapshot
 from nanreplay.errors import first_line
 from nanreplay.replay.subject import compute_loss, model_loss
 
 _RTOL = 1e-3
+_MAX_ELEMENTS = 16  # tensors of a tuple / dict output tried as the one the loop gave loss_fn
 log = logging.getLogger("nanreplay")
 
 
@@ -78,14 +79,15 @@ def first_step(guard: Any, loss: torch.Tensor, value: float) -> None:
     output = calls.output if calls is not None else None
     if calls is not None:
         calls.want_output, calls.output = False, None
-    if not guard._states or not guard.export:
-        return
+    if not guard._states or not guard.export or (guard.step_fn is not None and guard._step_is_loops):
+        return  # (a trainer's own step is the loop's loss by construction: running it again, with whatever it
+        # does besides the loss — metrics, logging, counters — would be the one thing a healthy run saw)
     st = guard._states[-1]
     try:
         if guard.step_fn is not None:
             def rerun():
                 with snapshot.from_begin_state(guard.model, st, guard._autocast or None):
-                    return guard.step_fn(guard.model, st.batch["batch"])
+                    return guard.step_fn(guard.model, snapshot.rerun_copy(st).batch["batch"])
             msg = check_step_fn(rerun, guard.step_fn, value)
         elif output is not None:
             with calls.looking_away(), snapshot.autocast_context(guard._autocast or None):  # as the loop's loss ran
@@ -173,6 +175,52 @@ def pick(path: list) -> Callable[[Any, Any], torch.Tensor]:
     return picked
 
 
+def element(path: list, loss_fn: Callable) -> Callable[[Any, Any], torch.Tensor]:
+    """A loss that is `loss_fn` on the model's output at `path` (minGPT's `logits, _ = model(x)`)."""
+    def picked(output: Any, target: Any = None) -> torch.Tensor:
+        for p in path:
+            output = output[p]
+        return compute_loss(output, target, loss_fn)
+    picked.path, picked.loss_fn = list(path), loss_fn  # type: ignore[attr-defined]
+    return picked
+
+
+def used_element(output: Any, target: Any, loss_fn: Callable, loss: torch.Tensor, value: float,
+                 rtol: float = _RTOL) -> Callable | None:
+    """`loss_fn` on the one tensor of a tuple / dict / ModelOutput the loop gave it, where that is the loss the
+    loop checked: the tensors the loss's autograd graph reaches first (identity), then the other floating ones in
+    order; the first whose loss agrees with the checked value. None: no element does."""
+    if isinstance(output, torch.Tensor):
+        return None
+    found = [(p, t) for p, t in _tensors(output, []) if t.is_floating_point() or t.is_complex()]
+    reached = _graph_nodes(loss)
+    found.sort(key=lambda pt: pt[1].grad_fn is None or id(pt[1].grad_fn) not in reached)  # stable: used first
+    for path, t in found[:_MAX_ELEMENTS]:
+        try:
+            with torch.no_grad():
+                got = float(compute_loss(owned.clone_tensors(t), owned.clone_tensors(target), loss_fn).detach().float())
+        except Exception:  # noqa: BLE001, S112 - not the element the loop used
+            continue
+        if agrees(got, value, rtol):
+            return element(path, loss_fn)
+    return None
+
+
+def _graph_nodes(loss: torch.Tensor, limit: int = 20000) -> set[int]:
+    """ids of the autograd nodes the loss was computed through (a bounded walk)."""
+    seen: set[int] = set()
+    todo = [loss.grad_fn] if isinstance(loss, torch.Tensor) and loss.grad_fn is not None else []
+    keep = []  # the nodes themselves, so that no id is reused during the walk
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        keep.append(node)
+        todo.extend(n for n, _ in getattr(node, "next_functions", ()))
+    return seen
+
+
 def describe_output(x: Any, depth: int = 0) -> str:
     """`(logits, loss)`-style words for the model's output: `(tensor[4, 16, 64], scalar)`."""
     if isinstance(x, torch.Tensor):
@@ -219,14 +267,18 @@ def check_loss_fn(output: Any, target: Any, loss_fn: Callable | None, loss: torc
     """(a recording loss to use instead, or None; the warning to give, or None) for the first step."""
     rtol = _RTOL if not any(t.dtype in (torch.float16, torch.bfloat16) for _, t in _tensors(output, [])) else 3e-2
     try:
-        with torch.no_grad():
-            mine = compute_loss(output, target, loss_fn)
+        with torch.no_grad():  # (on copies: a loss that writes its target in place must not write the loop's)
+            mine = compute_loss(owned.clone_tensors(output), owned.clone_tensors(target), loss_fn)
         got = float(mine.detach().float())
         if agrees(got, value, rtol):
             return None, None
         why = f"gives {got:.6g}, not the {value:.6g} the loop checked"
     except Exception as e:  # noqa: BLE001 - exactly what the check is for
         why = f"raises {type(e).__name__}: {first_line(e, 160)}"
+    if loss_fn is not None:
+        used = used_element(output, target, loss_fn, loss, value, rtol)
+        if used is not None:
+            return used, None
     shown = describe_output(output)
     what = (f"loss_fn={_name(loss_fn)} does not fit the model's output {shown}: it {why}" if loss_fn is not None
             else f"the model's own loss (loss_fn=None) is not the loss the loop checks: in its output {shown} it {why}")

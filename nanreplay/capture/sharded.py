@@ -182,9 +182,10 @@ def write(guard: Any, trigger: str, extra: dict) -> str:
     model = guard.model
     program, constants, why, seconds = None, {}, "recording was switched off (export=False)", 0.0
     if guard.export:
-        forward, loss = guard._forward_loss(st)
+        run = snapshot.rerun_copy(st)  # the re-run's own batch (capture/owned.py)
+        forward, loss = guard._forward_loss(run)
         with guard._calls_paused():
-            program, constants, why, seconds = record(model, st, forward, loss, guard._autocast or None)
+            program, constants, why, seconds = record(model, run, forward, loss, guard._autocast or None)
     for _, unit in fsdp_units(model):  # the root stays gathered after a forward: save shards, as the optimizer
         unit.reshard()                 # holds them (a backward that follows gathers it again)
     failed = None

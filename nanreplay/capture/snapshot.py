@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import platform
-import random
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -22,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from nanreplay import __version__
-from nanreplay.capture import plain, recipe
+from nanreplay.capture import owned, plain, recipe
 from nanreplay.capture.program import FREED, ModuleHooks, NotRecordable, record_step, storage_freed
 from nanreplay.errors import first_line
 from nanreplay.formats.loss_spec import loss_spec
@@ -64,25 +62,6 @@ class StepState:
     call: tuple | None = None  # (args, kwargs) the loop's model call got (capture/losscheck.py CallWatch)
     loss: float | None = None  # the loss loss_ok() read for this micro-batch (unscaled)
     loss_scaled: bool = False  # loss_ok() was given scaled_by: the value was divided, not read as the step made it
-
-
-def host_rng() -> dict:
-    """The host-side generators a model's own code may draw from (Python's `random`, numpy's global one,
-    where the step's code imported numpy): wav2vec2's SpecAugment masks come from numpy, so a re-run that
-    restores only torch's generator records a different step. Kept in memory only; never written."""
-    np = sys.modules.get("numpy")
-    return {"python": random.getstate(),
-            "numpy": np.random.get_state() if np is not None and hasattr(np, "random") else None}
-
-
-def set_host_rng(state: dict | None) -> None:
-    if not state:
-        return
-    if state.get("python") is not None:
-        random.setstate(state["python"])
-    np = sys.modules.get("numpy")
-    if state.get("numpy") is not None and np is not None:
-        np.random.set_state(state["numpy"])
 
 
 class BufferWatch:
@@ -179,32 +158,18 @@ def _tensors(obj: Any):
 
 @contextlib.contextmanager
 def from_begin_state(model: nn.Module, state: StepState, autocast: dict | None) -> Iterator[None]:
-    """Run the step again as it began: the RNG state and mutated buffers of begin(), the step's autocast, grad
-    on (a hook inside optimizer.step() runs under no_grad; the step did not); the live state restored after."""
-    live_rng, live_host = torch.get_rng_state(), host_rng()
-    live_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    bufs = dict(model.named_buffers())
-    with torch.no_grad():
-        live_bufs = {n: bufs[n].detach().clone() for n in state.buffers if n in bufs}
-        for n, b in state.buffers.items():
-            if n in bufs:
-                bufs[n].copy_(b)
-    try:
-        if state.rng.get("cpu") is not None:
-            torch.set_rng_state(state.rng["cpu"])
-        if state.rng.get("cuda") is not None:
-            torch.cuda.set_rng_state_all(state.rng["cuda"])
-        set_host_rng(state.rng.get("host"))
-        with torch.enable_grad(), autocast_context(autocast):
-            yield
-    finally:
-        torch.set_rng_state(live_rng)
-        set_host_rng(live_host)
-        if live_cuda is not None:
-            torch.cuda.set_rng_state_all(live_cuda)
-        with torch.no_grad():
-            for n, b in live_bufs.items():
-                bufs[n].copy_(b)
+    """Run the step again as it began, on state the guard owns (capture/owned.py): the RNG state and buffers of
+    begin(), the step's autocast, grad on (a hook inside optimizer.step() runs under no_grad; the step did not).
+    The training's tensors, gradients and generators are left exactly as they were."""
+    with owned.rerun_state(model, state.rng, state.buffers), torch.enable_grad(), autocast_context(autocast):
+        yield
+
+
+def rerun_copy(state: StepState) -> StepState:
+    """The step with its batch, and the model call the loop made, as tensors the re-run owns (capture/owned.py
+    `clone_tensors`): a forward that writes its inputs in place writes these, never the loop's."""
+    batch, call = owned.clone_tensors((state.batch, state.call))
+    return StepState(batch, state.rng, state.buffers, state.micro_batch, call, state.loss, state.loss_scaled)
 
 
 def record(model: nn.Module, state: StepState, forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor],
@@ -263,42 +228,18 @@ def _autocast_on(ac: dict) -> bool:
 def first_nonfinite_micro_batch(model: nn.Module, states: list[StepState], forward_loss: Callable,
                                 autocast: dict | None) -> StepState | None:
     """Run forward and backward of each micro-batch again, alone, from its begin() state; the first whose
-    own gradient is non-finite. The live gradients, buffers and RNG are left exactly as they were."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    saved = [p.grad for p in params]
-    live_rng, live_host = torch.get_rng_state(), host_rng()
-    bufs = dict(model.named_buffers())
-    with torch.no_grad():
-        live_bufs = {n: b.detach().clone() for n, b in bufs.items()}
-    try:
-        for st in states:
-            for p in params:
-                p.grad = None
-            with torch.no_grad():
-                for n, b in st.buffers.items():
-                    if n in bufs:
-                        bufs[n].copy_(b)
-            if st.rng.get("cpu") is not None:
-                torch.set_rng_state(st.rng["cpu"])
-            set_host_rng(st.rng.get("host"))
-            forward, loss = forward_loss(st)
-            ctx = torch.autocast(**_autocast_kwargs(autocast)) if autocast and not _autocast_on(autocast) \
-                else _nullcontext()
-            with torch.enable_grad():
-                with ctx:
-                    value = loss(forward())
-                value.backward()
-            if not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None):
-                return st
-        return None
-    finally:
-        for p, g in zip(params, saved, strict=True):
-            p.grad = g
-        torch.set_rng_state(live_rng)
-        set_host_rng(live_host)
-        with torch.no_grad():
-            for n, b in live_bufs.items():
-                bufs[n].copy_(b)
+    own gradient is non-finite. Runs on state the guard owns (`from_begin_state`) and takes the gradients with
+    `torch.autograd.grad`: nothing accumulates into `.grad`, no post-accumulate hook fires."""
+    for st in states:
+        params = [p for p in model.parameters() if p.requires_grad]
+        with from_begin_state(model, st, autocast):
+            forward, loss = forward_loss(rerun_copy(st))
+            value = loss(forward())
+        grads = torch.autograd.grad(value, params, allow_unused=True)  # (outside autocast, as backward() ran)
+        if not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
+            return st
+        del grads, value
+    return None
 
 
 def loss_forward(model: nn.Module, inputs: Any, target: Any, loss_fn: Callable | None):

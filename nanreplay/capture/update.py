@@ -25,14 +25,14 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from nanreplay import torch_internals as ti
-from nanreplay.capture import invert, plain
+from nanreplay.capture import invert, owned, plain
 
 
 def implementation(optimizer: torch.optim.Optimizer) -> str:
@@ -311,20 +311,7 @@ def update_record(optimizer: torch.optim.Optimizer, model: nn.Module, pre: PreSt
     return record, weights
 
 
-@contextlib.contextmanager
-def weights_set_to(model: nn.Module, weights: dict[str, torch.Tensor]) -> Iterator[None]:
-    """The live parameters hold `weights` for the duration (recording the step, building the snapshot), then
-    exactly what they held before."""
-    saved = []
-    try:
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                w = weights.get(n)
-                if w is not None and w.shape == p.shape:
-                    saved.append((p, p.detach().to("cpu", copy=True)))
-                    p.copy_(w.to(p.device, p.dtype))
-        yield
-    finally:
-        with torch.no_grad():
-            for p, old in saved:
-                p.copy_(old.to(p.device))
+def weights_set_to(model: nn.Module, weights: dict[str, torch.Tensor]):
+    """The module holds `weights` for the duration (recording the step, building the snapshot), swapped in as
+    new Parameters; the live ones are put back untouched (capture/owned.py)."""
+    return owned.weights_swapped(model, weights)
