@@ -223,3 +223,58 @@ def plus_eps(t: str, e: float) -> str:
 
 def clamp_eps(t: str, e: float) -> str:
     return f"{codefix.paren(t)}.clamp_min({fmt(e)})"
+
+
+# ------------------------------------------------------------------ root, not site: a value several ops share
+
+
+def _uses(s: Site, fwd: int, depth: int = 0) -> list[int]:
+    """The forward ops that use op `fwd`'s value, looking through views and copies of it."""
+    out = []
+    for i in s.consumers(fwd):
+        r = s.step.ops[i]
+        if depth < 4 and (getattr(r.op, "is_view", False) or packet(str(r.op)) in _PASS):
+            out += _uses(s, i, depth + 1)
+        else:
+            out.append(i)
+    return out
+
+
+_PASS = ("aten.clone", "aten.contiguous", "aten.alias", "aten._to_copy", "aten.lift_fresh", "aten.expand",
+         "aten.view", "aten.reshape", "aten.squeeze", "aten.unsqueeze")
+
+
+def shared_root(s: Site, arg: int) -> tuple[OpRecord, list[int]] | None:
+    """(the op that made the culprit's `arg`-th input, every op that uses its value) where that value is used by
+    another op too (a denominator two quotients share, on consecutive lines): a change at the culprit's call
+    leaves the others broken; a change where the value is made fixes them all."""
+    r = s.origin(arg)
+    if r is None or not r.call or s.event.fwd is None:
+        return None
+    uses = _uses(s, s.index(r))
+    if len(uses) < 2 or s.event.fwd not in uses:
+        return None
+    return r, uses
+
+
+def root_fix_parts(s: Site, root: OpRecord, change_code: Callable[[str], str],
+                   change: Callable[[torch.Tensor], torch.Tensor]) -> tuple[codefix.Rewrite | None, dict | None]:
+    """The rewrite of the call that makes the shared value (`count = mask.sum()` -> `count =
+    mask.sum().clamp_min(1)`) and its patch: the call's output changed exactly as the rewritten code shows, at
+    every call that line makes (the recorded call alone where no line of the user's can be rewritten)."""
+    rw = s.rewrite(lambda src, node: change_code(src(node)), root.call)
+    fn = codefix.compile_operand(change_code(codefix.PLACEHOLDER)) if rw is not None else None
+    fn = fn or change
+    calls = s.line_calls(root.call) if rw is not None else [root.call]
+    return rw, {c: (lambda func, args, kwargs: fn(func(*args, **kwargs))) for c in calls}
+
+
+def uses_where(s: Site, uses: list[int]) -> str:
+    """'fp.py:43, fp.py:44': the lines of the ops that use a shared value."""
+    from nanreplay.replay import frame_json
+    at = []
+    for i in uses:
+        fr = frame_json(s.step.ops[i].frame)
+        if fr and f"{fr['file']}:{fr['line']}" not in at:
+            at.append(f"{fr['file']}:{fr['line']}")
+    return ", ".join(at)
