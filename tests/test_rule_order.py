@@ -39,6 +39,7 @@ DISPATCH_ORDER = [
     "normalize_zero_norm",
     "division_by_zero",
     "softplus",
+    "segment_softmax",
     "handwritten_softmax",
     "exp_overflow",
     "softmax_all_masked",

@@ -18,7 +18,6 @@ from nanreplay.diagnose.forms import TABLE
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.prose import count
 from nanreplay.diagnose.site import Site, packet
-from nanreplay.enums import FixKind
 from nanreplay.replay import OpRecord, frame_json
 
 aten = torch.ops.aten
@@ -148,6 +147,18 @@ def _log1mexp(s: Site) -> Diagnosis | None:
 # ------------------------------------------------------------------ x * log(y) at 0 -> xlogy / xlog1py
 
 
+def _from_data(s: Site, i: int, rec: OpRecord | None = None, depth: int = 0) -> bool:
+    """The i-th input of `rec` (default: the culprit's op) is computed from batch tensors alone (`-a`, `1 - a`),
+    no parameter: no gradient reaches it."""
+    leaf = s.leaf(i, rec)
+    if leaf is not None:
+        return leaf[0] != "parameter"
+    o = s.origin(i, rec)
+    if o is None or depth > 6 or not o.src:
+        return False
+    return all(_from_data(s, j, o, depth + 1) for j in range(len(o.src)))
+
+
 def _xlogy_text(src, node) -> str | None:
     """x * torch.log(y) -> torch.special.xlogy(x, y); x * torch.log1p(y) -> torch.special.xlog1py(x, y)."""
     if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
@@ -171,8 +182,7 @@ def _xlogy(s: Site) -> Diagnosis | None:
     mrec = s.step.ops[mul]
     if not (mrec.call and s.call) or len(mrec.src) != 2:
         return None
-    y = s.leaf(0)  # y is data (an action, a target): xlogy's gradient with respect to y is x / y, 0/0 at y = 0
-    if y is None or y[0] == "parameter":
+    if not _from_data(s, 0):  # y is data (an action, a target): xlogy's gradient in y is x / y, 0/0 at y = 0
         return None
     row = TABLE["xlogy" if s.packet == "aten.log" else "xlog1py"]
     special = torch.special.xlogy if s.packet == "aten.log" else torch.special.xlog1py
@@ -399,3 +409,74 @@ def _ratio_to_zero_target(s: Site) -> Diagnosis | None:
              guidance=f"leave out the rows whose target is 0 at {s.where}: keep = {name} != 0, then average the "
                       "relative error over keep only (or report MAE for them)",
              alternatives=[f"denominator.clamp_min(eps): finite, but the loss of a zero-{name} row is then set by eps"])])
+
+
+# ------------------------------------------------------------------ a softmax over segments (a graph's edges)
+
+_SEGMENT_SUMS = ("aten.index_add", "aten.scatter_add", "aten.scatter_reduce")
+
+
+def _segment_patch(exps: list[OpRecord], seg: OpRecord, divs: list[OpRecord]) -> dict | None:
+    """exp calls -> remember x; the segment sum (index_add / scatter_add / scatter_reduce: (self, dim, index,
+    src)) -> m = each segment's max of x, e = exp(x - m[index]), the sum of e; each division -> e over it.
+    Replays torch_geometric.utils.softmax's arithmetic."""
+    calls = [r.call for r in exps] + [seg.call] + [r.call for r in divs]
+    if not all(calls) or len(set(calls)) != len(calls):
+        return None
+    st: dict = {"outs": []}
+
+    def grab(func, args, kwargs):
+        x = args[0]
+        st["x"] = x
+        out = torch.exp(x - x.detach().amax()) if isinstance(x, torch.Tensor) else func(*args, **kwargs)
+        st["outs"].append(out)  # a placeholder (finite): the segment sum replaces it
+        return out
+
+    def seg_sum(func, args, kwargs):
+        if "x" not in st or len(args) < 4 or not any(args[3] is o for o in st["outs"]):
+            return func(*args, **kwargs)
+        x, dim, index = st["x"], args[1], args[2]
+        n = args[0].shape[dim]
+        m = torch.full((n,), float("-inf"), dtype=x.dtype, device=x.device).scatter_reduce(
+            0, index, x.detach(), "amax", include_self=True)
+        st["e"] = torch.exp(x - m.index_select(0, index))
+        return func(args[0], dim, index, st["e"], *args[4:], **kwargs)
+
+    def div(func, args, kwargs):
+        if "e" in st and args and any(args[0] is o for o in st["outs"]):
+            return func(st["e"], *args[1:], **kwargs)
+        return func(*args, **kwargs)
+    patch = {r.call: grab for r in exps}
+    patch[seg.call] = seg_sum
+    patch.update({r.call: div for r in divs})
+    return patch
+
+
+@rule("segment_softmax", aten.exp, priority=62)
+def _segment_softmax(s: Site) -> Diagnosis | None:
+    """exp(x) / (its sum per segment)[index]: exp overflowed; a max over all of x is not enough."""
+    if not (s.forward and s.call_is("exp") and s.event.kind == "inf"):
+        return None
+    exps = [s.rec]
+    if s.rec.src and s.rec.src[0] is not None:
+        exps = [r for r in s.step.ops if packet(str(r.op)) == "aten.exp" and r.src[:1] == s.rec.src[:1]]
+    cons = [s.step.ops[i] for r in exps for i in s.consumers(s.index(r))]
+    seg = next((r for r in cons if packet(str(r.op)) in _SEGMENT_SUMS), None)
+    divs = [r for r in cons if packet(str(r.op)) == "aten.div"]
+    if seg is None or not divs or len(exps) > 2:
+        return None
+    row = TABLE["segment_softmax"]
+    patch = _segment_patch(exps, seg, divs)
+    guide = (f"subtract each segment's own maximum before exp at {s.where} (torch_geometric.utils.softmax does):\n"
+             "m = torch.full((num_segments,), float('-inf')).scatter_reduce(0, index, x.detach(), 'amax')\n"
+             "e = torch.exp(x - m[index])  # then the same segment sum and division as before\n"
+             f"(the segment sum is at {_at(seg)}; a max over dim=-1, all segments at once, lets a segment far "
+             "below the global max underflow to 0/0)")
+    return Diagnosis(
+        "segment_softmax", "a softmax over segments (a graph's edges) overflowed",
+        f"exp overflowed {s.dtype} (inputs up to {s.inp(0).get('max')}) at {s.where}, and the per-segment sum at "
+        f"{_at(seg)} and the division made Inf/Inf = NaN. A segment softmax needs the maximum subtracted per "
+        "segment, as torch_geometric.utils.softmax does (scatter 'amax'): a single maximum over all entries keeps "
+        "exp finite but lets the segments far below it underflow to 0/0.",
+        [Fix(row.kind, "", guidance=guide, patch=patch, reasoning=row.why,
+             compare_at=sorted(r.call for r in divs) or None)])  # exp(x - m) is not exp(x): compare the quotients
