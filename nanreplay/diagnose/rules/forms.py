@@ -19,6 +19,7 @@ from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.prose import count
 from nanreplay.diagnose.site import Site, packet
 from nanreplay.replay import OpRecord, frame_json
+from nanreplay.stats import num
 
 aten = torch.ops.aten
 ast = codefix.ast
@@ -96,7 +97,7 @@ def _softplus(s: Site) -> Diagnosis | None:
     patch = _swap(s, s.rec, log, lambda a, k: F.softplus(a[0]), rw is not None)
     return Diagnosis(
         "softplus", "log(1 + exp(x)) overflowed: it is softplus(x)",
-        f"exp(x) overflowed {s.dtype} (x up to {s.inp(0).get('max')}) at {s.where}, and log(1 + Inf) = Inf: "
+        f"exp(x) overflowed {s.dtype} (x up to {num(s.inp(0).get('max'))}) at {s.where}, and log(1 + Inf) = Inf: "
         f"log(1 + exp(x)) is {Fn}.softplus(x), which never forms exp(x) for large x. A clamp of x would keep "
         "it finite but change its value and cut its gradient for every large x; softplus changes nothing.",
         [Fix(row.kind, "", rewrite=rw, patch=patch, reasoning=row.why,
@@ -474,7 +475,7 @@ def _segment_softmax(s: Site) -> Diagnosis | None:
              "below the global max underflow to 0/0)")
     return Diagnosis(
         "segment_softmax", "a softmax over segments (a graph's edges) overflowed",
-        f"exp overflowed {s.dtype} (inputs up to {s.inp(0).get('max')}) at {s.where}, and the per-segment sum at "
+        f"exp overflowed {s.dtype} (inputs up to {num(s.inp(0).get('max'))}) at {s.where}, and the per-segment sum at "
         f"{_at(seg)} and the division made Inf/Inf = NaN. A segment softmax needs the maximum subtracted per "
         "segment, as torch_geometric.utils.softmax does (scatter 'amax'): a single maximum over all entries keeps "
         "exp finite but lets the segments far below it underflow to 0/0.",
