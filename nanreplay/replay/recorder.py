@@ -117,10 +117,17 @@ class Recorder:
         self._site_out: torch.Tensor | None = None  # ... and its output
         # stop_at_failure (run): a parameter's gradient, complete, came out non-finite from an op we saw
         self.failure_known = False
+        self._inplace: tuple | None = None  # (tensor, op) of an in-place op whose autograd node is not yet known
         self.before: dict | None = None  # _OpMode: an in-place op's inputs as they were before it wrote (by id)
 
     # ---- called by _OpMode for every aten op
     def on_op(self, func, args: tuple, kwargs: dict, out: Any, seq: int) -> None:
+        if self._inplace is not None:  # the node autograd gave the previous op, an in-place one
+            t, f = self._inplace
+            self._inplace = None
+            n = ti.node_sequence_nr(t.grad_fn) if t.grad_fn is not None else None
+            if n is not None:
+                self.op_by_seq[n] = f
         fwd = None
         view = ti.op_is_view(func)
         if self.phase != "backward":
@@ -140,6 +147,10 @@ class Recorder:
             self.ops.append(OpRecord(func, module, frame, self.current_call, src, leaves))
             if seq - 1 not in self.op_by_seq:  # the node an op creates takes the number just before it
                 self.op_by_seq[seq - 1] = fwd
+            if self.before is not None and isinstance(out, torch.Tensor) and out.requires_grad:
+                # an in-place op (pow_): autograd made its node, then cloned the input it saves (a node too),
+                # and sets the node on the tensor only after this returns: read it at the next op
+                self._inplace = (out, fwd)
             for t in _tensors(out):
                 prod[t] = fwd
         if view and not self._has_nonfinite_input(args):

@@ -17,6 +17,7 @@ from nanreplay.diagnose import codefix
 from nanreplay.diagnose.forms import TABLE
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.prose import count
+from nanreplay.diagnose.rules.division import count_source
 from nanreplay.diagnose.site import Site, packet
 from nanreplay.replay import OpRecord, frame_json
 from nanreplay.stats import num
@@ -395,8 +396,8 @@ def _ratio_to_zero_target(s: Site) -> Diagnosis | None:
     o = s.origin(1)
     if leaf is None and o is not None and packet(str(o.op)) == "aten.abs":
         leaf = s.leaf(0, o)
-    if leaf is None or leaf[0] == "parameter":
-        return None
+    if leaf is None or leaf[0] == "parameter" or count_source(s) is not None:
+        return None  # a count (num_items_in_batch) of 0 is an empty reduction, not a relative error
     row = TABLE["ratio_to_zero_target"]
     name = leaf[1] if leaf[1].isidentifier() else "y"
     return Diagnosis(
@@ -415,6 +416,17 @@ def _ratio_to_zero_target(s: Site) -> Diagnosis | None:
 # ------------------------------------------------------------------ a softmax over segments (a graph's edges)
 
 _SEGMENT_SUMS = ("aten.index_add", "aten.scatter_add", "aten.scatter_reduce")
+
+
+def _segment_max(kind: str, base: torch.Tensor, dim: int, index: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Each segment's maximum of x, put back at every entry of its segment (x's shape): index_add's 1-d index
+    along `dim` (index_reduce / index_select), scatter's index of x's shape (scatter_reduce / gather)."""
+    lo = torch.full(base.shape, float("-inf"), dtype=x.dtype, device=x.device)
+    if kind == "aten.index_add":  # index_add's index names a slice along dim: as a scatter index of x's shape
+        shape = [1] * x.dim()
+        shape[dim] = -1
+        index = index.view(shape).expand_as(x)
+    return lo.scatter_reduce(dim, index, x, "amax", include_self=True).gather(dim, index)
 
 
 def _segment_patch(exps: list[OpRecord], seg: OpRecord, divs: list[OpRecord]) -> dict | None:
@@ -437,10 +449,7 @@ def _segment_patch(exps: list[OpRecord], seg: OpRecord, divs: list[OpRecord]) ->
         if "x" not in st or len(args) < 4 or not any(args[3] is o for o in st["outs"]):
             return func(*args, **kwargs)
         x, dim, index = st["x"], args[1], args[2]
-        n = args[0].shape[dim]
-        m = torch.full((n,), float("-inf"), dtype=x.dtype, device=x.device).scatter_reduce(
-            0, index, x.detach(), "amax", include_self=True)
-        st["e"] = torch.exp(x - m.index_select(0, index))
+        st["e"] = torch.exp(x - _segment_max(packet(str(seg.op)), args[0], dim, index, x.detach()))
         return func(args[0], dim, index, st["e"], *args[4:], **kwargs)
 
     def div(func, args, kwargs):
