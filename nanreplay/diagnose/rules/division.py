@@ -374,7 +374,7 @@ def _normalize(s: Site) -> Diagnosis | None:
                      lambda e: f"clamp the {label} you divide by to at least {fmt(e)} (F.normalize(..., eps={fmt(e)}) "
                                "does this for a norm)",
                      which="other", arg=idx, floor=_floor_clamped(num, s.finfo), floor_why="the quotient x / eps",
-                     data_eps=d.get("absmin_nonzero"))
+                     data_eps=d.get("absmin_nonzero"), root=True)
     what = ("(x - mean) / std with a constant feature or group (std = 0 and x - mean = 0)" if is_std
             else "x / x.norm() with an all-zero vector (norm = 0)")
     return Diagnosis("normalize_zero_norm", f"division by a zero {label}",
@@ -410,7 +410,7 @@ def _div_zero(s: Site) -> Diagnosis | None:
         floor, floor_why = (n / s.finfo.max if n else None), "the quotient x / eps"
     fixes = edge_fix(s, FixKind.EPSILON, d.get("absmax") or n, "the quotient and its gradient",
                      code, change, generic, which=which, arg=idx, floor=floor, floor_why=floor_why,
-                     data_eps=d.get("absmin_nonzero"))
+                     data_eps=d.get("absmin_nonzero"), root=s.op_packet == "aten.div")
     return Diagnosis("division_by_zero", "0/0" if zero_zero else "division by zero",
                      f"the denominator held {count_in(d['zeros'], 'exact zero', d)} (range {stats.num(d.get('min'))} "
                      f".. {stats.num(d.get('max'))}) at {s.where}: {'0/0 = NaN' if zero_zero else 'x/0 = Inf'}. Keep "
