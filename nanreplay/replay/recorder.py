@@ -390,11 +390,16 @@ class _OpMode(ti.TorchDispatchMode):
         return out
 
 
+_MUTATED: dict = {}  # op -> the positions of the arguments it writes (from its schema), read once per op
+
+
 def _before_write(rec: Recorder, func, args: tuple) -> dict | None:
     """A copy of each finite floating-point tensor an in-place forward op (`x.log_()`, `x.pow_(0.5)`) is about
     to write over, by id: the statistics of its input must be of the value it read, not of what it wrote. In-place
     ops are few in a forward; the copy lives until the op is recorded."""
-    pos = ti.op_mutated_args(func)[0]
+    pos = _MUTATED.get(func)
+    if pos is None:
+        pos = _MUTATED[func] = ti.op_mutated_args(func)[0]
     if not pos:
         return None
     out = {}
