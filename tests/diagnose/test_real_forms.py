@@ -183,6 +183,8 @@ if __name__ == "__main__":
             print(kind, run(kind, f"{sys.argv[1]}/{kind}"))
 '''
 
+pytestmark = pytest.mark.integrations  # training loops run and analyzed in subprocesses, as test_real_code.py
+
 KINDS = ("mdn", "gat", "moe", "attention", "bf16")
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 
