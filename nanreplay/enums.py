@@ -77,4 +77,8 @@ class FixKind(StrEnum):
     OPTIMIZER_IMPLEMENTATION = "optimizer_implementation"  # foreach/fused path differs from the single-tensor one
     COMPILER = "compiler"  # a compiled region changed (wider dtype, compiler.disable, backend): differential/compiler.py
     REFERENCE_BACKEND = "reference_backend"  # a fused kernel forced to its reference composition (differential/kernel.py)
+    SOFTPLUS = "softplus"  # log(1 + exp(x)) -> F.softplus(x) (diagnose/forms.py)
+    LOG1MEXP = "log1mexp"  # log(1 - exp(x)) -> log(-expm1(x))
+    ZERO_INFINITY = "zero_infinity"  # ctc_loss(..., zero_infinity=True), or filter infeasible samples
+    MASK_ROWS = "mask_rows"  # the remedy is in the data: leave out the rows where the quantity is undefined
     NONE = "none"

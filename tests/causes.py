@@ -873,6 +873,38 @@ def normed_rate():
     return NormedRate()
 
 
+# ---------------------------------------------------------------- root, not site: a denominator two quotients share
+
+
+class TwoNormalised(nn.Module):
+    """Two terms divided by the same norm, computed once: a sample that is all zeros makes it 0 for both."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = F.relu(self.fc(x)) * (x.abs().sum(-1, keepdim=True) > 0)  # an all-zero sample stays all zero
+        norm = h.norm(dim=-1, keepdim=True)
+        a = h / norm  # CULPRIT: shared_zero_norm
+        b = h.pow(2) / norm
+        return (a + b).sum()
+
+
+def _zero_sample():
+    torch.manual_seed(21)
+    x = torch.randn(6, 4)
+    x[2] = 0.0
+    return {"x": x}
+
+
+@case("shared_zero_norm", _zero_sample, cause="normalize_zero_norm", fix="epsilon", phase="forward", kind="nan",
+      op="aten.div.Tensor")
+@seeded
+def two_normalised():
+    return TwoNormalised()
+
+
 # ---------------------------------------------------------------- a small regressor for runs that replay finite
 
 

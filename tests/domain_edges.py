@@ -41,6 +41,10 @@ EDGES = {
     "div": (lambda h: torch.div(torch.ones_like(h), h), [0.0, 1.0, 2.0, 0.5], "division_by_zero"),
     "reciprocal": (lambda h: torch.reciprocal(h), [0.0, 1.0, 2.0, 0.5], "division_by_zero"),
     "exp": (lambda h: torch.exp(h), [100.0, 1.0, 2.0, 0.5], "exp_overflow"),
+    # in-place variants answer to their op's rules, with the input as the op read it
+    "log_": (lambda h: h.clone().log_(), [0.0, 1.0, 2.0, 3.0], "log_of_zero"),
+    "pow_": (lambda h: h.clone().pow_(0.5), [0.0, 1.0, 2.0, 0.5], "pow_at_zero"),  # its backward: PowBackward0
+    "div_": (lambda h: torch.ones_like(h).div_(h), [0.0, 1.0, 2.0, 0.5], "division_by_zero"),
 }
 
 

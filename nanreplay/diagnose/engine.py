@@ -59,7 +59,7 @@ def diagnose(result, subject, step: Step, c: int | None, chain: list[int], *, ve
     return out
 
 
-_ADVICE_FIRST = (FixKind.NORMALIZE_INPUT,)  # causes a replay of this step cannot test (they are in the data)
+_ADVICE_FIRST = (FixKind.NORMALIZE_INPUT, FixKind.MASK_ROWS)  # causes a replay of this step cannot test (they are in the data)
 
 
 class PatchMisplaced(Exception):  # noqa: N818 - raised inside a replay: the patch met another call than its own
@@ -148,7 +148,7 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | N
             # a verified change of the step (bf16) is shown beside it, not as the fix
             return (diag.fixes[0] if diag.fixes[0].kind in _ADVICE_FIRST else fix), tried
     code_fixes = [f for f in tried if f.verified is not None]
-    if not code_fixes and diag.fixes and diag.fixes[0].kind not in (FixKind.NONE, FixKind.LOWER_LR_CLIP_GRADS):
+    if not code_fixes and diag.fixes and diag.fixes[0].kind not in (FixKind.NONE, FixKind.LOWER_LR_CLIP_GRADS, FixKind.MASK_ROWS):
         diag.fixes[0].verification = ("could not apply this fix automatically at the culprit call "
                                       "(the call is not spelled as expected); not verified")
     # none verified: advice the rule put first for a cause outside the step (the data) wins over a replayed patch

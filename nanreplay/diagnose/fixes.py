@@ -180,7 +180,8 @@ def finite_mask(func, args, kwargs):
 def edge_fix(s: Site, kind: FixKind, scale: float | None, what: str, change_code: Callable[[str, float], str],
              change: Callable[[torch.Tensor, float], torch.Tensor], guidance: Callable[[float], str],
              which: str = "input", arg: int = 0, floor: float | None = None, floor_why: str = "",
-             call: int | None = None, scalars: list | None = None, data_eps: float | None = None) -> list[Fix]:
+             call: int | None = None, scalars: list | None = None, data_eps: float | None = None,
+             root: bool = False) -> list[Fix]:
     """Candidate fixes that change one operand of the culprit call (or of `call`) by an epsilon.
 
     Where the user's line is rewritten, the verification executes the rewritten operand exactly as shown
@@ -190,6 +191,9 @@ def edge_fix(s: Site, kind: FixKind, scale: float | None, what: str, change_code
     `data_eps`, the smallest non-zero magnitude the operand takes in this batch, adds a last candidate
     at that scale: a tiny eps keeps the step finite but can make the values it produces at the edge
     (x / 1e-7) implausibly large; an eps at the scale of the data does not.
+
+    `root`: where the operand's value is used by other ops too (a denominator two quotients share), the same
+    change is first offered where that value is made — every use fixed at once — then at the culprit's call.
     """
     eps, why = choose_eps(s.dtype, scale, what, floor=floor, floor_why=floor_why)
     call = s.call if call is None else call
@@ -205,11 +209,33 @@ def edge_fix(s: Site, kind: FixKind, scale: float | None, what: str, change_code
         rw = s.rewrite(codefix.with_operand(which, lambda t, e=e: change_code(t, e)), call, scalars=scalars)
         fn = operand_fn(rw) or (lambda t, e=e: change(t, e))
         return rw, s.at_calls(replace_arg(arg, fn), call, rw)
+    shared = shared_root(s, arg) if root and call == s.call else None
+    if shared is not None:
+        r, uses = shared
+        at = _frame_at(r)
+
+        def made_root(e: float):
+            return root_fix_parts(s, r, lambda t, e=e: change_code(t, e), lambda t, e=e: change(t, e))
+        compare = sorted({s.step.ops[i].call for i in uses if s.step.ops[i].call})
+        for e, why in cands:
+            rw, patch = made_root(e)
+            also = f"; the value is used at {uses_where(s, uses)}: changed where it is made ({at}), every use is fixed"
+            fixes.append(Fix(kind, "", epsilon=e, reasoning=why + also, rewrite=rw, patch=patch,
+                             probe=made_root(e * 100)[1],
+                             compare_at=[c for c0 in compare for c in (s.line_calls(c0) if rw else [c0])] or None,
+                             guidance=f"{guidance(e)} where it is made ({at}): it is used at {uses_where(s, uses)}, "
+                                      "and every use is fixed there"))
     for e, why in cands:
         rw, patch = made(e)
         fixes.append(Fix(kind, "", epsilon=e, reasoning=why, rewrite=rw, guidance=f"{guidance(e)} at {s.where}",
                          patch=patch, probe=made(e * 100)[1], probe_down=made(e / 100)[1]))
     return fixes
+
+
+def _frame_at(rec: OpRecord) -> str:
+    from nanreplay.replay import frame_json
+    fr = frame_json(rec.frame)
+    return f"{fr['file']}:{fr['line']}" if fr else "where it is computed"
 
 
 def operand_fn(rw: codefix.Rewrite | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -223,3 +249,58 @@ def plus_eps(t: str, e: float) -> str:
 
 def clamp_eps(t: str, e: float) -> str:
     return f"{codefix.paren(t)}.clamp_min({fmt(e)})"
+
+
+# ------------------------------------------------------------------ root, not site: a value several ops share
+
+
+def _uses(s: Site, fwd: int, depth: int = 0) -> list[int]:
+    """The forward ops that use op `fwd`'s value, looking through views and copies of it."""
+    out = []
+    for i in s.consumers(fwd):
+        r = s.step.ops[i]
+        if depth < 4 and (getattr(r.op, "is_view", False) or packet(str(r.op)) in _PASS):
+            out += _uses(s, i, depth + 1)
+        else:
+            out.append(i)
+    return out
+
+
+_PASS = ("aten.clone", "aten.contiguous", "aten.alias", "aten._to_copy", "aten.lift_fresh", "aten.expand",
+         "aten.view", "aten.reshape", "aten.squeeze", "aten.unsqueeze")
+
+
+def shared_root(s: Site, arg: int) -> tuple[OpRecord, list[int]] | None:
+    """(the op that made the culprit's `arg`-th input, every op that uses its value) where that value is used by
+    another op too (a denominator two quotients share, on consecutive lines): a change at the culprit's call
+    leaves the others broken; a change where the value is made fixes them all."""
+    r = s.origin(arg)
+    if r is None or not r.call or s.event.fwd is None:
+        return None
+    uses = _uses(s, s.index(r))
+    if len(uses) < 2 or s.event.fwd not in uses:
+        return None
+    return r, uses
+
+
+def root_fix_parts(s: Site, root: OpRecord, change_code: Callable[[str], str],
+                   change: Callable[[torch.Tensor], torch.Tensor]) -> tuple[codefix.Rewrite | None, dict | None]:
+    """The rewrite of the call that makes the shared value (`count = mask.sum()` -> `count =
+    mask.sum().clamp_min(1)`) and its patch: the call's output changed exactly as the rewritten code shows, at
+    every call that line makes (the recorded call alone where no line of the user's can be rewritten)."""
+    rw = s.rewrite(lambda src, node: change_code(src(node)), root.call)
+    fn = codefix.compile_operand(change_code(codefix.PLACEHOLDER)) if rw is not None else None
+    fn = fn or change
+    calls = s.line_calls(root.call) if rw is not None else [root.call]
+    return rw, {c: (lambda func, args, kwargs: fn(func(*args, **kwargs))) for c in calls}
+
+
+def uses_where(s: Site, uses: list[int]) -> str:
+    """'fp.py:43, fp.py:44': the lines of the ops that use a shared value."""
+    from nanreplay.replay import frame_json
+    at = []
+    for i in uses:
+        fr = frame_json(s.step.ops[i].frame)
+        if fr and f"{fr['file']}:{fr['line']}" not in at:
+            at.append(f"{fr['file']}:{fr['line']}")
+    return ", ".join(at)

@@ -74,7 +74,8 @@ class Fix:
 # Fixes that compute the same maths in a stable form: equal to the original wherever it was finite (checked by
 # replay), so where one replays finite it *is* this step's loss, and the reference other candidates must meet.
 EXACT_KINDS = frozenset({FixKind.XLOGY, FixKind.LOG_SOFTMAX, FixKind.LOGSIGMOID, FixKind.BCE_WITH_LOGITS,
-                         FixKind.MAX_SUBTRACTION, FixKind.STABLE_VARIANCE, FixKind.GUARD_EMPTY_REDUCTION})
+                         FixKind.MAX_SUBTRACTION, FixKind.STABLE_VARIANCE, FixKind.GUARD_EMPTY_REDUCTION,
+                         FixKind.SOFTPLUS, FixKind.LOG1MEXP})
 
 
 @dataclass

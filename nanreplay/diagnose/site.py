@@ -16,8 +16,13 @@ from nanreplay.replay import Event, OpRecord, Step, frame_json
 
 
 def packet(op: str | None) -> str | None:
-    """'aten.sqrt.default' -> 'aten.sqrt'."""
-    return op.rsplit(".", 1)[0] if op else None
+    """'aten.sqrt.default' -> 'aten.sqrt'; an in-place variant as its op ('aten.log_.default' -> 'aten.log',
+    'aten.pow_.Scalar' -> 'aten.pow'): `x.log_()` computes what `x.log()` does, and the rules written for the
+    one answer for the other (a dunder such as 'aten.__and__' is not an in-place variant)."""
+    if not op:
+        return None
+    p = op.rsplit(".", 1)[0]
+    return p[:-1] if p.endswith("_") and not p.endswith("__") and not p.endswith("._") else p
 
 
 _COPIES = ("aten.clone", "aten.contiguous", "aten.alias", "aten._to_copy", "aten.lift_fresh")
@@ -84,9 +89,10 @@ class Site:
         return self.step.call_names[c] if 0 < c < len(self.step.call_names) else ""
 
     def call_is(self, *names: str) -> bool:
-        """Did the user spell the culprit call as one of these (torch.log / Tensor.log / ...)?"""
+        """Did the user spell the culprit call as one of these (torch.log / Tensor.log / ...)? An in-place
+        method (`x.log_()`, `x.div_(y)`) is its op's spelling too."""
         base = self.call_name.rsplit(".", 1)[-1]
-        return base in names
+        return base in names or (base.endswith("_") and not base.endswith("__") and base[:-1] in names)
 
     def src(self, i: int, rec: OpRecord | None = None) -> OpRecord | None:
         """The forward op that produced the i-th tensor input of `rec` (default: the culprit's forward op)."""

@@ -117,9 +117,17 @@ class Recorder:
         self._site_out: torch.Tensor | None = None  # ... and its output
         # stop_at_failure (run): a parameter's gradient, complete, came out non-finite from an op we saw
         self.failure_known = False
+        self._inplace: tuple | None = None  # (tensor, op) of an in-place op whose autograd node is not yet known
+        self.before: dict | None = None  # _OpMode: an in-place op's inputs as they were before it wrote (by id)
 
     # ---- called by _OpMode for every aten op
     def on_op(self, func, args: tuple, kwargs: dict, out: Any, seq: int) -> None:
+        if self._inplace is not None:  # the node autograd gave the previous op, an in-place one
+            t, f = self._inplace
+            self._inplace = None
+            n = ti.node_sequence_nr(t.grad_fn) if t.grad_fn is not None else None
+            if n is not None:
+                self.op_by_seq[n] = f
         fwd = None
         view = ti.op_is_view(func)
         if self.phase != "backward":
@@ -139,6 +147,10 @@ class Recorder:
             self.ops.append(OpRecord(func, module, frame, self.current_call, src, leaves))
             if seq - 1 not in self.op_by_seq:  # the node an op creates takes the number just before it
                 self.op_by_seq[seq - 1] = fwd
+            if self.before is not None and isinstance(out, torch.Tensor) and out.requires_grad:
+                # an in-place op (pow_): autograd made its node, then cloned the input it saves (a node too),
+                # and sets the node on the tensor only after this returns: read it at the next op
+                self._inplace = (out, fwd)
             for t in _tensors(out):
                 prod[t] = fwd
         if view and not self._has_nonfinite_input(args):
@@ -224,7 +236,8 @@ class Recorder:
         if ev.frame is not None:
             ev.call = self.current_call
         if role in (Role.ORIGIN, Role.CONVERSION):  # only these can be culprits: worth the input statistics
-            ev.inputs = [stats.tensor_stats(t) for t in inputs]
+            before = self.before or {}  # an in-place op's input as it was before the op wrote over it
+            ev.inputs = [stats.tensor_stats(before.get(id(t), t)) for t in inputs]
             ev.scalars = scalars
         self.events.append(ev)
         for t, c in bad:
@@ -365,6 +378,7 @@ class _OpMode(ti.TorchDispatchMode):
         if rec.failure_known and rec.phase == "backward" and rec.stop_now():
             raise StopReplay
         seq = ti.sequence_nr()
+        rec.before = _before_write(rec, func, args) if rec.phase != "backward" else None
         out = func(*args, **kwargs)
         rec.busy = True
         try:
@@ -374,6 +388,26 @@ class _OpMode(ti.TorchDispatchMode):
         finally:
             rec.busy = False
         return out
+
+
+_MUTATED: dict = {}  # op -> the positions of the arguments it writes (from its schema), read once per op
+
+
+def _before_write(rec: Recorder, func, args: tuple) -> dict | None:
+    """A copy of each finite floating-point tensor an in-place forward op (`x.log_()`, `x.pow_(0.5)`) is about
+    to write over, by id: the statistics of its input must be of the value it read, not of what it wrote. In-place
+    ops are few in a forward; the copy lives until the op is recorded."""
+    pos = _MUTATED.get(func)
+    if pos is None:
+        pos = _MUTATED[func] = ti.op_mutated_args(func)[0]
+    if not pos:
+        return None
+    out = {}
+    for i in pos:
+        a = args[i] if i < len(args) else None
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and a not in rec.nonfinite:
+            out[id(a)] = a.detach().clone()
+    return out or None
 
 
 class _CallMode(TorchFunctionMode):

@@ -136,7 +136,8 @@ FIX_LABELS = {
     "double_where": "the double-where trick", "correction": "std/var correction", "bf16_or_grad_scaler": "bf16 or GradScaler",
     "lower_lr_clip_grads": "lower LR, clip gradients", "clean_input": "clean the input batch",
     "restore_parameters": "restore the weights", "guard_empty_reduction": "guard the empty reduction", "none": "no fix",
-    "compiler": "change the compiled region",
+    "compiler": "change the compiled region", "softplus": "use softplus", "log1mexp": "use log(-expm1(x))",
+    "zero_infinity": "CTC zero_infinity (or filter)", "mask_rows": "mask the rows (in the data)",
 }
 
 

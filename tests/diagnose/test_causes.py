@@ -351,3 +351,19 @@ def test_variance_cancellation_under_an_eps_suggests_torch_var(run_case):
     assert diag["candidates"][0] is not None and diag["candidates"][0]["kind"] == "stable_variance"
     assert diag["fix"]["verified"] is True and diag["fix"]["tested_as"] == "line"
     assert "hides the bug" in diag["explanation"]
+
+
+def test_a_shared_denominator_is_fixed_where_it_is_made(run_case):
+    """a = h / norm; b = h.pow(2) / norm, with norm 0 for one sample: a change at the culprit's quotient leaves the
+    other NaN; the fix clamps the norm on the line that makes it, and the explanation names both uses."""
+    res, _ = run_case("shared_zero_norm")
+    diag = res.diagnosis
+    fix = diag["fix"]
+    assert fix["before"] == "norm = h.norm(dim=-1, keepdim=True)" and fix["after"].startswith(
+        "norm = h.norm(dim=-1, keepdim=True).clamp_min("), fix
+    line = causes.CASES.marker_line("shared_zero_norm")  # a = h / norm; the next line b, the line before it norm
+    why = fix["reasoning"]
+    assert "the value is used at " in why and f"causes.py:{line}, " in why and all(
+        f"causes.py:{n}{end}" in why for n, end in ((line + 1, ": changed where it is made ("), (line - 1, ")"))), why
+    site = [c for c in diag["candidates"] if c["before"] and c["before"].startswith("a = h / norm")]
+    assert all(c["verified"] is not True for c in site), site  # the one-site patch alone does not verify

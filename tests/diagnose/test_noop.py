@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from cases import Case
-from nanreplay import analysis
+from nanreplay import analysis, formats, verify
 
 DST = [0, 0, 1, 1, 1, 2, 2, 3]  # the target node of each of 8 edges
 
@@ -48,15 +48,27 @@ def _batch():
 
 def test_a_rewrite_that_changes_healthy_values_is_not_verified(tmp_path):
     c = Case("graph_attention", __name__, "graph_attention", _batch)
-    d = analysis.analyze(c.save(tmp_path / "gat.pt"), model=c.model_spec).to_json()
+    path = c.save(tmp_path / "gat.pt")
+    res = analysis.analyze(path, model=c.model_spec)
+    d = res.to_json()
     assert d["verdict"] == "culprit_found" and d["culprit"]["op"] == "aten.exp.default", d["culprit"]
-    fixes = [d["diagnosis"]["fix"], *d["diagnosis"]["candidates"]]
-    maxsub = [f for f in fixes if f["kind"] == "max_subtraction"]
-    assert maxsub, [f["kind"] for f in fixes]
-    for f in maxsub:
-        assert f["verified"] is False, f["verification"]
-        assert "not a no-op" in f["verification"] and "changes values the original computed fine" in f["verification"]
-    assert not any(f["verified"] for f in fixes if f["kind"] == "max_subtraction")
+    # the segment softmax's own fix (the maximum per segment, along the index_add's dim) is exact: a no-op
+    fix = d["diagnosis"]["fix"]
+    assert d["diagnosis"]["cause"] == "segment_softmax" and fix["verified"] is True, fix["verification"]
+    assert "unchanged" in fix["verification"]
+    # the maximum over dim -1 (each edge's maximum over the heads) changes every healthy segment's weights: finite,
+    # and rejected by the no-op check made where the rewritten expression ends (the division)
+    subject = formats.rebuild(formats.load(path), model=c.model_spec, loss=None, device=None, trust=False)
+    step = res.step
+    call = step.call_of(step.events[res.culprit["event"]])
+    div = next(r.call for r in step.ops if str(r.op).startswith("aten.div") and r.call)
+
+    def dim_last(func, args, kwargs):
+        t = args[0]
+        return func(t - t.detach().amax(dim=-1, keepdim=True), *args[1:], **kwargs)
+    o = verify.try_patch(subject, {call: dim_last}, compare_at=[div])
+    assert o.ok and o.noop is not None and not o.noop.ok, o.detail
+    assert "changes values the original computed fine" in o.noop.sentence()
 
 
 class RMSScale(nn.Module):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from nanreplay.diagnose.rules import (
     division,
     domain,
+    forms,
     generic,
     logs,
     optimizer,
@@ -16,4 +17,4 @@ from nanreplay.diagnose.rules import (
     where,
 )
 
-__all__ = ["division", "domain", "generic", "logs", "optimizer", "precision", "roots_powers", "softmax", "where"]
+__all__ = ["division", "domain", "forms", "generic", "logs", "optimizer", "precision", "roots_powers", "softmax", "where"]

@@ -13,7 +13,18 @@ import torch
 
 from nanreplay import stats  # stats.num: `num` is a local name (the numerator) in several rules here
 from nanreplay.diagnose import codefix
-from nanreplay.diagnose.fixes import choose_eps, clamp_eps, edge_fix, fmt, operand_fn, plus_eps, replace_arg
+from nanreplay.diagnose.fixes import (
+    choose_eps,
+    clamp_eps,
+    edge_fix,
+    fmt,
+    operand_fn,
+    plus_eps,
+    replace_arg,
+    root_fix_parts,
+    shared_root,
+    uses_where,
+)
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.prose import count, count_in
 from nanreplay.diagnose.site import Site, finite_float, packet
@@ -275,12 +286,14 @@ def _count_rule(s: Site) -> Diagnosis | None:
               reasoning="a count is a whole number: clamp_min(1) changes nothing where it is ≥ 1, and where it is 0 "
                         "the sum it divides is 0 too, so the term becomes 0 instead of 0/0")
     zero = "0/0 = NaN" if s.event.kind == "nan" else "x/0 = Inf"
+    shared = None if s.library else _root_count_fix(s, fix.reasoning)
     return Diagnosis("empty_reduction", "a reduction over zero elements (a count of 0)",
                      f"the denominator is a count — {what} — and it is 0 in this batch "
                      f"({count(d['zeros'], 'zero count')}), so the division at {s.where} is {zero}: the batch has "
                      "nothing to average (every label ignored, e.g. -100 everywhere because a prompt was truncated "
                      "past its answer; a mask that selects no token; no positive examples). Keep the count at "
-                     "least 1, and skip or repair batches with nothing to average in the data pipeline.", [fix])
+                     "least 1, and skip or repair batches with nothing to average in the data pipeline."
+                     + (shared[1] if shared else ""), ([shared[0]] if shared else []) + [fix])
 
 
 @rule("masked_mean_empty", aten.div, priority=95)
@@ -299,17 +312,47 @@ def _masked_mean(s: Site) -> Diagnosis | None:
     mask = s.src(0, den)
     if not any(s.src(i, prod) is mask or (mask is None and s.src(i, prod) is None) for i in range(len(prod.src))):
         return None  # the product is not weighted by the mask that is counted
+    why = ("a masked mean over a mask with no selected position has no value; clamping the count to 1 "
+           "makes it 0 there (the sum is 0) and changes nothing where the mask selects something")
+    fixes, shared = [], _root_count_fix(s, why)
+    if shared is not None:
+        fixes.append(shared[0])
     rw = s.rewrite(codefix.with_operand("other", lambda t: f"{codefix.paren(t)}.clamp_min(1)"))
     fn = operand_fn(rw) or (lambda t: t.clamp_min(1))
-    fix = Fix(FixKind.GUARD_EMPTY_REDUCTION, "", rewrite=rw, patch=s.at_calls(replace_arg(1, fn), rewrite=rw),
-              guidance=f"divide by the mask's count clamped to at least 1 at {s.where}: an empty mask then gives 0",
-              reasoning="a masked mean over a mask with no selected position has no value; clamping the count to 1 "
-                        "makes it 0 there (the sum is 0) and changes nothing where the mask selects something")
+    fixes.append(Fix(FixKind.GUARD_EMPTY_REDUCTION, "", rewrite=rw, patch=s.at_calls(replace_arg(1, fn), rewrite=rw),
+                     guidance=f"divide by the mask's count clamped to at least 1 at {s.where}: an empty mask then "
+                              "gives 0", reasoning=why))
     return Diagnosis("masked_mean_empty", "masked mean over zero selected positions",
                      f"a masked mean, (x * mask).sum() / mask.sum(), divided 0 by 0 at {s.where}: the mask selects "
                      f"nothing in this batch ({count(d['zeros'], 'zero count')}; e.g. a sequence that is all "
                      "padding). The sum is not a norm, it counts positions: keep the count at least 1, or skip the "
-                     "term when the mask is empty.", [fix])
+                     "term when the mask is empty." + (shared[1] if shared else ""), fixes)
+
+
+def _root_count_fix(s: Site, why: str) -> tuple[Fix, str] | None:
+    """Where the zero count is shared (an auxiliary loss divides two sums by it, on consecutive lines), the count
+    clamped where it is made: one change that fixes every division by it (a patch of one quotient leaves the
+    other NaN). With the sentence that says so."""
+    got = shared_root(s, 1)
+    if got is None:
+        return None
+    root, uses = got
+    rw, patch = root_fix_parts(s, root, lambda t: f"{codefix.paren(t)}.clamp_min(1)", lambda t: t.clamp_min(1))
+    made = _made_at(root)
+    # the count itself changes (0 -> 1) by design: the no-op check compares where it is used, the quotients
+    calls = {c for i in uses if s.step.ops[i].call for c in (s.line_calls(s.step.ops[i].call) if rw else
+                                                              [s.step.ops[i].call])}
+    fix = Fix(FixKind.GUARD_EMPTY_REDUCTION, "", rewrite=rw, patch=patch, reasoning=why, compare_at=sorted(calls) or None,
+              guidance=f"clamp the count to at least 1 where it is made ({made}): every division by it "
+                       f"({uses_where(s, uses)}) then gives 0 for an empty batch")
+    return fix, (f" The same count is used at {len(uses)} places ({uses_where(s, uses)}): fix it where it is made, "
+                 f"{made}, so every use is fixed.")
+
+
+def _made_at(rec) -> str:
+    from nanreplay.replay import frame_json
+    fr = frame_json(rec.frame)
+    return f"{fr['file']}:{fr['line']}" if fr else "where it is computed"
 
 
 @rule("normalize_zero_norm", aten.div, priority=80)
@@ -331,7 +374,7 @@ def _normalize(s: Site) -> Diagnosis | None:
                      lambda e: f"clamp the {label} you divide by to at least {fmt(e)} (F.normalize(..., eps={fmt(e)}) "
                                "does this for a norm)",
                      which="other", arg=idx, floor=_floor_clamped(num, s.finfo), floor_why="the quotient x / eps",
-                     data_eps=d.get("absmin_nonzero"))
+                     data_eps=d.get("absmin_nonzero"), root=True)
     what = ("(x - mean) / std with a constant feature or group (std = 0 and x - mean = 0)" if is_std
             else "x / x.norm() with an all-zero vector (norm = 0)")
     return Diagnosis("normalize_zero_norm", f"division by a zero {label}",
@@ -367,7 +410,7 @@ def _div_zero(s: Site) -> Diagnosis | None:
         floor, floor_why = (n / s.finfo.max if n else None), "the quotient x / eps"
     fixes = edge_fix(s, FixKind.EPSILON, d.get("absmax") or n, "the quotient and its gradient",
                      code, change, generic, which=which, arg=idx, floor=floor, floor_why=floor_why,
-                     data_eps=d.get("absmin_nonzero"))
+                     data_eps=d.get("absmin_nonzero"), root=s.op_packet == "aten.div")
     return Diagnosis("division_by_zero", "0/0" if zero_zero else "division by zero",
                      f"the denominator held {count_in(d['zeros'], 'exact zero', d)} (range {stats.num(d.get('min'))} "
                      f".. {stats.num(d.get('max'))}) at {s.where}: {'0/0 = NaN' if zero_zero else 'x/0 = Inf'}. Keep "

@@ -1,9 +1,10 @@
 """The log family: log / log2 / log10 of zero or a negative, and the stable forms a log of
 something should have been (log_softmax, logsigmoid, binary_cross_entropy_with_logits, xlogy).
 
-The stable-form patterns outrank a plain log of zero (they are more specific and their fix is
-better); a log whose result where() picks from is the where trap (rules/where.py, above
-log_of_zero), so the stable-form rules leave it alone.
+Their fix kinds and reasoning come from the reformulation table (diagnose/forms.py). The stable-form
+patterns outrank a plain log of zero (they are more specific and their fix is better); a log whose
+result where() picks from is the where trap (rules/where.py, above log_of_zero), so the stable-form
+rules leave it alone.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from nanreplay.diagnose.fixes import (
     replace_arg,
     stable_log_patch,
 )
+from nanreplay.diagnose.forms import TABLE as FORMS
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.prose import count_in
 from nanreplay.diagnose.site import Site, packet
@@ -137,8 +139,7 @@ def _handwritten_bce(s: Site) -> Diagnosis | None:
         f"for z above about {_sigmoid_one(s.finfo):.0f} and exactly 0 below about {_sigmoid_zero(s.finfo):.0f}. "
         "Computing binary cross-entropy from probabilities loses everything beyond float precision; "
         f"compute it from the logits (sigmoid at {_frame_at(sg)}).",
-        [Fix(FixKind.BCE_WITH_LOGITS, "", guidance=guide, patch=patch,
-             reasoning="binary_cross_entropy_with_logits uses log(sigmoid(z)) = -softplus(-z), exact for any logit")])
+        [Fix(FORMS["bce_with_logits"].kind, "", guidance=guide, patch=patch, reasoning=FORMS["bce_with_logits"].why)])
 
 
 @rule("logsigmoid", *_LOGS, priority=220)
@@ -154,8 +155,7 @@ def _log_of_sigmoid(s: Site) -> Diagnosis | None:
         "logsigmoid", "log(sigmoid(x)): sigmoid saturated to 0 and log made it -inf",
         f"sigmoid(x) rounds to exactly 0 in {s.dtype} for x below about {_sigmoid_zero(s.finfo):.0f}, and "
         f"log(0) = -inf at {s.where}.",
-        [Fix(FixKind.LOGSIGMOID, "", rewrite=rw, guidance=guide, patch=patch,
-             reasoning="logsigmoid(x) = -softplus(-x) is exact for any x")])
+        [Fix(FORMS["logsigmoid"].kind, "", rewrite=rw, guidance=guide, patch=patch, reasoning=FORMS["logsigmoid"].why)])
 
 
 @rule("log_softmax", *_LOGS, priority=210)
@@ -173,8 +173,8 @@ def _log_of_softmax(s: Site) -> Diagnosis | None:
         f"softmax returned exactly 0 for some entries (their logits were far below the row's maximum), "
         f"and log(0) = -inf {'in forward' if s.forward else 'gave 0/0 = NaN in its backward (grad / p)'}. "
         f'This is the `log(softmax(x))` collapse of "Debugging Gradients That Misbehave", at {s.where}.',
-        [Fix(FixKind.LOG_SOFTMAX, "", rewrite=rw, guidance=guide, patch=patch,
-             reasoning="log_softmax computes x - logsumexp(x) directly, so it never takes log(0)")])
+        [Fix(FORMS["log_softmax"].kind, "", rewrite=rw, guidance=guide, patch=patch,
+             reasoning=FORMS["log_softmax"].why)])
 
 
 @rule("zero_times_log_zero", *_LOGS, priority=200)

@@ -156,7 +156,7 @@ def _masked_row(s: Site) -> Diagnosis | None:
     rws, calls = [], set()
     for r in recs:
         rw = s.rewrite(lambda src, node: _finite_mask_text(src, node, s.dtype), r.call)
-        calls.update(s.line_calls(r.call) if rw is not None else [r.call])
+        calls.update(s.line_calls(r.call) if rw is not None else s.same_site(r.call))  # every layer that makes it
         if rw and all(rw.before != o.before for o in rws):
             rws.append(rw)
     patch = {c: finite_mask for c in sorted(calls)} or None

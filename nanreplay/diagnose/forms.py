@@ -1,0 +1,105 @@
+"""Unstable compositions and their exact forms, as one table: composition -> stable form -> how people write it.
+
+Read by the rules (rules/forms.py and the older stable-form rules in rules/logs.py and rules/softmax.py take
+their fix kind and their reasoning from their row), by the fixes (the stable form is what a row's patch computes
+and what its rewrite shows) and by the tests (tests/diagnose/test_forms_table.py drives every row to its failure
+with a small fixture, tests/forms_cases.py, and checks that the exact form is offered first, verifies by replay
+and is the code shown). Where a row has an exact form it is preferred over any ε: an ε changes the maths where
+the value is extreme (a mixture-density loss's outlier gets a capped loss and no gradient); the exact form does
+not. A row whose remedy is in the data (`exact` empty) says so: no ε can verify a quantity that is undefined.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanreplay.enums import FixKind
+
+
+@dataclass(frozen=True)
+class Form:
+    unstable: str  # the composition, as people think of it
+    exact: str  # its stable form ("" where the only remedy is in the data)
+    kind: FixKind  # the fix kind a diagnosis of this row reports
+    cause: str  # the rule (cause) that answers for it
+    patterns: tuple[str, ...]  # how people write it: functional, method, operator, in-place, with weights
+    why: str  # why the stable form is exact where the composition is not
+
+    @property
+    def in_data(self) -> bool:
+        return not self.exact
+
+
+TABLE: dict[str, Form] = {
+    "softplus": Form(
+        "log(1 + exp(x))", "F.softplus(x)", FixKind.SOFTPLUS, "softplus",
+        ("torch.log(1 + torch.exp(x))", "(1 + x.exp()).log()", "torch.log1p(torch.exp(x))", "x.exp().log1p()",
+         "torch.log(torch.exp(x) + 1)"),
+        "softplus(x) = max(x, 0) + log1p(exp(-|x|)): exact for every x, where exp(x) overflows above ~88 in "
+        "float32 (a clamp of x changes the value there)"),
+    "logsumexp": Form(
+        "log(sum(w * exp(a)))", "torch.logsumexp(a + torch.log(w), dim)", FixKind.MAX_SUBTRACTION,
+        "logsumexp_underflow",
+        ("torch.log(torch.exp(a).sum(d))", "torch.log((w * torch.exp(a)).sum(d))", "torch.log(torch.sum(pi * "
+         "torch.exp(-0.5 * z ** 2) / sigma, d))"),
+        "logsumexp subtracts the maximum first: every term is ≤ 1 and at least one is 1, so the sum neither "
+        "underflows to 0 (log(0) = -inf) nor overflows; an ε inside the log instead caps the loss of the sample "
+        "that underflowed and removes its gradient"),
+    "log_softmax": Form(
+        "log(softmax(x))", "torch.log_softmax(x, dim)", FixKind.LOG_SOFTMAX, "log_softmax",
+        ("torch.log(torch.softmax(x, d))", "x.softmax(d).log()", "F.softmax(x, d).log_()"),
+        "log_softmax computes x - logsumexp(x) directly, so it never takes log(0)"),
+    "logsigmoid": Form(
+        "log(sigmoid(x))", "F.logsigmoid(x)", FixKind.LOGSIGMOID, "logsigmoid",
+        ("torch.log(torch.sigmoid(x))", "x.sigmoid().log()"),
+        "logsigmoid(x) = -softplus(-x) is exact for any x"),
+    "log1mexp": Form(
+        "log(1 - exp(x)), x ≤ 0", "torch.log(-torch.expm1(x))", FixKind.LOG1MEXP, "log1mexp",
+        ("torch.log1p(-torch.exp(x))", "torch.log(1 - torch.exp(x))", "(1 - x.exp()).log()"),
+        "expm1(x) keeps every digit of exp(x) - 1 near x = 0, where exp(x) rounds to exactly 1 (below one "
+        "rounding step of the dtype) and 1 - exp(x) to 0"),
+    "xlogy": Form(
+        "x * log(y) with x = 0 where y = 0", "torch.special.xlogy(x, y)", FixKind.XLOGY, "xlogy_at_zero",
+        ("x * torch.log(y)", "torch.log(y) * x", "x * y.log()"),
+        "xlogy(x, y) = x*log(y) with 0 where x == 0 (a Beta or Bernoulli log-density at the support's edge)"),
+    "xlog1py": Form(
+        "x * log1p(y) with x = 0 where y = -1", "torch.special.xlog1py(x, y)", FixKind.XLOGY, "xlogy_at_zero",
+        ("x * torch.log1p(y)", "x * torch.log1p(-a)  # a Beta policy's (b - 1) * log(1 - a) at a = 1"),
+        "xlog1py(x, y) = x*log1p(y) with 0 where x == 0"),
+    "bce_with_logits": Form(
+        "-(y log sigmoid(z) + (1 - y) log(1 - sigmoid(z)))", "F.binary_cross_entropy_with_logits(z, y)",
+        FixKind.BCE_WITH_LOGITS, "bce_saturated",
+        ("-(y * torch.log(p) + (1 - y) * torch.log(1 - p)) with p = torch.sigmoid(z)",
+         "F.binary_cross_entropy(torch.sigmoid(z), y)"),
+        "binary_cross_entropy_with_logits uses log(sigmoid(z)) = -softplus(-z), exact for any logit"),
+    "segment_softmax": Form(
+        "exp(x) / (sum of exp(x) per segment)[index]",
+        "exp(x - m[index]) / ..., m = per-segment max (scatter_reduce 'amax'), as torch_geometric.utils.softmax",
+        FixKind.MAX_SUBTRACTION, "segment_softmax",
+        ("e = x.exp(); den = torch.zeros(n).index_add(0, index, e); e / den[index]",
+         "den = torch.zeros(n).scatter_add(0, index, e)", "den = torch.zeros(n).scatter_reduce(0, index, e, 'sum')"),
+        "subtracting each segment's own maximum keeps every exp ≤ 1 and each segment's sum ≥ 1; a maximum over "
+        "dim=-1 (all edges) lets a segment far below it underflow to 0/0"),
+    "finite_mask": Form(
+        "masked_fill(mask, -inf) then softmax over a row with no allowed position", "masked_fill(mask, "
+        "torch.finfo(dtype).min), where the mask is made", FixKind.FINITE_MASK_VALUE, "softmax_all_masked",
+        ("scores.masked_fill(pad, float('-inf'))", "torch.zeros(shape).masked_fill(pad, -math.inf) added in every "
+         "layer", "torch.where(mask, scores, float('-inf'))"),
+        "finfo(dtype).min behaves like -inf for every row that has an allowed position, and keeps a fully masked "
+        "row finite; fixed where the mask is made, every layer that uses it is fixed"),
+    "ctc_infeasible": Form(
+        "ctc_loss with a target that needs more frames than the input has", "F.ctc_loss(..., zero_infinity=True)",
+        FixKind.ZERO_INFINITY, "ctc_infeasible",
+        ("F.ctc_loss(log_probs, targets, input_lengths, target_lengths)", "nn.CTCLoss()(log_probs, targets, ...)"),
+        "no alignment exists (target length plus its repeats > input length): the loss is +inf by definition; "
+        "zero_infinity=True drops those samples' loss and gradient, or filter them from the batch"),
+    "ratio_to_zero_target": Form(
+        "|pred - y| / |y| with y = 0 (MAPE, a relative error)", "", FixKind.MASK_ROWS, "ratio_to_zero_target",
+        ("((pred - y).abs() / y.abs()).mean()", "torch.mean(torch.abs((y - pred) / y))"),
+        "a relative error is undefined at a target of 0: no ε gives it a value; mask those rows (or use a loss "
+        "defined there: MAE, sMAPE)"),
+}
+
+
+def row(name: str) -> Form:
+    return TABLE[name]
