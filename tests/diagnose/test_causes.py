@@ -148,14 +148,18 @@ def test_logsumexp_fix_keeps_the_value(run_case):
 
 
 def test_std_of_one_element_tries_correction_then_keeps_it_off_zero(run_case):
-    """correction=0 alone makes std = 0, and (h - mean) / 0 is NaN again: the replay says so, and the
-    next candidate (correction=0 plus clamp_min) is the one reported."""
+    """Dropping the correction alone makes std = 0, and (h - mean) / 0 is NaN again: the replay says so, and the
+    next candidate (plus clamp_min) is the one reported. The correction is dropped only for a group of one
+    (min(1, n - 1)): a healthy batch keeps its unbiased std, unchanged."""
     res, _ = run_case("std_single")
     first, second = res.diagnosis["candidates"]
     assert first["verified"] is False and "aten.div.Tensor" in first["verification"]
     assert second["verified"] is True and second["epsilon"] is not None
     assert res.diagnosis["fix"]["after"].startswith(
-        f"return ((h - h.mean(0)) / h.std(0, correction=0).clamp_min({second['epsilon']:.0e}))".replace("e-0", "e-"))
+        f"return ((h - h.mean(0)) / h.std(0, correction=min(1, h.shape[0] - 1)).clamp_min({second['epsilon']:.0e}))"
+        .replace("e-0", "e-"))
+    h = torch.randn(5, 3)  # the fix's std is torch's own unbiased std wherever there is more than one sample
+    assert torch.equal(h.std(0, correction=min(1, h.shape[0] - 1)), h.std(0))
 
 
 def test_reciprocal_fix_changes_the_denominator(run_case):

@@ -47,13 +47,37 @@ def _std_args(args: tuple, kwargs: dict) -> tuple[Any, Any, bool]:
     return x, dim, keepdim
 
 
+def _group_size(x, dim) -> int:
+    if dim is None:
+        return x.numel()
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return math.prod(x.shape[d] for d in dims)
+
+
 def _population(eps: float | None) -> Callable:
-    """std/var(..., correction=0) at this call, then (for a denominator) .clamp_min(eps)."""
+    """std/var(..., correction=min(1, n - 1)) at this call — Bessel's correction kept wherever a group has more than
+    one element, so every healthy value is unchanged — then (for a denominator) .clamp_min(eps)."""
     def fn(func, args, kwargs):
         x, dim, keepdim = _std_args(args, kwargs)
-        out = func(x, dim, correction=0, keepdim=keepdim) if dim is not None else func(x, correction=0, keepdim=keepdim)
+        c = min(1, _group_size(x, dim) - 1)
+        out = func(x, dim, correction=c, keepdim=keepdim) if dim is not None else func(x, correction=c, keepdim=keepdim)
         return out if eps is None else out.clamp_min(eps)
     return fn
+
+
+def _correction_text(src, node, rest) -> str:
+    """The user's spelling of min(1, n - 1) for this call: n is x.numel() for a full reduction, x.shape[d] for one
+    literal dim (a 0 where neither can be written)."""
+    x = src(node.args[0]) if codefix._is_function_call(node) and node.args else \
+        src(node.func.value) if isinstance(node.func, codefix.ast.Attribute) else None
+    dim = rest[0] if rest else next((k.value for k in node.keywords if k.arg == "dim"), None)
+    if x is None:
+        return "0"
+    if dim is None:
+        return f"min(1, {x}.numel() - 1)"
+    if isinstance(dim, codefix.ast.Constant) and isinstance(dim.value, int) and not isinstance(dim.value, bool):
+        return f"min(1, {x}.shape[{dim.value}] - 1)"
+    return "0"
 
 
 def _population_text(src, node, eps: float | None) -> str | None:
@@ -67,7 +91,7 @@ def _population_text(src, node, eps: float | None) -> str | None:
     if len(rest) > 2:
         parts.append(f"keepdim={src(rest[2])}")
     parts += [f"{k.arg}={src(k.value)}" for k in node.keywords if k.arg not in ("unbiased", "correction")]
-    parts.append("correction=0")
+    parts.append(f"correction={_correction_text(src, node, rest)}")
     head = src(node.func)
     if codefix._is_function_call(node):
         parts.insert(0, src(node.args[0]))
@@ -91,14 +115,18 @@ def _std_one(s: Site) -> Diagnosis | None:
     fixes = []
     for e in (None, eps) if denominator else (None,):
         rw = s.rewrite(lambda src, node, e=e: _population_text(src, node, e))
-        guide = f"pass correction=0 to {name}() at {s.where}" + (f", then clamp it to at least {fmt(e)}" if e else "")
+        guide = (f"pass correction=min(1, n - 1) to {name}() at {s.where} (n: the elements it reduces; Bessel's "
+                 "correction stays wherever there is more than one)" + (f", then clamp it to at least {fmt(e)}" if e
+                                                                        else ""))
         fixes.append(Fix(FixKind.CORRECTION, "", epsilon=e, rewrite=rw, guidance=guide,
                          patch=s.at_calls(_population(e), rewrite=rw),
-                         reasoning=f"correction=0 (the population {name}) is 0, not NaN, for one element"
+                         reasoning=f"with one element the correction is 0 (the population {name}: 0, not NaN); with "
+                                   f"more it stays 1, so every healthy value is unchanged"
                                    + (f"; it is then a zero denominator, hence clamp_min — {why}" if e else "")))
     return Diagnosis("std_single_element", f"unbiased {name} over a single element",
                      f"{s.call_name}() uses Bessel's correction (divide by n - 1); over one element that is 0/0 = NaN "
-                     f"({s.where}). A batch or group of size 1 does this: use correction=0 (or skip groups of one)"
+                     f"({s.where}). A batch or group of size 1 does this: drop the correction for a group of one only "
+                     f"(correction=min(1, n - 1)), or skip groups of one"
                      + (f", and since the {name} is then 0, keep it away from 0 where it divides." if denominator
                         else "."), fixes)
 
