@@ -6,6 +6,7 @@ import torch.nn.functional as F
 CITE = "AntixK/PyTorch-VAE#16"
 TITLE = "Nan in loss function in TC-Beta VAE (kld grows from ~2000 to inf in a few steps: reduce the learning rate)"
 STEPS, BAD_STEP = 40, 40
+EXPECT_CAUSES = ("training_diverged",)  # the fix is the run's learning rate, not a line of the step
 
 
 class AE(nn.Module):
