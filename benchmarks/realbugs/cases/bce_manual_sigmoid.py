@@ -17,7 +17,7 @@ def batch(step):
     g = torch.Generator().manual_seed(step)
     x = torch.randn(8, 6, generator=g)
     if step == BAD_STEP:
-        x[1] *= 1000.0  # an unnormalised sample
+        x[1] *= 1e5  # an unnormalised sample (a raw sensor reading)
     return x, (torch.rand(8, 1, generator=g) > 0.5).float()
 
 

@@ -23,7 +23,7 @@ def batch(step):
     g = torch.Generator().manual_seed(step)
     x = torch.randn(8, 4, generator=g)
     if step == BAD_STEP:
-        x[0] *= 200.0  # a confident sample: its logit saturates the sigmoid
+        x[0] *= 1e4  # a confident sample: its logit saturates the sigmoid
     return x, (torch.rand(8, 1, generator=g) > 0.5).float()
 
 

@@ -1,4 +1,5 @@
-"""GPT-2's attention mask w * b - 1e10 * (1 - b) in half precision: 1e10 is Inf in float16 and Inf * 0 is NaN."""
+"""GPT-2's attention mask w * b - 1e10 * (1 - b) with the 1e10 kept as a buffer: model.half() makes it Inf in
+float16, and Inf * 0 on every unmasked position is NaN."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -14,12 +15,13 @@ class Block(nn.Module):
         self.qkv = nn.Linear(d, 3 * d)
         self.head = nn.Linear(d, 8)
         self.register_buffer("bias", torch.tril(torch.ones(t, t)).view(1, t, t))
+        self.register_buffer("masked_bias", torch.tensor(1e10))
 
     def forward(self, x):
         q, k, v = self.qkv(x).chunk(3, -1)
         w = q @ k.transpose(-2, -1) * 0.25
         b = self.bias[:, : w.shape[-2], : w.shape[-1]].to(w.dtype)
-        w = w * b - 1e10 * (1 - b)  # CULPRIT
+        w = w * b - self.masked_bias * (1 - b)  # CULPRIT
         return self.head(F.softmax(w, -1) @ v).float()
 
 

@@ -9,8 +9,8 @@ STEPS, BAD_STEP = 6, 3
 
 
 def masked_log_softmax(vector, mask):
-    vector = vector + mask.float().log()
-    return F.log_softmax(vector, dim=-1)  # CULPRIT
+    vector = vector + mask.float().log()  # CULPRIT
+    return F.log_softmax(vector, dim=-1)
 
 
 class Span(nn.Module):
