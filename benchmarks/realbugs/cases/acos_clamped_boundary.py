@@ -29,7 +29,7 @@ def batch(step, model):
     with torch.no_grad():
         t = F.normalize(torch.randn(6, 3, generator=g), dim=-1)
         if step == BAD_STEP:
-            t[1] = model(x[1:2])[0]  # the prediction is exactly the target direction
+            t[1] = model(x)[1]  # the prediction is exactly the target direction
     return x, t
 
 
