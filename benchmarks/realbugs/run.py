@@ -132,6 +132,7 @@ def judge(name: str, keep: bool = False) -> dict:
             row.update(snapshot=False, localised=False, fix="no snapshot")
             return row
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env["PYTHONPATH"] = str(ROOT)  # this checkout's nanreplay; the case's folder is not on it
         cli = Path(sys.executable).with_name("nanreplay")
         p = subprocess.run([str(cli), "analyze", str(found[0]), "--json", str(tmp / "a.json"), "-o", str(tmp / "r.html")],
                            cwd=empty, env=env, capture_output=True, text=True, timeout=900)
