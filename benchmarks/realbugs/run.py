@@ -89,11 +89,15 @@ def marked_line(path: Path) -> int | None:
 
 
 def apply_fix(path: Path, before: str, after: str) -> bool:
+    """Replace the statement `before` (one line or several, as the report shows it: its first line's indent
+    removed) by `after`, indented where the statement was."""
     lines = path.read_text().splitlines(keepends=True)
-    for i, line in enumerate(lines):
-        if line.strip() == before.strip():
-            indent = line[: len(line) - len(line.lstrip())]
-            lines[i] = indent + after.strip() + "\n"
+    want = [x.strip() for x in before.strip("\n").splitlines()]
+    for i in range(len(lines) - len(want) + 1):
+        if [x.strip() for x in lines[i:i + len(want)]] == want:
+            indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+            new = [indent + x + "\n" for x in after.strip("\n").splitlines()]
+            lines[i:i + len(want)] = new
             path.write_text("".join(lines))
             return True
     return False
