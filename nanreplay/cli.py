@@ -112,6 +112,10 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
         with interrupt.deadline(timeout, message):
             # usage errors first, in a fraction of a second: nothing below needs torch until the analysis
             dests = _analyze_outputs(snapshot, report, json_path, md_path)
+            if "://" in snapshot:  # s3://, gs://, file://: a private local copy, size-checked first (remote.py)
+                from nanreplay import remote
+
+                snapshot = remote.local_copy(snapshot, max_memory or limits.default_max_memory())
             report_path, json_dest, md_dest = dests
             inputs.snapshot_path(snapshot)
             for option, spec in (("--model", model), ("--loss", loss)):
