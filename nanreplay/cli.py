@@ -303,6 +303,14 @@ def triage(directory: str | None, outdir: str | None, jobs: int | None, model: s
         workers = jobs or triage_mod.default_jobs()
         # Each worker analyzes one snapshot at a time: by default they share the machine's memory.
         per_snapshot = max_memory or max(1 << 20, limits.default_max_memory() // workers)
+        if "://" in directory:  # s3://, gs://, file://: mirrored into OUTDIR, then triaged (triage/fetch.py)
+            from nanreplay.triage import fetch
+
+            outdir = outdir or fetch.default_outdir(directory)
+            directory, skipped = fetch.mirror(directory, outdir, max_bytes=per_snapshot, recursive=recursive,
+                                              shard=shard)
+            for line in skipped:
+                click.echo(f"nanreplay: {one_line(line)}", err=True)
         plan = triage_mod.plan(directory, outdir or triage_mod.default_outdir(directory),
                                options=triage_mod.Options(model=model, loss=loss, trust=trust, device=device,
                                                           verify=not no_verify, max_memory=per_snapshot),

@@ -76,21 +76,42 @@ def local_copy(url: str, max_bytes: int) -> str:
     if name.startswith("."):
         name = "snapshot" + name
     dest = os.path.join(folder, name)
-    got = 0
     try:
-        with fs.open(path, "rb") as src, open(dest, "xb") as out:
-            while chunk := src.read(CHUNK):
-                got += len(chunk)
-                if got > max_bytes:  # the object grew, or its size lied
-                    raise SnapshotError(f"{url}: more than {max_bytes} bytes (--max-memory); download stopped")
-                out.write(chunk)
+        download(fs, path, dest, max_bytes, url)
     except SnapshotError:
         shutil.rmtree(folder, ignore_errors=True)
         raise
-    except Exception as e:  # noqa: BLE001
-        shutil.rmtree(folder, ignore_errors=True)
-        raise SnapshotError(f"{url}: cannot download: {type(e).__name__}: {e}") from None
     return dest
+
+
+def download(fs, path: str, dest: str, max_bytes: int, url: str) -> None:
+    """Copy `path` of `fs` to the new file `dest`, at most `max_bytes` (an object that grew, or whose size lied,
+    stops the copy); a partial copy is removed. Any failure is a SnapshotError."""
+    got = 0
+    try:
+        out = open(dest, "xb")  # noqa: SIM115 - closed below; a file that exists is never touched
+    except OSError as e:
+        raise SnapshotError(f"{dest}: cannot create the local copy: {e.strerror or e}") from None
+    try:
+        with fs.open(path, "rb") as src, out:
+            while chunk := src.read(CHUNK):
+                got += len(chunk)
+                if got > max_bytes:
+                    raise SnapshotError(f"{url}: more than {max_bytes} bytes (--max-memory); download stopped")
+                out.write(chunk)
+    except SnapshotError:
+        _unlink(dest)
+        raise
+    except Exception as e:  # noqa: BLE001 - a client's errors (auth, network) are one line
+        _unlink(dest)
+        raise SnapshotError(f"{url}: cannot download: {type(e).__name__}: {e}") from None
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def staging_folder(url: str) -> str:

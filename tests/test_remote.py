@@ -132,3 +132,49 @@ def test_file_urls_need_no_extra_and_a_missing_client_is_one_line(tmp_path):
     except ImportError:  # a known store whose optional client is not installed: the extra to install
         res = CliRunner().invoke(main, ["analyze", "gs://bucket/x.pt", "-o", str(tmp_path / "r.html")])
         assert res.exit_code == 2 and "pip install 'nanreplay[gcs]'" in res.output, res.output
+
+
+def test_triage_of_a_bucket_in_parts_says_what_a_local_triage_says(s3, tmp_path):
+    """s3:// prefix, two parts (each downloads only its own snapshots), merged == one local triage of the files."""
+    import shutil
+
+    local = tmp_path / "snaps"
+    local.mkdir()
+    for k in range(4):
+        nanmodels.save_three_causes(k % 3, local / f"nan_snapshot_step_{10 + k}_rank{k % 2}.pt", k + 1)
+    shutil.copy(local / "nan_snapshot_step_10_rank0.pt", local / "a_copy.pt")
+    (local / "notes.txt").write_text("not a snapshot")
+    for f in local.iterdir():
+        s3.put_file(str(f), f"nan-bucket/fleet/{f.name}")
+    opts = ["--model", "nanmodels:three_causes", "--no-verify", "--jobs", "1"]
+    run = CliRunner().invoke
+    assert run(main, ["triage", str(local), "-o", str(tmp_path / "one"), *opts]).exit_code == 0
+    out = tmp_path / "split"
+    for i in range(2):
+        res = run(main, ["triage", "s3://nan-bucket/fleet", "-o", str(out), *opts, "--shard", f"{i}/2"])
+        assert res.exit_code == 0, res.output
+        part = json.loads((out / "parts" / f"part-{i}-of-2" / "part.json").read_text())
+        mirrored = {p.name for p in (out / ".mirror").glob("*.pt")}
+        assert {r["file"] for r in part["rows"]} <= mirrored  # the part's own snapshots were downloaded
+    res = run(main, ["triage", "--merge", str(out)])
+    assert res.exit_code == 0, res.output
+    merged = json.loads((out / "groups.json").read_text())
+    single = json.loads((tmp_path / "one" / "groups.json").read_text())
+    def same(doc):  # the groups without where the reports are (the merged index links into the parts)
+        return [({k: v for k, v in g.items() if k != "snapshots"},
+                 [(s["file"], s["duplicate_of"], s["step"], s["rank"]) for s in g["snapshots"]]) for g in doc["groups"]]
+
+    assert same(merged) == same(single) and len(same(single)) == 3
+    assert merged["counts"]["snapshots"] == single["counts"]["snapshots"] == 5
+    assert merged["failures"] == single["failures"] == [] and merged["ignored"] == []  # (notes.txt: not fetched)
+
+    # again: nothing downloaded (the copies are current) and nothing analyzed (the cache)
+    before = {p: p.stat().st_mtime_ns for p in (out / ".mirror").glob("*.pt")}
+    res = run(main, ["triage", "s3://nan-bucket/fleet", "-o", str(out), *opts, "--shard", "0/2"])
+    assert res.exit_code == 0 and "from cache" in res.output, res.output
+    assert {p: p.stat().st_mtime_ns for p in (out / ".mirror").glob("*.pt")} == before
+
+    # over the bound: listed by size and never fetched
+    res = run(main, ["triage", "s3://nan-bucket/fleet", "-o", str(tmp_path / "small"), *opts, "--max-memory", "1K"])
+    assert res.exit_code == 0 and res.output.count("(--max-memory); not downloaded") == 5, res.output
+    assert not list((tmp_path / "small" / ".mirror").iterdir())
