@@ -102,6 +102,7 @@ def main() -> None:
     ap.add_argument("--snapshots", type=int, default=200)
     ap.add_argument("--parts", type=int, default=4)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--ray", action="store_true", help="also: one run with --ray (a local Ray cluster of --jobs CPUs)")
     ap.add_argument("--merge-only", type=int, metavar="ROWS", help="time the merge alone on ROWS synthetic rows")
     args = ap.parse_args()
     if args.merge_only:
@@ -116,17 +117,21 @@ def main() -> None:
         t_parts = [nanreplay(str(snaps), "-o", str(split), *common, "--shard", f"{i}/{args.parts}")
                    for i in range(args.parts)]
         t_merge = nanreplay("--merge", str(split))
+        t_ray = nanreplay(str(snaps), "-o", str(Path(tmp, "ray")), *common, "--ray") if args.ray else None
         a = json.loads((one / "groups.json").read_text())
         b = json.loads((split / "groups.json").read_text())
+        c = json.loads(Path(tmp, "ray", "groups.json").read_text()) if args.ray else a
         sizes = [len(json.loads((split / "parts" / f"part-{i}-of-{args.parts}" / "part.json").read_text())["rows"])
                  for i in range(args.parts)]
-    same = comparable(a) == comparable(b)
+    same = comparable(a) == comparable(b) == comparable(c)
     print(f"{args.snapshots} snapshots, {a['counts']['groups']} groups, --jobs {args.jobs}, --no-verify")
     print(f"one process:          {t_one:7.1f} s")
     print(f"{args.parts} parts in turn:      {sum(t_parts):7.1f} s  (each: "
           + ", ".join(f"{t:.1f} s/{n}" for t, n in zip(t_parts, sizes, strict=True)) + ")")
     print(f"merge:                {t_merge:7.1f} s")
     print(f"parts at once + merge:{max(t_parts) + t_merge:7.1f} s  (on {args.parts} machines)")
+    if t_ray is not None:
+        print(f"--ray, {args.jobs} CPUs:       {t_ray:7.1f} s  (a local Ray cluster started by the command)")
     print(f"same groups, counts, failures, machines: {same}")
     if not same:
         sys.exit(1)

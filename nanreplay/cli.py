@@ -273,13 +273,16 @@ def _ranks_line(d: dict | None) -> str:
 @click.option("--shard", "shard_spec", metavar="I/N",
               help="Analyze only part I of N (from 0; by a hash of each file's path) into OUTDIR/parts/; "
                    "then `--merge OUTDIR`. For Slurm arrays, Kubernetes indexed Jobs (docs/fleet.md).")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", metavar="[ADDRESS]",
+              help="Analyze as tasks on an existing Ray cluster (ray.init(address=ADDRESS); alone: RAY_ADDRESS's, "
+                   "else a local one of --jobs CPUs). Needs nanreplay[ray].")
 @click.option("--merge", "merge_dir", metavar="OUTDIR",
               help="Join the parts that --shard runs wrote in OUTDIR into its index.html, groups.json and "
                    "summary.csv; name the parts missing (exit 1). Takes no DIR.")
 def triage(directory: str | None, outdir: str | None, jobs: int | None, model: str | None, loss: str | None,
            trust: bool, device: str | None, no_verify: bool, recursive: bool, timeout: float, no_cache: bool,
            quiet: bool, max_memory: int | None, md_path: str | None, shard_spec: str | None = None,
-           merge_dir: str | None = None) -> None:
+           merge_dir: str | None = None, ray_address: str | None = None) -> None:
     """Analyze every snapshot in DIR in parallel and group them by root cause.
 
     Exit code 0 when every snapshot was analyzed, 1 when any could not be (they are
@@ -315,7 +318,7 @@ def triage(directory: str | None, outdir: str | None, jobs: int | None, model: s
                                options=triage_mod.Options(model=model, loss=loss, trust=trust, device=device,
                                                           verify=not no_verify, max_memory=per_snapshot),
                                recursive=recursive, use_cache=not no_cache, shard=shard)
-        run = dict(jobs=workers, timeout=timeout or None)
+        run = dict(jobs=workers, timeout=timeout or None, **({"ray": ray_address} if ray_address else {}))
         if plan.todo and not quiet and sys.stderr.isatty():
             with click.progressbar(length=len(plan.todo), label="analyzing", file=sys.stderr) as bar:
                 triage_mod.analyze(plan, progress=bar.update, **run)
