@@ -122,6 +122,10 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
             if no_report and report is not None:
                 raise UsageError("-o and --no-report together: say where the report goes, or that none is wanted")
             dests = _analyze_outputs(snapshot, report, json_path, md_path)
+            if "://" in snapshot:  # s3://, gs://, file://: a private local copy, size-checked first (remote.py)
+                from nanreplay import remote
+
+                snapshot = remote.local_copy(snapshot, max_memory or limits.default_max_memory())
             report_path, json_dest, md_dest = dests
             if no_report:
                 report_path = ""  # "": no report at all (None: the report on stdout)
@@ -324,7 +328,7 @@ def _ranks_line(d: dict | None) -> str:
 
 
 @main.command()
-@click.argument("directory", metavar="DIR")
+@click.argument("directory", metavar="DIR", required=False)
 @click.option("-o", "--output", "outdir", metavar="OUTDIR",
               help="Folder for index.html, groups.json, summary.csv and one report per snapshot "
                    "[default: ./<DIR name>.nanreplay]. Must not be DIR itself.")
@@ -346,18 +350,35 @@ def _ranks_line(d: dict | None) -> str:
                    "[default: 60% of the memory available now, shared among the workers].")
 @click.option("--markdown", "md_path", metavar="PATH|-",
               help="Also write a short Markdown summary of the groups to paste into an issue ('-' for stdout).")
-def triage(directory: str, outdir: str | None, jobs: int | None, model: str | None, loss: str | None, trust: bool,
-           device: str | None, no_verify: bool, recursive: bool, timeout: float, no_cache: bool, quiet: bool,
-           max_memory: int | None, md_path: str | None) -> None:
+@click.option("--shard", "shard_spec", metavar="I/N",
+              help="Analyze only part I of N (from 0; by a hash of each file's path) into OUTDIR/parts/; "
+                   "then `--merge OUTDIR`. For Slurm arrays, Kubernetes indexed Jobs (docs/fleet.md).")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="local", metavar="[ADDRESS]",
+              help="Analyze as tasks on an existing Ray cluster (ray.init(address=ADDRESS); alone: RAY_ADDRESS's, "
+                   "else a local one of --jobs CPUs). Needs nanreplay[ray].")
+@click.option("--merge", "merge_dir", metavar="OUTDIR",
+              help="Join the parts that --shard runs wrote in OUTDIR into its index.html, groups.json and "
+                   "summary.csv; name the parts missing (exit 1). Takes no DIR.")
+def triage(directory: str | None, outdir: str | None, jobs: int | None, model: str | None, loss: str | None,
+           trust: bool, device: str | None, no_verify: bool, recursive: bool, timeout: float, no_cache: bool,
+           quiet: bool, max_memory: int | None, md_path: str | None, shard_spec: str | None = None,
+           merge_dir: str | None = None, ray_address: str | None = None) -> None:
     """Analyze every snapshot in DIR in parallel and group them by root cause.
 
     Exit code 0 when every snapshot was analyzed, 1 when any could not be (they are
     listed), 2 for usage errors. Re-running only analyzes new or changed snapshots.
     """
     from nanreplay import triage as triage_mod
+    from nanreplay.triage import shard as shard_mod
 
     plan = None
+    shard = None
     try:
+        if merge_dir is not None or directory is None:
+            result = _merge(directory, merge_dir, shard_spec, md_path)
+            sys.exit(result.exit_code or (1 if result.doc["parts"]["missing"] else 0))
+        if shard_spec is not None:
+            shard = shard_mod.parse_shard(shard_spec)
         if device and device != "cpu":  # torch only when a device must be checked: the parent stays light
             from nanreplay.formats.rebuild import parse_device
 
@@ -365,11 +386,19 @@ def triage(directory: str, outdir: str | None, jobs: int | None, model: str | No
         workers = jobs or triage_mod.default_jobs()
         # Each worker analyzes one snapshot at a time: by default they share the machine's memory.
         per_snapshot = max_memory or max(1 << 20, limits.default_max_memory() // workers)
+        if "://" in directory:  # s3://, gs://, file://: mirrored into OUTDIR, then triaged (triage/fetch.py)
+            from nanreplay.triage import fetch
+
+            outdir = outdir or fetch.default_outdir(directory)
+            directory, skipped = fetch.mirror(directory, outdir, max_bytes=per_snapshot, recursive=recursive,
+                                              shard=shard)
+            for line in skipped:
+                click.echo(f"nanreplay: {one_line(line)}", err=True)
         plan = triage_mod.plan(directory, outdir or triage_mod.default_outdir(directory),
                                options=triage_mod.Options(model=model, loss=loss, trust=trust, device=device,
                                                           verify=not no_verify, max_memory=per_snapshot),
-                               recursive=recursive, use_cache=not no_cache)
-        run = dict(jobs=workers, timeout=timeout or None)
+                               recursive=recursive, use_cache=not no_cache, shard=shard)
+        run = dict(jobs=workers, timeout=timeout or None, **({"ray": ray_address} if ray_address else {}))
         if plan.todo and not quiet and sys.stderr.isatty():
             from nanreplay.triage.parallel import work
 
@@ -379,6 +408,8 @@ def triage(directory: str, outdir: str | None, jobs: int | None, model: str | No
                 triage_mod.analyze(plan, progress=bar.update, **run)
         else:
             triage_mod.analyze(plan, **run)
+        if shard is not None:  # while the part's folder is still locked: write() unlocks it
+            shard_mod.write_part(plan, *shard)
         result = triage_mod.write(plan)
         if md_path:
             _emit(md_path, triage_mod.markdown_summary(result.doc), "the Markdown summary", "--markdown")
@@ -392,6 +423,30 @@ def triage(directory: str, outdir: str | None, jobs: int | None, model: str | No
             click.echo(f"nanreplay: {one_line(f['file'], 300)}: {f['label']}: {one_line(f['reason'])}", err=True)
     click.echo(f"nanreplay: {result.summary}; index: {one_line(result.index)}", err=md_path == "-")
     sys.exit(result.exit_code)
+
+
+def _merge(directory: str | None, merge_dir: str | None, shard_spec: str | None, md_path: str | None):
+    """`nanreplay triage --merge OUTDIR`: the parts joined, the line said, the parts missing named."""
+    from nanreplay.errors import UsageError
+    from nanreplay.triage import markdown_summary
+    from nanreplay.triage.merge import merge
+    from nanreplay.triage.shard import span
+
+    if merge_dir is None:
+        raise UsageError("missing DIR (or --merge OUTDIR to join the parts --shard wrote)")
+    if directory is not None or shard_spec is not None:
+        raise UsageError("--merge OUTDIR takes no DIR and no --shard: it joins the parts already in OUTDIR")
+    result = merge(merge_dir)
+    if md_path:
+        _emit(md_path, markdown_summary(result.doc), "the Markdown summary", "--markdown")
+    parts = result.doc["parts"]
+    click.echo(f"nanreplay: merged {len(parts['present'])} of {parts['of']} parts: {result.summary}; "
+               f"index: {one_line(result.index)}", err=md_path == "-")
+    if parts["missing"]:
+        click.echo(f"nanreplay: parts missing: {', '.join(map(str, parts['missing']))} of {parts['of']}; run each "
+                   f"with --shard I/{parts['of']} (Slurm: --array={span(parts['missing'])}), then merge again",
+                   err=True)
+    return result
 
 
 def _emit(path: str, text: str, what: str, option: str) -> None:

@@ -126,6 +126,11 @@ class NanGuard:
         self.model = snapshot.unwrap(model)  # the user's own module: what a snapshot records
         self.optimizer, self.loss_fn, self.step_fn = optimizer, loss_fn, step_fn
         self.folder = Path(folder)
+        self.upload_to: str | None = None  # folder="s3://...": written locally, then uploaded whole (remote.py)
+        if isinstance(folder, str) and "://" in folder:
+            from nanreplay import remote
+
+            self.upload_to, self.folder = folder, Path(remote.staging_folder(folder))
         atomic.clean_stale_temps(self.folder, "nan_step")  # temp files of writes killed midway (kill -9)
         self.factory, self.export = factory, export
         self.max_snapshots, self.max_spike_snapshots = max_snapshots, max_spike_snapshots
@@ -434,6 +439,8 @@ class NanGuard:
             self._warn_once(f"write:{type(e).__name__}", f"could not write a snapshot for the {_SAID[trigger]} at "
                                                          f"step {self.step_index}: {self.last_error}")
             return None
+        if self.upload_to is not None:
+            path = self._upload(path)
         taken.append(path)
         if not spike:
             self.last_snapshot = path
@@ -442,6 +449,23 @@ class NanGuard:
         micro = f" (micro-batch {mb})" if mb is not None else ""
         log.warning("nanreplay: %s at step %s%s; snapshot written to %s", _SAID[trigger], self.step_index, micro, path)
         return path
+
+    def _upload(self, path: str) -> str:
+        """The snapshot uploaded whole into `upload_to`: its URL; on failure one warning and the local path."""
+        from nanreplay import remote
+
+        try:
+            url = remote.upload(path, self.upload_to)
+        except Exception as e:  # noqa: BLE001 - never crash the training loop
+            self.last_error = f"{type(e).__name__}: {e}"
+            self._warn_once("upload", f"could not upload the snapshot to {self.upload_to} ({self.last_error}); "
+                                      f"it stays at {path}")
+            return path
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return url
 
     def _warn_once(self, key: str, msg: str) -> None:
         """A warning, once per kind per run; never an exception (also under -W error). It goes to the log too where

@@ -21,7 +21,7 @@ DEFAULT_TIMEOUT = 600.0
 
 
 def analyze(p: Plan, *, jobs: int, timeout: float | None = DEFAULT_TIMEOUT, progress=None,
-            threads: int | None = None) -> PoolStats | None:
+            threads: int | None = None, ray: str | None = None) -> PoolStats | None:
     """Analyze every snapshot the cache could not answer, in up to `jobs` worker processes.
 
     Each worker gets `threads` torch threads [default: the CPUs shared out among the
@@ -45,8 +45,13 @@ def analyze(p: Plan, *, jobs: int, timeout: float | None = DEFAULT_TIMEOUT, prog
     for t in tasks:
         t["tmpdir"] = scratch
     fingerprint = p.options.fingerprint()
-    pool = WorkerPool(analyze_task, jobs=workers, timeout=timeout, init=worker_init, init_args=(threads,),
-                      preload=WORKER_PRELOAD)
+    if ray is not None:  # `--ray [ADDRESS]`: the same tasks as Ray tasks on an existing cluster (raypool.py)
+        from nanreplay.triage.raypool import RayPool
+
+        pool = RayPool(ray, jobs=workers, timeout=timeout, threads=1)
+    else:
+        pool = WorkerPool(analyze_task, jobs=workers, timeout=timeout, init=worker_init, init_args=(threads,),
+                          preload=WORKER_PRELOAD)
     done = [0]
 
     def finished() -> str:  # Ctrl-C: what this run leaves behind, in the line that says it was interrupted

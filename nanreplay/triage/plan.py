@@ -72,9 +72,14 @@ def default_outdir(directory: str) -> str:
     return f"{Path(directory).resolve().name or 'snapshots'}.nanreplay"
 
 
-def plan(directory: str, outdir: str, *, options: Options, recursive: bool = False, use_cache: bool = True) -> Plan:
-    """Validate DIR and OUTDIR, find the snapshots and reuse what the cache already knows."""
+def plan(directory: str, outdir: str, *, options: Options, recursive: bool = False, use_cache: bool = True,
+         shard: tuple[int, int] | None = None) -> Plan:
+    """Validate DIR and OUTDIR, find the snapshots and reuse what the cache already knows.
+
+    `shard=(i, n)`: only the i-th of n parts of the listing, written into OUTDIR's part folder (shard.py).
+    """
     d, out = Path(directory), Path(outdir)
+    top = out  # what the listing skips: OUTDIR itself, with every part folder in it
     for opt, spec in (("--model", options.model), ("--loss", options.loss)):
         # Only the spelling is checked here: importing user code is the workers' job.
         if spec and (":" in spec or opt == "--model"):
@@ -87,6 +92,10 @@ def plan(directory: str, outdir: str, *, options: Options, recursive: bool = Fal
         raise UsageError(f"{outdir}: exists and is not a folder")
     if out.resolve() == d.resolve():
         raise UsageError(f"{outdir}: the output folder must not be DIR itself (triage never writes among the inputs)")
+    if shard is not None:
+        from nanreplay.triage.shard import part_folder
+
+        out = part_folder(out, *shard)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -95,21 +104,27 @@ def plan(directory: str, outdir: str, *, options: Options, recursive: bool = Fal
         raise UsageError(f"{outdir}: the output folder is not writable")
     lock = OutdirLock(out).acquire()
     try:
-        return _plan(d, out, options=options, recursive=recursive, use_cache=use_cache, lock=lock)
+        return _plan(d, out, options=options, recursive=recursive, use_cache=use_cache, lock=lock, top=top,
+                     shard=shard)
     except BaseException:
         lock.release()
         raise
 
 
-def _plan(d: Path, out: Path, *, options: Options, recursive: bool, use_cache: bool, lock: OutdirLock) -> Plan:
+def _plan(d: Path, out: Path, *, options: Options, recursive: bool, use_cache: bool, lock: OutdirLock,
+          top: Path | None = None, shard: tuple[int, int] | None = None) -> Plan:
     doc = read_cache(out)
     if doc is not None and doc.get("dir") != str(d.resolve()):
         raise UsageError(f"{out}: holds the triage of another folder ({doc.get('dir')}); choose another -o, "
                          "or delete that folder first (triage never deletes or replaces another run's reports)")
     old = cache_entries(doc)
-    rels, ignored = discover(d, out, recursive=recursive)
+    rels, ignored = discover(d, top or out, recursive=recursive)
     items = [Item(path=str(d / rel), rel=rel) for rel in rels]
-    assign_names(items)
+    assign_names(items)  # over the whole listing: a part names its snapshots as one run over all of them would
+    if shard is not None:
+        from nanreplay.triage.shard import in_shard
+
+        items = [it for it in items if in_shard(it.rel, *shard)]
     fp = options.fingerprint()
     for it in items:
         _fingerprint(it, old.get(it.rel), fp)
