@@ -73,6 +73,12 @@ class FixKind(StrEnum):
     CLEAN_INPUT = "clean_input"
     RESTORE_PARAMETERS = "restore_parameters"
     GUARD_EMPTY_REDUCTION = "guard_empty_reduction"
+    REMOVE_CUT = "remove_cut"  # a detach / no_grad / .data copy on a parameter's path to the loss (diagnose/flow.py)
+    STRAIGHT_THROUGH = "straight_through"
+    UNFREEZE = "unfreeze"
+    LEAKY_RELU = "leaky_relu"
+    LOGITS = "logits"
+    CHECK_MULTIPLIER = "check_multiplier"
     OPTIMIZER_EPS = "optimizer_eps"  # an eps the dtype can represent, or float32 master weights
     NORMALIZE_INPUT = "normalize_input"
     STABLE_VARIANCE = "stable_variance"  # torch.var instead of E[x²] − E[x]²

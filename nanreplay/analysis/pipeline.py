@@ -182,6 +182,10 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
     tell("culprit", result)
     machine.attach(result, snap, subject.device, step, culprit_found=c is not None)  # reads the guard's re-run record
     result.diagnosis = diagnose.diagnose(result, subject, step, c, chain, verify_fixes=verify)
+    flow_found = result.diagnosis.pop("gradient_flow", None)  # a dead-gradient snapshot (diagnose/flow.py)
+    if flow_found is not None:
+        result.gradient_flow = flow_found
+        result.verdict = flow_found.get("verdict") or result.verdict
     compiler_replay.attach(result, subject, verify=verify)  # a compiled run that replays finite: replay it compiled
     result.warnings += [f"internal error (please report): {e}" for e in result.diagnosis.get("internal_errors", [])]
     if c is not None:
