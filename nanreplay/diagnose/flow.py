@@ -286,7 +286,7 @@ def _verify_cut(subject, prog, row: dict, copies: dict[int, str], params: dict) 
         model = subject.model
         before = Run(model, subject.inputs, subject.target).loss.detach()
         undo = {c["node"] for c in [row, *row.get("others", [])] if c.get("node") is not None
-                and c.get("kind") in ("detach", "no_grad")}
+                and c.get("kind") == "detach"} | {i for i, n in enumerate(prog.nodes) if not n.grad}
         link = {r: n for r, n in copies.items() if n == row["name"]}
         run = Run(model, subject.inputs, subject.target, undo=undo, link=link)
         model.zero_grad(set_to_none=True)

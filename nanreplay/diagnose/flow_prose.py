@@ -50,7 +50,17 @@ def diagnose_flow(result, subject, info: dict) -> dict:
     rows = [r for r in gf["per_parameter"] if r["verdict"] == gf["verdict"]]
     first = rows[0]
     names = ", ".join(r["name"] for r in rows[:6]) + (f" and {len(rows) - 6} more" if len(rows) > 6 else "")
-    if gf["verdict"] == "gradient_cut":
+    if gf["verdict"] == "gradient_cut" and first["kind"] == "frozen":
+        tied = sorted(a for a, t in getattr(subject.model, "aliases", {}).items() if first["name"] in (a, t))
+        tied = [n for n in {first["name"], *tied, *(t for a, t in getattr(subject.model, "aliases", {}).items()
+                                                    if a == first["name"])} if n != first["name"]]
+        title = "gradient cut: a parameter tied to a trained module is frozen"
+        expl = (f"{names} {'has' if len(rows) == 1 else 'have'} requires_grad=False, so no gradient ever reaches "
+                f"{'it' if len(rows) == 1 else 'them'}; " + (f"it is the same tensor as {', '.join(tied)}, " if tied
+                                                               else "it is shared by several modules, ")
+                + "and the module holding it trains its other parameters: freezing one name froze the tied weight "
+                "everywhere.")
+    elif gf["verdict"] == "gradient_cut":
         title = f"gradient cut: {_SAID.get(first['kind'], first['kind'])} stops the gradient"
         expl = (f"{names} take part in the loss but get no gradient: on the way from "
                 f"{'them' if len(rows) > 1 else 'it'} to the loss the graph is cut by {_SAID.get(first['kind'])}"

@@ -1,0 +1,189 @@
+"""Gradients that die or are cut (#39): the guard's triggers on real loops, each snapshot analyzed with no flags in a
+fresh python where the training code cannot be imported; and the loops where a zero or missing gradient is routine
+(an unused module, an unrouted expert, a zero-initialised LoRA B, a GRPO batch whose advantages are all zero) that
+must write nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanreplay import NanGuard
+from tests.isolation import ROOT, analyze_isolated
+
+HERE = Path(__file__).resolve().parent
+KINDS = ("dead_relu", "skip_detach", "argmax_router", "sigmoid_gate", "no_grad_helper", "tied_frozen")
+
+
+def culprit_line(marker: str = "# CULPRIT") -> list[int]:
+    return [i for i, ln in enumerate((HERE / "flowtrain.py").read_text().splitlines(), 1) if ln.rstrip().endswith(marker)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("flow")
+    proj = root / "proj"
+    proj.mkdir()
+    (proj / "flowtrain.py").write_text((HERE / "flowtrain.py").read_text())
+    res = subprocess.run([sys.executable, "flowtrain.py", str(root), *KINDS], cwd=proj, capture_output=True, text=True,
+                         timeout=600, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {ln.split()[0]: ln.split()[1] for ln in res.stdout.splitlines() if ln.split() and ln.split()[0] in KINDS}
+    assert set(rows) == set(KINDS) and all(p.endswith(".pt") for p in rows.values()), res.stdout
+    out = analyze_isolated(list(rows.values()), root / "elsewhere", also_blocked=("flowtrain",))
+    return {k: out[rows[k]] for k in KINDS}, rows
+
+
+def _first(d: dict) -> dict:
+    gf = d["gradient_flow"]
+    return next(r for r in gf["per_parameter"] if r["verdict"] == gf["verdict"])
+
+
+def _line(row: dict) -> tuple[str, int]:
+    src = row["source"]
+    return Path(src["file"]).name, src["line"]
+
+
+def test_dead_relu_after_an_lr_jump_is_a_zeroing_relu_and_the_history_names_the_jump(runs):
+    d, paths = runs[0]["dead_relu"], runs[1]
+    assert "gradient_died" in paths["dead_relu"]
+    assert d["verdict"] == "gradient_zero" and d["snapshot_info"]["trigger"] == "gradient_died"
+    assert set(d["gradient_flow"]["parameters"]) == {"0.weight", "0.bias", "2.weight", "2.bias", "4.weight"}
+    row = _first(d)
+    assert row["op"] == "aten.relu.default" and row["kind"] == "relu" and row["local_zero"]["units"] == 1.0
+    assert "jumped from 0.01 to 30 at step 4" in d["diagnosis"]["explanation"]
+    assert d["diagnosis"]["fix"]["kind"] == "leaky_relu"
+
+
+def test_a_detach_on_the_skip_connection_is_cut_there_and_removing_it_is_verified(runs):
+    d, paths = runs[0]["skip_detach"], runs[1]
+    assert "no_gradient" in paths["skip_detach"] and d["verdict"] == "gradient_cut"
+    assert set(d["gradient_flow"]["parameters"]) == {"inp.weight", "inp.bias"}
+    row = _first(d)
+    assert row["op"] == "aten.detach.default" and _line(row) == ("flowtrain.py", culprit_line()[0])
+    fix = d["diagnosis"]["fix"]
+    assert fix["kind"] == "remove_cut" and fix["verified"] is True and fix["replay"]["loss_unchanged"] is True
+
+
+def test_a_router_through_argmax_is_cut_at_the_argmax(runs):
+    d = runs[0]["argmax_router"]
+    assert d["verdict"] == "gradient_cut" and set(d["gradient_flow"]["parameters"]) == {"router.weight", "router.bias"}
+    row = _first(d)
+    assert row["op"] == "aten.argmax.default" and row["kind"] == "integer"
+    assert _line(row) == ("flowtrain.py", culprit_line()[1])
+    assert d["diagnosis"]["fix"]["kind"] == "straight_through"
+
+
+def test_a_saturated_sigmoid_gate_zeroes_the_gradient_at_the_sigmoid(runs):
+    d = runs[0]["sigmoid_gate"]
+    assert d["verdict"] == "gradient_zero" and set(d["gradient_flow"]["parameters"]) == {"gate.weight", "gate.bias"}
+    row = _first(d)
+    assert row["op"] == "aten.sigmoid.default" and row["kind"] == "saturated"
+    assert _line(row) == ("flowtrain.py", culprit_line()[2]) and row["local_zero"]["elements"] == 1.0
+    assert d["diagnosis"]["fix"]["kind"] == "logits"
+
+
+def test_a_helper_under_no_grad_is_cut_and_running_it_with_grad_is_verified(runs):
+    d = runs[0]["no_grad_helper"]
+    assert d["verdict"] == "gradient_cut" and set(d["gradient_flow"]["parameters"]) == {"proj.weight", "proj.bias"}
+    row = _first(d)
+    assert row["kind"] == "no_grad" and _line(row) == ("flowtrain.py", culprit_line()[3])
+    assert d["diagnosis"]["fix"]["verified"] is True
+
+
+def test_a_frozen_tied_weight_is_reported_with_its_other_name(runs):
+    d = runs[0]["tied_frozen"]
+    assert d["verdict"] == "gradient_cut" and _first(d)["kind"] == "frozen"
+    assert "embed.weight" in d["diagnosis"]["explanation"] and d["diagnosis"]["fix"]["kind"] == "unfreeze"
+
+
+# ------------------------------------------------------------------ routine zeros: nothing written
+
+
+class Unused(nn.Module):
+    """A pooler whose output is dropped and two experts of which one is routed per step."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.pooler = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.experts = nn.ModuleList([nn.Linear(8, 1), nn.Linear(8, 1)])
+        self.lora_a, self.lora_b = nn.Linear(8, 2, bias=False), nn.Linear(2, 8, bias=False)
+        nn.init.zeros_(self.lora_b.weight)  # LoRA: B = 0, so A's first gradient is exactly zero
+
+    def forward(self, x, step=0):
+        h = torch.tanh(self.body(x) + self.lora_b(self.lora_a(x)))
+        self.pooler(h)  # computed and dropped
+        return self.experts[self.k](h)
+
+
+def _quiet_loop(tmp_path, model, steps, target=None):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    guard = NanGuard(model, opt, loss_fn=F.mse_loss, folder=tmp_path)
+    for step in range(steps):
+        model.k = step % 2
+        x = torch.randn(16, 8)
+        y = target(step) if target else torch.randn(16, 1)
+        guard.begin(x, y, step=step)
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        assert guard.loss_ok(loss)
+        loss.backward()
+        assert guard.grads_ok()
+        opt.step()
+    return guard
+
+
+def test_unused_modules_unrouted_experts_and_a_zero_lora_b_write_nothing(tmp_path):
+    torch.manual_seed(0)
+    guard = _quiet_loop(tmp_path, Unused(), 6)
+    assert guard.flow_snapshots == [] and guard.snapshots == [] and not list(tmp_path.glob("*.pt"))
+
+
+def test_steps_whose_every_gradient_is_zero_fire_only_after_a_long_run_of_them(tmp_path):
+    """A GRPO group with equal rewards has zero advantage: its loss (and every gradient) is exactly zero."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    guard = NanGuard(model, opt, loss_fn=None, step_fn=lambda m, b: (m(b[0]) * b[1]).mean(), folder=tmp_path,
+                     check_flow={"all_zero_steps": 4})
+    for step in range(7):
+        adv = torch.zeros(16, 1) if step < 3 or step >= 3 + 1 else torch.randn(16, 1)  # 3 zero, 1 not, 3 zero
+        batch = (torch.randn(16, 8), adv)
+        guard.begin(batch, step=step)
+        opt.zero_grad()
+        loss = guard.step_fn(model, batch)
+        guard.loss_ok(loss)
+        loss.backward()
+        guard.grads_ok()
+        opt.step()
+    assert guard.flow_snapshots == []  # never 4 all-zero steps in a row
+    for step in range(7, 9):
+        batch = (torch.randn(16, 8), torch.zeros(16, 1))
+        guard.begin(batch, step=step)
+        opt.zero_grad()
+        loss = guard.step_fn(model, batch)
+        guard.loss_ok(loss)
+        loss.backward()
+        guard.grads_ok()
+    assert len(guard.flow_snapshots) == 1 and "gradient_died" in guard.flow_snapshots[0]
+    d = torch.load(guard.flow_snapshots[0], weights_only=True)
+    assert d["gradient_flow"]["all_zero"] is True
+
+
+def test_check_flow_false_silences_it(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    guard = NanGuard(model, opt, loss_fn=F.mse_loss, folder=tmp_path, check_flow=False)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    guard.begin(x, y, step=0)
+    loss = F.mse_loss(model[1](model[0](x).detach()), y)
+    guard.loss_ok(loss)
+    loss.backward()
+    assert guard.grads_ok() and guard.flow_snapshots == []
