@@ -160,23 +160,12 @@ class FlowWatch:
 
     # ------------------------------------------------------------------ the expensive part, on suspicion
 
-    def reaching(self, program: dict | None, constants: dict, suspects: list[torch.Tensor]) -> set[int] | None:
-        """The ids of the suspects whose value reaches the loss in a recorded program (None: no program)."""
-        if program is None:
+    def reaching(self, watch: ReachWatch, loss: torch.Tensor | None, suspects: list[torch.Tensor]) -> set[int] | None:
+        """The ids of the suspects whose value reached the loss in the re-run `watch` saw (None: no loss)."""
+        if not isinstance(loss, torch.Tensor):
             return None
-        refs = reaching_refs(program)
-        by_name = {lf["name"]: lf["ref"] for lf in program["leaves"] if lf["kind"] == "param"}
-        out: set[int] = set()
-        for p in suspects:
-            r = by_name.get(self.name(p))
-            if r is not None and r in refs:
-                out.add(id(p))
-        copies = [(lf["name"], constants.get(lf["name"])) for lf in program["leaves"]
-                  if lf["kind"] == "constant" and lf["ref"] in refs]
-        for p in suspects:  # a copy of its value taken outside any op (`.data`, a tensor rebuilt from it)
-            if id(p) not in out and any(same_value(c, p) for _, c in copies):
-                out.add(id(p))
-        return out
+        mask = watch.of.get(id(loss), 0)
+        return {id(p) for i, p in enumerate(suspects) if mask >> i & 1}
 
     def settle(self, pending: dict, reached: set[int] | None, step: int) -> list[dict]:
         """The dead parameters to report (marked fired), the unused ones excused for a while."""
@@ -193,31 +182,62 @@ class FlowWatch:
         return dead
 
 
-def same_value(c: torch.Tensor | None, p: torch.Tensor) -> bool:
-    """A constant that holds exactly a parameter's (non-trivial) values."""
-    if not isinstance(c, torch.Tensor) or c.shape != p.shape or c.dtype != p.dtype or p.numel() < 2:
-        return False
-    with torch.no_grad():
-        q = p.detach().to(c.device)
-        return bool(q.amin() != q.amax()) and bool(torch.equal(c, q))
+_SHAPE_ONLY = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",
+                         "new_full", "rand_like", "randn_like", "randint_like", "_shape_as_tensor", "sym_size",
+                         "sym_numel", "sym_stride", "sym_storage_offset"})  # read only the input's shape
 
 
-def reaching_refs(program: dict) -> set[int]:
-    """The refs whose values the loss is computed from (walking the recorded ops backward from the loss)."""
-    need = {program["loss"]}
-    for node in reversed(program["nodes"]):
-        out = node.get("out")
-        outs = [r for r in (out if isinstance(out, list) else [out]) if isinstance(r, int)]
-        if any(r in need for r in outs):
-            need.update(_refs(node.get("args")))
-            need.update(_refs(list((node.get("kwargs") or {}).values())))
-    return need
+class ReachWatch:
+    """Told every op of the guard's re-run (`snapshot.record(watch=...)`): which suspects' values each tensor was
+    computed from. Not an edge: a tensor with no elements, an op that reads only a shape, the values of an
+    `index_put` whose boolean mask selects nothing (an embedding row for a token not in the batch). A tensor that
+    shares a suspect's storage without coming from an op (`.data`) counts as the suspect."""
+
+    def __init__(self, suspects: list[torch.Tensor]):
+        self.of: dict[int, int] = {id(p): 1 << i for i, p in enumerate(suspects)}
+        self._keep: dict[int, torch.Tensor] = {}  # the tensors `of` names stay alive: their ids are not reused
+        self._ptrs = {}
+        for i, p in enumerate(suspects):
+            try:
+                self._ptrs[p.untyped_storage().data_ptr()] = 1 << i
+            except Exception:  # noqa: BLE001, S112 - a tensor without storage (meta, subclass): identity only
+                continue
+
+    def see(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+        try:
+            name = func.overloadpacket.__name__
+        except AttributeError:
+            return
+        if name in _SHAPE_ONLY:
+            return
+        read: list[Any] = list(args) + list(kwargs.values())
+        if name.startswith("index_put") and len(args) > 2 and _selects_nothing(args[1]):
+            read = [args[0]]
+        mask = 0
+        for t in _tensors(read):
+            if t.numel() == 0:
+                continue
+            m = self.of.get(id(t))
+            if m is None and self._ptrs:
+                try:
+                    m = self._ptrs.get(t.untyped_storage().data_ptr())
+                except Exception:  # noqa: BLE001
+                    m = None
+            mask |= m or 0
+        if mask:
+            for o in _tensors([out]):
+                self.of[id(o)] = self.of.get(id(o), 0) | mask
+                self._keep[id(o)] = o
 
 
-def _refs(v: Any) -> list[int]:
-    """The refs in an encoded argument ({"r": n}, nested in lists)."""
-    if isinstance(v, dict):
-        return [v["r"]] if "r" in v else []
-    if isinstance(v, list):
-        return [r for e in v for r in _refs(e)]
+def _selects_nothing(indices: Any) -> bool:
+    masks = [t for t in _tensors([indices]) if t.dtype == torch.bool]
+    return bool(masks) and any(not bool(t.any()) for t in masks)
+
+
+def _tensors(v: Any) -> list[torch.Tensor]:
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [t for e in v for t in _tensors(e)]
     return []

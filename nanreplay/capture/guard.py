@@ -394,10 +394,11 @@ class NanGuard:
                     return
                 st = self._as_called(self._states[-1])
                 forward, loss = self._forward_loss(st)
+                watch, seen = flow.ReachWatch(suspects), {}
                 with self._calls_paused():
-                    program, constants, _why, _s = snapshot.record(self.model, st, forward, loss,
-                                                                   self._autocast or None)
-                reached = fw.reaching(program, constants, suspects)
+                    snapshot.record(self.model, st, forward, loss, self._autocast or None, watch=watch, seen=seen)
+                reached = fw.reaching(watch, seen.pop("loss", None), suspects)
+                del watch, seen
             dead = fw.settle(pending, reached, self.step_index) if pending else []
             dead += [{"name": n, "gradient": "frozen", "had_gradient": False, "zero_steps": None} for n in tied]
         except Exception as e:  # noqa: BLE001 - never break training
