@@ -28,6 +28,7 @@ from nanreplay.analysis.contract import (
     forward_inputs_json,
     precision_sentence,
 )
+from nanreplay.diagnose import broadcast
 from nanreplay.diagnose.plausible import history_rows
 from nanreplay.diagnose.site import finite_float
 from nanreplay.diagnose.update import diagnose_update
@@ -138,6 +139,9 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
     result = Analysis(snapshot=str(path), verdict=Verdict.NOT_REPRODUCED, model=_model_info(subject),
                       environment=_environment(subject.device), snapshot_info=_snapshot_info(snap),
                       invocation=invocation)
+    program = getattr(subject.model, "program", None) if subject.program else None
+    result.broadcast = broadcast.find(program) if program is not None else []  # a loss that broadcast silently
+    result.warnings += [b["message"] for b in result.broadcast]
     leaves = check_leaves(subject)
     result.nonfinite_leaves = leaves
     blocking = [r for r in leaves if not r.get("literal")]

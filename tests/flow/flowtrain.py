@@ -97,9 +97,38 @@ def loop(model, folder, steps, *, lr=1e-2, lr_at=None, tokens=False):
     return guard
 
 
+def mse_step(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x), y)  # CULPRIT: [B, 1] against [B] broadcasts to [B, B]
+
+
+def broadcast_mse(folder):
+    """A healthy-looking regression whose loss broadcasts; its batch at step 2 holds a NaN (a snapshot to analyze)."""
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    guard = NanGuard(model, opt, step_fn=mse_step, folder=folder)
+    for step in range(3):
+        x, y = torch.randn(8, 4), torch.randn(8)
+        if step == 2:
+            x[1, 2] = float("nan")
+        guard.begin((x, y), step=step)
+        opt.zero_grad()
+        loss = mse_step(model, (x, y))
+        if not guard.loss_ok(loss):
+            break
+        loss.backward()
+        guard.grads_ok()
+        opt.step()
+    return guard
+
+
 def main(root, kinds):
     for kind in kinds:
         torch.manual_seed(0)
+        if kind == "broadcast_mse":
+            g = broadcast_mse(f"{root}/{kind}")
+            print(kind, g.snapshots[0] if g.snapshots else "none")
+            continue
         if kind == "dead_relu":
             g = loop(dead_relu(), f"{root}/{kind}", 11, lr_at={4: 30.0})  # one step at lr 30 kills the units
         elif kind == "tied_frozen":

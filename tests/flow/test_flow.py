@@ -18,11 +18,12 @@ from nanreplay import NanGuard
 from tests.isolation import ROOT, analyze_isolated
 
 HERE = Path(__file__).resolve().parent
-KINDS = ("dead_relu", "skip_detach", "argmax_router", "sigmoid_gate", "no_grad_helper", "tied_frozen")
+KINDS = ("dead_relu", "skip_detach", "argmax_router", "sigmoid_gate", "no_grad_helper", "tied_frozen", "broadcast_mse")
 
 
 def culprit_line(marker: str = "# CULPRIT") -> list[int]:
-    return [i for i, ln in enumerate((HERE / "flowtrain.py").read_text().splitlines(), 1) if ln.rstrip().endswith(marker)]
+    return [i for i, ln in enumerate((HERE / "flowtrain.py").read_text().splitlines(), 1)
+            if ln.rstrip().endswith(marker) or f"{marker}:" in ln]
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +102,18 @@ def test_a_frozen_tied_weight_is_reported_with_its_other_name(runs):
     d = runs[0]["tied_frozen"]
     assert d["verdict"] == "gradient_cut" and _first(d)["kind"] == "frozen"
     assert "embed.weight" in d["diagnosis"]["explanation"] and d["diagnosis"]["fix"]["kind"] == "unfreeze"
+
+
+def test_a_broadcasting_mse_is_flagged_with_its_line_in_an_analysis_of_another_failure(runs):
+    d = runs[0]["broadcast_mse"]
+    assert d["verdict"] == "nonfinite_input"  # the snapshot is for a NaN in the batch; the loss is wrong anyway
+    (b,) = d["broadcast"]
+    assert b["op"] == "aten.mse_loss.default" and b["shapes"] == [[8, 1], [8]] and b["broadcast_to"] == [8, 8]
+    assert _line(b) == ("flowtrain.py", culprit_line()[4]) and b["message"] in d["warnings"]
+
+
+def test_no_broadcast_is_flagged_where_shapes_match(runs):
+    assert all("broadcast" not in runs[0][k] for k in KINDS if k != "broadcast_mse")
 
 
 # ------------------------------------------------------------------ routine zeros: nothing written
