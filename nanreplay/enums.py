@@ -79,6 +79,7 @@ class FixKind(StrEnum):
     LEAKY_RELU = "leaky_relu"
     LOGITS = "logits"
     CHECK_MULTIPLIER = "check_multiplier"
+    SOFTMAX_DIM = "softmax_dim"
     OPTIMIZER_EPS = "optimizer_eps"  # an eps the dtype can represent, or float32 master weights
     NORMALIZE_INPUT = "normalize_input"
     STABLE_VARIANCE = "stable_variance"  # torch.var instead of E[x²] − E[x]²

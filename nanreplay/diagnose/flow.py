@@ -45,6 +45,9 @@ FIXES = {  # kind -> (fix kind, advice)
     "saturated": ("logits", "the activation is saturated (its derivative is exactly zero): compute the loss from "
                             "logits (binary_cross_entropy_with_logits, log_softmax) rather than from saturated "
                             "probabilities, or keep its input small (normalisation, a smaller init)"),
+    "softmax_single": ("softmax_dim", "this softmax runs over a dimension of size 1: its output is 1 whatever the "
+                                      "input, so nothing before it learns; take the softmax over the dimension meant "
+                                      "(the tokens, say dim=1)"),
     "discrete": ("straight_through", "round/floor/sign have a zero derivative everywhere: " + STE),
     "clamp": ("straight_through", "every value is clamped: the gradient is zero outside the range; clamp only the "
                                   "forward value (`x + (x.clamp(lo, hi) - x).detach()`) or widen the range"),
@@ -210,6 +213,10 @@ def _zero_cause(model, env: dict, i: int, ref: int) -> dict:
                     src = node_inputs(prog.nodes[j])[0]
                     return {**_where(prog, j), "kind": _kind_of(prog.nodes[j].name),
                             "local_zero": _local_zero(model, env, j, src), "via": _where(prog, i)}
+    if kind == "saturated" and "softmax" in node.name and len(node.args) > 1 and isinstance(node.args[1], int):
+        x = env.get(ref)
+        if isinstance(x, torch.Tensor) and x.dim() and x.shape[node.args[1]] == 1:
+            kind = "softmax_single"  # softmax over one element is 1 whatever the input
     return {**_where(prog, i), "kind": kind, "local_zero": _local_zero(model, env, i, ref)}
 
 

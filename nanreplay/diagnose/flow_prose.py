@@ -75,6 +75,8 @@ def diagnose_flow(result, subject, info: dict) -> dict:
         title = f"gradient zero: {first.get('op') or 'a backward node'} turns the gradient into exact zeros"
         expl = (f"{names} take part in the loss, but their gradient is exactly zero: the backward of "
                 f"{_at(first)}{via} turns a non-zero gradient into zeros.{frac}")
+        if first.get("kind") == "softmax_single":
+            expl += " It is a softmax over a dimension of size 1: its output is 1.0 whatever its input."
         if first.get("kind") == "relu":
             expl += _lr_jump(info)
     fix_kind, advice = flow.FIXES.get(first.get("kind"), flow.FIXES["other"])

@@ -298,7 +298,7 @@ def describe(snap: Snapshot) -> dict:
                 autocast=raw.get("autocast"), grad_scale=raw.get("grad_scale"), micro_batch=raw.get("micro_batch"),
                 nanreplay_version=raw.get("nanreplay_version"), format_version=raw.get("version"),
                 nonfinite_ranks=raw.get("nonfinite_ranks"), spike_median=raw.get("spike_median"),
-                gradient_flow=raw.get("gradient_flow"),
+                **({"gradient_flow": raw["gradient_flow"]} if raw.get("gradient_flow") is not None else {}),
                 record_seconds=raw.get("record_seconds"),
                 optimizer=_optimizer_summary(raw.get("optimizer")),
                 notes=raw.get("notes") or [])

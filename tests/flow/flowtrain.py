@@ -122,12 +122,40 @@ def broadcast_mse(folder):
     return guard
 
 
+def swiftformer(folder):
+    """transformers' SwiftFormer, tiny: its additive attention's softmax runs over a dimension of size 1."""
+    from transformers import SwiftFormerConfig, SwiftFormerForImageClassification
+
+    cfg = SwiftFormerConfig(depths=(1, 1, 1, 1), embed_dims=(8, 8, 16, 16), num_labels=3, image_size=32)
+    model = SwiftFormerForImageClassification(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step_fn(m, batch):
+        return m(pixel_values=batch[0], labels=batch[1]).loss
+
+    guard = NanGuard(model, opt, step_fn=step_fn, folder=folder)
+    for step in range(4):
+        batch = (torch.randn(2, 3, 32, 32), torch.randint(0, 3, (2,)))
+        guard.begin(batch, step=step)
+        opt.zero_grad()
+        loss = step_fn(model, batch)
+        loss.backward()  # before loss_ok(): its first-step re-run breaks this model's backward (a guard bug, #36)
+        guard.loss_ok(loss)
+        guard.grads_ok()
+        opt.step()
+    return guard
+
+
 def main(root, kinds):
     for kind in kinds:
         torch.manual_seed(0)
         if kind == "broadcast_mse":
             g = broadcast_mse(f"{root}/{kind}")
             print(kind, g.snapshots[0] if g.snapshots else "none")
+            continue
+        if kind == "swiftformer":
+            g = swiftformer(f"{root}/{kind}")
+            print(kind, g.flow_snapshots[0] if g.flow_snapshots else "none", g.snapshots)
             continue
         if kind == "dead_relu":
             g = loop(dead_relu(), f"{root}/{kind}", 11, lr_at={4: 30.0})  # one step at lr 30 kills the units

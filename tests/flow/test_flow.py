@@ -15,10 +15,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanreplay import NanGuard
-from tests.isolation import ROOT, analyze_isolated
+from tests.isolation import ROOT, analyze_isolated, framework
 
 HERE = Path(__file__).resolve().parent
-KINDS = ("dead_relu", "skip_detach", "argmax_router", "sigmoid_gate", "no_grad_helper", "tied_frozen", "broadcast_mse")
+KINDS = ("dead_relu", "skip_detach", "argmax_router", "sigmoid_gate", "no_grad_helper", "tied_frozen", "broadcast_mse",
+         "swiftformer")
 
 
 def culprit_line(marker: str = "# CULPRIT") -> list[int]:
@@ -28,6 +29,7 @@ def culprit_line(marker: str = "# CULPRIT") -> list[int]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    framework("transformers")
     root = tmp_path_factory.mktemp("flow")
     proj = root / "proj"
     proj.mkdir()
@@ -110,6 +112,18 @@ def test_a_broadcasting_mse_is_flagged_with_its_line_in_an_analysis_of_another_f
     (b,) = d["broadcast"]
     assert b["op"] == "aten.mse_loss.default" and b["shapes"] == [[8, 1], [8]] and b["broadcast_to"] == [8, 8]
     assert _line(b) == ("flowtrain.py", culprit_line()[4]) and b["message"] in d["warnings"]
+
+
+def test_transformers_swiftformer_never_trains_w_g_its_softmax_runs_over_one_element(runs):
+    """Found by the false-alarm sweep: transformers' SwiftFormer takes `softmax(dim=-1)` of a [B, N, 1] tensor, which
+    is 1 whatever w_g is; w_g's gradient is exactly zero on every step."""
+    d = runs[0]["swiftformer"]
+    assert d["verdict"] == "gradient_zero"
+    assert d["gradient_flow"]["parameters"] and all(n.endswith("attn.w_g") for n in d["gradient_flow"]["parameters"])
+    row = _first(d)
+    assert row["op"] == "aten._softmax.default" and row["kind"] == "softmax_single"
+    assert _line(row)[0] == "modeling_swiftformer.py" and "softmax(dim=-1)" in row["source"]["code"]
+    assert d["diagnosis"]["fix"]["kind"] == "softmax_dim"
 
 
 def test_no_broadcast_is_flagged_where_shapes_match(runs):
