@@ -214,3 +214,15 @@ def test_check_flow_false_silences_it(tmp_path):
     guard.loss_ok(loss)
     loss.backward()
     assert guard.grads_ok() and guard.flow_snapshots == []
+
+
+def test_triage_groups_dead_gradients_by_verdict_op_and_line(runs):
+    from nanreplay.triage.groups import signature
+    from nanreplay.triage.worker import analysis_fields
+
+    sig = {k: signature(analysis_fields(runs[0][k])) for k in KINDS if k != "broadcast_mse"}
+    assert len(set(sig.values())) == len(sig)  # one root cause each
+    cut = analysis_fields(runs[0]["skip_detach"])
+    assert (cut["verdict"], cut["op"], cut["source_line"]) == ("gradient_cut", "aten.detach.default", culprit_line()[0])
+    again = analysis_fields({**runs[0]["skip_detach"], "snapshot": "another.pt"})
+    assert signature(again) == sig["skip_detach"]
