@@ -80,6 +80,7 @@ class FixKind(StrEnum):
     LOGITS = "logits"
     CHECK_MULTIPLIER = "check_multiplier"
     SOFTMAX_DIM = "softmax_dim"
+    USE_REENTRANT_FALSE = "use_reentrant_false"
     OPTIMIZER_EPS = "optimizer_eps"  # an eps the dtype can represent, or float32 master weights
     NORMALIZE_INPUT = "normalize_input"
     STABLE_VARIANCE = "stable_variance"  # torch.var instead of E[x²] − E[x]²

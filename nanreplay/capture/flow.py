@@ -31,6 +31,8 @@ import torch
 import torch.nn as nn
 
 from nanreplay import torch_internals as ti
+from nanreplay.capture import snapshot
+from nanreplay.enums import Trigger
 
 log = logging.getLogger("nanreplay")
 
@@ -182,6 +184,35 @@ class FlowWatch:
         return dead
 
 
+def check(fw: FlowWatch, guard: Any) -> tuple[Trigger, dict] | None:
+    """(trigger, the snapshot's `gradient_flow`) when this step's suspects reach the loss; None otherwise."""
+    pending, fw.pending = fw.pending, None
+    tied, beside = fw.frozen(guard.model)
+    if not pending and not tied:
+        return None
+    suspects = (pending["none"] + pending["zero"]) if pending else []
+    reached: set[int] | None = set()
+    reentrant = False
+    if suspects:
+        if not guard._states or not guard.export:
+            return None
+        st = guard._as_called(guard._states[-1])
+        forward, loss = guard._forward_loss(st)
+        watch, seen = ReachWatch(suspects), {}
+        with guard._calls_paused():  # the guard's own re-run, on state it owns (as a snapshot's recording)
+            snapshot.record(guard.model, st, forward, loss, guard._autocast or None, watch=watch, seen=seen)
+        reached = fw.reaching(watch, seen.pop("loss", None), suspects)
+        reentrant = watch.reentrant
+        del watch, seen
+    dead = fw.settle(pending, reached, guard.step_index) if pending else []
+    dead += [{"name": n, "gradient": "frozen", "had_gradient": False, "zero_steps": None} for n in tied]
+    if not dead:
+        return None
+    trigger = Trigger.GRADIENT_DIED if any(d["had_gradient"] for d in dead) else Trigger.NO_GRADIENT
+    return trigger, {"dead": dead, "frozen": beside, "all_zero": bool(pending and pending.get("all_zero")),
+                     "reentrant_checkpoint": reentrant}
+
+
 _SHAPE_ONLY = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",
                          "new_full", "rand_like", "randn_like", "randint_like", "_shape_as_tensor", "sym_size",
                          "sym_numel", "sym_stride", "sym_storage_offset"})  # read only the input's shape
@@ -195,6 +226,8 @@ class ReachWatch:
 
     def __init__(self, suspects: list[torch.Tensor]):
         self.of: dict[int, int] = {id(p): 1 << i for i, p in enumerate(suspects)}
+        self.reentrant = False  # an op ran under no_grad inside a reentrant checkpoint's forward
+        self._looked = 0
         self._keep: dict[int, torch.Tensor] = {}  # the tensors `of` names stay alive: their ids are not reused
         self._ptrs = {}
         for i, p in enumerate(suspects):
@@ -204,6 +237,9 @@ class ReachWatch:
                 continue
 
     def see(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+        if not torch.is_grad_enabled() and not self.reentrant and self._looked < 20:
+            self._looked += 1
+            self.reentrant = _in_reentrant_checkpoint()
         try:
             name = func.overloadpacket.__name__
         except AttributeError:
@@ -228,6 +264,18 @@ class ReachWatch:
             for o in _tensors([out]):
                 self.of[id(o)] = self.of.get(id(o), 0) | mask
                 self._keep[id(o)] = o
+
+
+def _in_reentrant_checkpoint() -> bool:
+    """Whether the running op was called from torch.utils.checkpoint's reentrant CheckpointFunction.forward."""
+    import sys
+
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_name == "forward" and f.f_code.co_filename.replace("\\", "/").endswith("utils/checkpoint.py"):
+            return True
+        f = f.f_back
+    return False
 
 
 def _selects_nothing(indices: Any) -> bool:

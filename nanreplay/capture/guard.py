@@ -379,36 +379,15 @@ class NanGuard:
         self._norms.append(norm)
 
     def _flow_check(self, norm: float) -> None:
-        """Trained parameters with no (or a zero) gradient this step: if their value reaches the loss, a snapshot
-        (the step goes on). Costs a re-run only on a step where such a parameter was seen (capture/flow.py)."""
-        fw = self._flow
-        pending, fw.pending = fw.pending, None
-        tied, beside = fw.frozen(self.model)
-        if not pending and not tied:
-            return
+        """Trained parameters with no (or a zero) gradient this step whose value reaches the loss: a snapshot (the
+        step goes on). A re-run only on a step where such a parameter was seen (capture/flow.py)."""
         try:
-            suspects = (pending["none"] + pending["zero"]) if pending else []
-            reached: set[int] | None = set()
-            if suspects:
-                if not self._states or not self.export:
-                    return
-                st = self._as_called(self._states[-1])
-                forward, loss = self._forward_loss(st)
-                watch, seen = flow.ReachWatch(suspects), {}
-                with self._calls_paused():
-                    snapshot.record(self.model, st, forward, loss, self._autocast or None, watch=watch, seen=seen)
-                reached = fw.reaching(watch, seen.pop("loss", None), suspects)
-                del watch, seen
-            dead = fw.settle(pending, reached, self.step_index) if pending else []
-            dead += [{"name": n, "gradient": "frozen", "had_gradient": False, "zero_steps": None} for n in tied]
+            found = flow.check(self._flow, self)
         except Exception as e:  # noqa: BLE001 - never break training
             self._warn_once("flow-check", f"could not check gradient flow ({type(e).__name__}: {e})")
             return
-        if not dead:
-            return
-        trigger = Trigger.GRADIENT_DIED if any(d["had_gradient"] for d in dead) else Trigger.NO_GRADIENT
-        info = {"dead": dead, "frozen": beside, "all_zero": bool(pending and pending.get("all_zero"))}
-        self._snapshot(trigger, {"grad_norm": norm, "gradient_flow": info})
+        if found is not None:
+            self._snapshot(found[0], {"grad_norm": norm, "gradient_flow": found[1]})
 
     def _culprit_micro_batch(self) -> snapshot.StepState | None:
         """The micro-batch whose gradient is non-finite, when the accumulated check cannot tell."""

@@ -37,6 +37,11 @@ FIXES = {  # kind -> (fix kind, advice)
                                 "`.tolist()`): the copy carries no gradient"),
     "no_grad": ("remove_cut", "run this computation with gradients on (outside `torch.no_grad()` / "
                               "`torch.inference_mode()`, or inside `torch.enable_grad()`)"),
+    "reentrant_checkpoint": ("use_reentrant_false", "a reentrant checkpoint runs its region under no_grad and "
+                                                     "gives its parameters a gradient only when an input needs one; "
+                                                     "none does here: pass use_reentrant=False (transformers: "
+                                                     "gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                                                     "{'use_reentrant': False}), or enable_input_require_grads())"),
     "integer": ("straight_through", "an integer result (argmax, a cast to an integer dtype) has no gradient: " + STE),
     "frozen": ("unfreeze", "the parameter has requires_grad=False although it is tied to a trained module's "
                            "weight: call .requires_grad_(True) on it (or untie the weights if the freeze was meant)"),
@@ -155,7 +160,10 @@ def _cuts(prog, env: dict, path: set[int], copies: dict[int, str], name: str) ->
         kind = ("no_grad" if not node.grad else CUT_OPS.get(node.name)
                 or ("integer" if isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex())
                     else "no_grad"))
-        out.append({**_where(prog, i), "kind": kind})
+        row = _where(prog, i)
+        if kind == "no_grad" and "checkpoint" in str((row.get("source") or {}).get("code") or "").lower():
+            kind = "reentrant_checkpoint"  # its forward runs under no_grad; with no input needing grad, no backward
+        out.append({**row, "kind": kind})
     out.sort(key=lambda c: (c["node"] is None, c["node"] or 0))
     return out
 
@@ -274,8 +282,13 @@ def analyze(subject, info: dict) -> dict | None:
         rows.append(row)
     run = None
     model.zero_grad(set_to_none=True)
+    if flow.get("reentrant_checkpoint"):  # the guard saw the no_grad ops run inside a reentrant checkpoint
+        for c in [c for r in rows for c in [r, *r.get("others", [])]]:
+            if c.get("kind") == "no_grad":
+                c["kind"] = "reentrant_checkpoint"
     for row in rows:
-        if row.get("verdict") == "gradient_cut" and row.get("kind") in ("detach", "no_grad", "data_copy"):
+        if row.get("verdict") == "gradient_cut" and row.get("kind") in ("detach", "no_grad", "data_copy",
+                                                                        "reentrant_checkpoint"):
             row["fix"] = _verify_cut(subject, prog, row, copies, params)
     verdicts = [r["verdict"] for r in rows]
     verdict = ("gradient_cut" if "gradient_cut" in verdicts else "gradient_zero" if "gradient_zero" in verdicts

@@ -11,8 +11,11 @@ from nanreplay.enums import FixKind
 
 FLOW_TRIGGERS = ("no_gradient", "gradient_died")
 _SAID = {"detach": "a .detach()", "no_grad": "an op run under no_grad (or inference_mode)",
-         "integer": "an op with an integer result", "data_copy": "a copy of the parameter's value taken outside "
-         "autograd (.data, .item())", "frozen": "requires_grad=False"}
+         "integer": "an op with an integer result",
+         "reentrant_checkpoint": "a reentrant checkpoint (its region runs under no_grad, and none of its inputs needs "
+                                 "a gradient)",
+         "data_copy": "a copy of the parameter's value taken outside autograd (.data, .item())",
+         "frozen": "requires_grad=False"}
 
 
 def _at(row: dict) -> str:

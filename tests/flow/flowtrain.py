@@ -146,6 +146,35 @@ def swiftformer(folder):
     return guard
 
 
+def vit_reentrant(folder):
+    """transformers#21381: reentrant gradient checkpointing with frozen embeddings: no input of a checkpointed layer
+    needs a gradient, so no encoder layer gets one (transformers repairs this itself for input_ids models only)."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    cfg = ViTConfig(image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                    intermediate_size=32, num_labels=3)
+    model = ViTForImageClassification(cfg)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.vit.embeddings.requires_grad_(False)  # frozen patch embeddings
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+    def step_fn(m, batch):
+        return m(pixel_values=batch[0], labels=batch[1]).loss
+
+    guard = NanGuard(model, opt, step_fn=step_fn, folder=folder)
+    for step in range(2):
+        batch = (torch.randn(2, 3, 16, 16), torch.randint(0, 3, (2,)))
+        guard.begin(batch, step=step)
+        opt.zero_grad()
+        loss = step_fn(model, batch)
+        guard.loss_ok(loss)
+        loss.backward()
+        guard.grads_ok()
+        opt.step()
+    return guard
+
+
 def main(root, kinds):
     for kind in kinds:
         torch.manual_seed(0)
@@ -153,8 +182,8 @@ def main(root, kinds):
             g = broadcast_mse(f"{root}/{kind}")
             print(kind, g.snapshots[0] if g.snapshots else "none")
             continue
-        if kind == "swiftformer":
-            g = swiftformer(f"{root}/{kind}")
+        if kind in ("swiftformer", "vit_reentrant"):
+            g = {"swiftformer": swiftformer, "vit_reentrant": vit_reentrant}[kind](f"{root}/{kind}")
             print(kind, g.flow_snapshots[0] if g.flow_snapshots else "none", g.snapshots)
             continue
         if kind == "dead_relu":

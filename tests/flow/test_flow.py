@@ -19,7 +19,7 @@ from tests.isolation import ROOT, analyze_isolated, framework
 
 HERE = Path(__file__).resolve().parent
 KINDS = ("dead_relu", "skip_detach", "argmax_router", "sigmoid_gate", "no_grad_helper", "tied_frozen", "broadcast_mse",
-         "swiftformer")
+         "swiftformer", "vit_reentrant")
 
 
 def culprit_line(marker: str = "# CULPRIT") -> list[int]:
@@ -124,6 +124,19 @@ def test_transformers_swiftformer_never_trains_w_g_its_softmax_runs_over_one_ele
     assert row["op"] == "aten._softmax.default" and row["kind"] == "softmax_single"
     assert _line(row)[0] == "modeling_swiftformer.py" and "softmax(dim=-1)" in row["source"]["code"]
     assert d["diagnosis"]["fix"]["kind"] == "softmax_dim"
+
+
+def test_transformers_reentrant_checkpointing_with_frozen_embeddings_is_cut_there_and_use_reentrant_false_verified(runs):
+    """transformers#21381: no checkpointed layer's input needs a gradient, so no encoder layer gets one."""
+    d, paths = runs[0]["vit_reentrant"], runs[1]
+    assert "no_gradient" in paths["vit_reentrant"] and d["verdict"] == "gradient_cut"
+    names = d["gradient_flow"]["parameters"]
+    assert names and all(n.startswith("vit.layers.") for n in names)
+    assert any(n.startswith("vit.layers.1.") for n in names)  # every layer, not only the first
+    row = _first(d)
+    assert row["kind"] == "reentrant_checkpoint" and _line(row)[0] == "modeling_vit.py"
+    fix = d["diagnosis"]["fix"]
+    assert fix["kind"] == "use_reentrant_false" and fix["verified"] is True
 
 
 def test_no_broadcast_is_flagged_where_shapes_match(runs):
