@@ -213,7 +213,7 @@ def check(fw: FlowWatch, guard: Any) -> tuple[Trigger, dict] | None:
                      "reentrant_checkpoint": reentrant}
 
 
-_SHAPE_ONLY = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",
+SHAPE_ONLY = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",
                          "new_full", "rand_like", "randn_like", "randint_like", "_shape_as_tensor", "sym_size",
                          "sym_numel", "sym_stride", "sym_storage_offset"})  # read only the input's shape
 
@@ -244,7 +244,7 @@ class ReachWatch:
             name = func.overloadpacket.__name__
         except AttributeError:
             return
-        if name in _SHAPE_ONLY:
+        if name in SHAPE_ONLY:
             return
         read: list[Any] = list(args) + list(kwargs.values())
         if name.startswith("index_put") and len(args) > 2 and _selects_nothing(args[1]):

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from nanreplay.capture.flow import SHAPE_ONLY
 from nanreplay.formats.program import node_inputs, node_outputs
 
 CUT_OPS = {"aten.detach.default": "detach", "aten.detach_.default": "detach"}
@@ -114,6 +115,8 @@ def _paths(prog, constants: dict, params: dict) -> tuple[set[int], dict[str, set
     """(refs the loss depends on, per parameter the refs that depend on it, constant ref -> parameter it copies)."""
     need = {prog.loss}
     for node in reversed(prog.nodes):
+        if _shape_only(node):
+            continue
         if any(r in need for r in node_outputs(node)):
             need.update(node_inputs(node))
     refs = {lf.name: lf.ref for lf in prog.leaves if lf.kind == "param"}
@@ -129,10 +132,16 @@ def _paths(prog, constants: dict, params: dict) -> tuple[set[int], dict[str, set
         seeds = {r for r in [refs.get(name)] if r is not None} | {r for r, n in copies.items() if n == name}
         dep = set(seeds)
         for node in prog.nodes:
-            if any(r in dep for r in node_inputs(node)):
+            if not _shape_only(node) and any(r in dep for r in node_inputs(node)):
                 dep.update(node_outputs(node))
         deps[name] = dep
     return need, deps, copies
+
+
+def _shape_only(node) -> bool:
+    """An op that reads only its input's shape (zeros_like, empty_like, new_zeros): no value flows through it."""
+    base = node.name.split(".")[1] if node.name.count(".") >= 2 else node.name
+    return base in SHAPE_ONLY
 
 
 def _same(c, p) -> bool:
@@ -267,7 +276,7 @@ def analyze(subject, info: dict) -> dict | None:
         cuts = _cuts(prog, run.env, path, copies, name)
         if not path:
             row.update(verdict="unused", why="its value does not reach the loss in this step")
-        elif cuts and (g is None or not bool((g != 0).any())):
+        elif cuts and g is None:  # (a zero gradient has a path: why it is zero is the question)
             row.update(verdict="gradient_cut", **{k: v for k, v in cuts[0].items() if k != "ref"},
                        others=[{k: v for k, v in c.items() if k != "ref"} for c in cuts[1:5]])
         elif g is None or not bool((g != 0).any()):
