@@ -194,7 +194,9 @@ def check(fw: FlowWatch, guard: Any) -> tuple[Trigger, dict] | None:
     reached: set[int] | None = set()
     reentrant = False
     if suspects:
-        if not guard._states or not guard.export:
+        dist = torch.distributed
+        if not guard._states or not guard.export or (dist.is_available() and dist.is_initialized()):
+            # (distributed: the re-run's forward may hold collectives this rank alone would start)
             return None
         st = guard._as_called(guard._states[-1])
         forward, loss = guard._forward_loss(st)
