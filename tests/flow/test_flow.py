@@ -239,3 +239,42 @@ def test_triage_groups_dead_gradients_by_verdict_op_and_line(runs):
     assert (cut["verdict"], cut["op"], cut["source_line"]) == ("gradient_cut", "aten.detach.default", culprit_line()[0])
     again = analysis_fields({**runs[0]["skip_detach"], "snapshot": "another.pt"})
     assert signature(again) == sig["skip_detach"]
+
+
+class DropDetach(nn.Module):
+    """Dropout (the RNG), BatchNorm (buffers) and a detach (the flow check's re-run happens on every due step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.bn, self.b = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.b(self.drop(self.bn(self.a(x))).detach() + self.drop(x))
+
+
+def _train(tmp_path, check_flow) -> tuple[dict, list, NanGuard]:
+    torch.manual_seed(0)
+    model = DropDetach()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    guard = NanGuard(model, opt, loss_fn=F.mse_loss, folder=tmp_path, check_flow=check_flow)
+    losses = []
+    for step in range(4):
+        x, y = torch.randn(16, 8), torch.randn(16, 1)
+        guard.begin(x, y, step=step)
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        guard.loss_ok(loss)
+        loss.backward()
+        guard.grads_ok()
+        opt.step()
+        losses.append(loss.detach())
+    return {k: v.clone() for k, v in model.state_dict().items()}, losses, guard
+
+
+def test_the_flow_checks_re_run_leaves_the_training_bitwise_unchanged(tmp_path):
+    on, losses_on, guard = _train(tmp_path / "on", True)
+    off, losses_off, _ = _train(tmp_path / "off", False)
+    assert guard.flow_snapshots  # the check ran (and wrote) on this run
+    assert all(torch.equal(a, b) for a, b in zip(losses_on, losses_off, strict=True))
+    assert on.keys() == off.keys() and all(torch.equal(on[k], off[k]) for k in on)
