@@ -43,8 +43,9 @@ ALL_ZERO_STEPS = 20  # consecutive steps on which every gradient is exactly zero
 class FlowWatch:
     """The guard's memory of which trained parameters had gradients, and the checks on each step."""
 
-    def __init__(self, patience: int = PATIENCE, all_zero_steps: int = ALL_ZERO_STEPS):
+    def __init__(self, patience: int = PATIENCE, all_zero_steps: int = ALL_ZERO_STEPS, ignore: tuple | list = ()):
         self.patience, self.all_zero_steps = max(1, int(patience)), max(1, int(all_zero_steps))
+        self.ignore = tuple(str(i) for i in ignore)  # parameter names containing one of these are never reported
         self._names: dict[int, str] = {}
         self._alive: set[int] = set()  # params that ever had a non-zero gradient
         self._alive_count = -1  # the number of gradients on the last healthy step whose params were all noted
@@ -118,7 +119,7 @@ class FlowWatch:
         return total
 
     def _due(self, p: torch.Tensor, step: int) -> bool:
-        if id(p) in self._fired:
+        if id(p) in self._fired or (self.ignore and any(i in self.name(p) for i in self.ignore)):
             return False
         ex = self._excused.get(id(p))
         return ex is None or step >= ex[0]

@@ -111,7 +111,8 @@ class NanGuard:
         scheduler: the LR scheduler, if any: its class and last learning rates go into update snapshots.
         check_flow: also snapshot trained parameters whose value reaches the loss but whose gradient is None or
             exactly zero (triggers "no_gradient" / "gradient_died"; capture/flow.py says when each fires, docs/flow.md).
-            A dict sets its patience: {"patience": 3, "all_zero_steps": 20}. False silences it.
+            A dict sets its patience and what never to report: {"patience": 3, "all_zero_steps": 20,
+            "ignore": ["weight_hh"]} (name substrings). False silences it.
         identity: {"host", "device", "device_name", "run"} (each optional): this machine as your fleet names it,
             for triage's per-device count of transient failures (default: the hostname, the model's device, the
             run id of torchelastic/SLURM or of this process; capture/rerun.py `identity`).

@@ -216,6 +216,28 @@ def test_steps_whose_every_gradient_is_zero_fire_only_after_a_long_run_of_them(t
     assert d["gradient_flow"]["all_zero"] is True
 
 
+def test_ignore_silences_named_parameters_only(tmp_path):
+    """An RNN cell run once from a zero state: weight_hh multiplies zeros (a zero gradient on every step)."""
+    torch.manual_seed(0)
+    for ignore, fired in (([], True), (["weight_hh"], False)):
+        model = nn.Sequential(nn.Linear(4, 4), nn.RNNCell(4, 4), nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        guard = NanGuard(model, opt, loss_fn=F.mse_loss, folder=tmp_path / str(fired), check_flow={"ignore": ignore})
+        for step in range(4):
+            x, y = torch.randn(8, 4), torch.randn(8, 1)
+            guard.begin(x, y, step=step)
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            guard.loss_ok(loss)
+            loss.backward()
+            guard.grads_ok()
+            opt.step()
+        assert bool(guard.flow_snapshots) is fired
+        if fired:
+            dead = torch.load(guard.flow_snapshots[0], weights_only=True)["gradient_flow"]["dead"]
+            assert [d["name"] for d in dead] == ["1.weight_hh"]
+
+
 def test_check_flow_false_silences_it(tmp_path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
