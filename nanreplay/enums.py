@@ -41,6 +41,8 @@ class Verdict(StrEnum):
     NONFINITE_INPUT = "nonfinite_input"
     NONFINITE_PARAMETERS = "nonfinite_parameters"
     NOT_REPRODUCED = "not_reproduced"
+    GRADIENT_CUT = "gradient_cut"  # no backward path from the loss to a parameter whose value reaches it
+    GRADIENT_ZERO = "gradient_zero"  # a backward node turns a non-zero gradient into exact zeros
 
 
 class Trigger(StrEnum):
@@ -51,6 +53,8 @@ class Trigger(StrEnum):
     GRAD_NORM_OVERFLOW = "grad_norm_overflow"  # every gradient finite, their float32 norm is not
     GRAD_SPIKE = "grad_spike"  # a finite gradient-norm spike
     UPDATE = "update"  # optimizer.step() made the weights NaN/Inf
+    NO_GRADIENT = "no_gradient"  # a trained parameter's value reaches the loss, its gradient never came (None/zero)
+    GRADIENT_DIED = "gradient_died"  # the same for a parameter that had gradients on earlier steps
 
 
 class FixKind(StrEnum):
@@ -69,6 +73,14 @@ class FixKind(StrEnum):
     CLEAN_INPUT = "clean_input"
     RESTORE_PARAMETERS = "restore_parameters"
     GUARD_EMPTY_REDUCTION = "guard_empty_reduction"
+    REMOVE_CUT = "remove_cut"  # a detach / no_grad / .data copy on a parameter's path to the loss (diagnose/flow.py)
+    STRAIGHT_THROUGH = "straight_through"
+    UNFREEZE = "unfreeze"
+    LEAKY_RELU = "leaky_relu"
+    LOGITS = "logits"
+    CHECK_MULTIPLIER = "check_multiplier"
+    SOFTMAX_DIM = "softmax_dim"
+    USE_REENTRANT_FALSE = "use_reentrant_false"
     OPTIMIZER_EPS = "optimizer_eps"  # an eps the dtype can represent, or float32 master weights
     NORMALIZE_INPUT = "normalize_input"
     STABLE_VARIANCE = "stable_variance"  # torch.var instead of E[x²] − E[x]²

@@ -29,6 +29,7 @@ from nanreplay.analysis.contract import (
     forward_inputs_json,
     precision_sentence,
 )
+from nanreplay.diagnose import broadcast
 from nanreplay.diagnose.plausible import history_rows
 from nanreplay.diagnose.site import finite_float
 from nanreplay.diagnose.update import diagnose_update
@@ -143,6 +144,9 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
     result = Analysis(snapshot=str(path), verdict=Verdict.NOT_REPRODUCED, model=_model_info(subject),
                       environment=_environment(subject.device), snapshot_info=_snapshot_info(snap),
                       invocation=invocation)
+    program = getattr(subject.model, "program", None) if subject.program else None
+    result.broadcast = broadcast.find(program) if program is not None else []  # a loss that broadcast silently
+    result.warnings += [b["message"] for b in result.broadcast]
     leaves = check_leaves(subject)
     result.nonfinite_leaves = leaves
     blocking = [r for r in leaves if not r.get("literal")]
@@ -187,6 +191,10 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
     tell("culprit", result)
     machine.attach(result, snap, subject.device, step, culprit_found=c is not None)  # reads the guard's re-run record
     result.diagnosis = diagnose.diagnose(result, subject, step, c, chain, verify_fixes=verify)
+    flow_found = result.diagnosis.pop("gradient_flow", None)  # a dead-gradient snapshot (diagnose/flow.py)
+    if flow_found is not None:
+        result.gradient_flow = flow_found
+        result.verdict = flow_found.get("verdict") or result.verdict
     compiler_replay.attach(result, subject, verify=verify)  # a compiled run that replays finite: replay it compiled
     result.warnings += [f"internal error (please report): {e}" for e in result.diagnosis.get("internal_errors", [])]
     if c is not None:

@@ -45,6 +45,8 @@ class Analysis:
     update: dict | None = None  # update snapshots only: the replayed optimizer step (analysis/update.py)
     distributed: dict | None = None  # sharded snapshots: the ranks together (analysis/ranks.py merge())
     differential: dict | None = None  # replays that test a hypothesis (differential/): {"compiler"|"kernel"|"machine": {...}}
+    broadcast: list[dict] = field(default_factory=list)  # loss ops whose inputs broadcast silently (diagnose/broadcast.py)
+    gradient_flow: dict | None = None  # dead/cut gradients (trigger no_gradient / gradient_died): diagnose/flow.py
 
     def to_json(self) -> dict:
         d = {
@@ -75,6 +77,10 @@ class Analysis:
             d["update"] = self.update
         if self.distributed is not None:  # sharded snapshots only (absent otherwise: the goldens stay as they are)
             d["distributed"] = self.distributed
+        if self.broadcast:  # only where a loss broadcast (absent otherwise: the goldens stay as they are)
+            d["broadcast"] = self.broadcast
+        if self.gradient_flow is not None:  # dead-gradient snapshots only (absent otherwise)
+            d["gradient_flow"] = self.gradient_flow
         if self.differential:  # only where a differential replay's question arose (absent otherwise)
             d["differential"] = self.differential
         from nanreplay import stats  # torch: only the side that computed the analysis serialises it

@@ -38,7 +38,6 @@ import math
 import os
 import statistics
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable
 from datetime import datetime
@@ -49,7 +48,7 @@ import torch
 import torch.nn as nn
 
 from nanreplay import atomic
-from nanreplay.capture import losscheck, owned, rerun, snapshot
+from nanreplay.capture import flow, losscheck, notify, owned, rerun, snapshot
 from nanreplay.capture import modelstate as ms
 from nanreplay.capture import sharded as sharded_capture
 from nanreplay.capture import update as upd
@@ -60,7 +59,11 @@ log = logging.getLogger("nanreplay")
 
 _SAID = {Trigger.LOSS: "non-finite loss", Trigger.GRADIENT: "non-finite gradient",
          Trigger.GRAD_NORM_OVERFLOW: "gradient norm overflowed float32 (every gradient entry finite)",
-         Trigger.GRAD_SPIKE: "gradient-norm spike (finite)", Trigger.UPDATE: "non-finite weights after the update"}
+         Trigger.GRAD_SPIKE: "gradient-norm spike (finite)", Trigger.UPDATE: "non-finite weights after the update",
+         Trigger.NO_GRADIENT: "parameter(s) whose value reaches the loss but get no gradient",
+         Trigger.GRADIENT_DIED: "parameter(s) whose gradient died (None or exactly zero while their value reaches "
+                                "the loss)"}
+_SIDE = (Trigger.GRAD_SPIKE, Trigger.NO_GRADIENT, Trigger.GRADIENT_DIED)  # written, and the step goes on
 
 
 class NanGuard:
@@ -105,6 +108,10 @@ class NanGuard:
             step where the update is invertible (SGD, Adam, AdamW), entries it overwrote with
             NaN/Inf replaced by stated stand-ins. A non-finite learning rate is always copied exactly.
         scheduler: the LR scheduler, if any: its class and last learning rates go into update snapshots.
+        check_flow: also snapshot trained parameters whose value reaches the loss but whose gradient is None or
+            exactly zero (triggers "no_gradient" / "gradient_died"; capture/flow.py says when each fires, docs/flow.md).
+            A dict sets its patience and what never to report: {"patience": 3, "all_zero_steps": 20,
+            "ignore": ["weight_hh"]} (name substrings). False silences it.
         identity: {"host", "device", "device_name", "run"} (each optional): this machine as your fleet names it,
             for triage's per-device count of transient failures (default: the hostname, the model's device, the
             run id of torchelastic/SLURM or of this process; capture/rerun.py `identity`).
@@ -117,7 +124,8 @@ class NanGuard:
                  spike_factor: float | None = None, spike_window: int = 50, scaler: Any = None,
                  autocast: dict | bool | None = None, on_nonfinite: str = "return", sync_ranks: bool | None = None,
                  scaler_patience: int | None = None, check_update: bool = True, keep_pre_step: bool = False,
-                 scheduler: Any = None, sharded: bool | None = None, identity: dict | None = None):
+                 scheduler: Any = None, sharded: bool | None = None, identity: dict | None = None,
+                 check_flow: bool | dict = True):
         if on_nonfinite not in ("return", "raise"):
             raise ValueError("on_nonfinite must be 'return' or 'raise'")
         if step_fn is not None and loss_fn is not None:
@@ -143,6 +151,9 @@ class NanGuard:
         self.clip: float | None = None  # the max_norm gradients are clipped to, where a trainer says (history "clip")
         self.snapshots: list[str] = []  # failure snapshots
         self.spike_snapshots: list[str] = []
+        self.flow_snapshots: list[str] = []  # dead-gradient ones (capped by max_spike_snapshots too)
+        self._flow = flow.FlowWatch(**check_flow) if isinstance(check_flow, dict) else \
+            flow.FlowWatch() if check_flow else None
         self.last_snapshot: str | None = None
         self.last_error: str | None = None
         self.last_trigger: Trigger | None = None  # why the last failure snapshot was (or would have been) written
@@ -251,7 +262,17 @@ class NanGuard:
         """
         if self._check_pending and self._calls is not None:  # loss_ok() is not called: nothing to check against
             self._calls.want_output, self._calls.output = False, None
-        norm = float(grad_norm) if grad_norm is not None else ms.total_norm(self.model)
+        norm = float(grad_norm) if grad_norm is not None else None
+        if self._flow is not None:
+            try:
+                measured = self._flow.measure(self.model, upd.unwrap_optimizer(self.optimizer), self.step_index,
+                                              want_norm=norm is None)
+                norm = measured if norm is None else norm
+            except Exception as e:  # noqa: BLE001 - the flow check is an extra: never a reason to fail training
+                self._flow = None
+                self._warn_once("flow", f"cannot check gradient flow ({type(e).__name__}: {e}); switched off")
+        if norm is None:
+            norm = ms.total_norm(self.model)
         self._norm_given = grad_norm is not None
         trigger = None
         if not math.isfinite(norm):
@@ -283,6 +304,8 @@ class NanGuard:
             return self._fail(trigger or Trigger.GRADIENT, grad_norm=norm, state=state)
         self._checked = len(self._states) - 1
         self._spike(norm)
+        if self._flow is not None:
+            self._flow_check(norm)
         return True
 
     def update_ok(self) -> bool:
@@ -361,6 +384,17 @@ class NanGuard:
                 self._snapshot(Trigger.GRAD_SPIKE, {"grad_norm": norm, "spike_median": med})
         self._norms.append(norm)
 
+    def _flow_check(self, norm: float) -> None:
+        """Trained parameters with no (or a zero) gradient this step whose value reaches the loss: a snapshot (the
+        step goes on). A re-run only on a step where such a parameter was seen (capture/flow.py)."""
+        try:
+            found = flow.check(self._flow, self)
+        except Exception as e:  # noqa: BLE001 - never break training
+            self._warn_once("flow-check", f"could not check gradient flow ({type(e).__name__}: {e})")
+            return
+        if found is not None:
+            self._snapshot(found[0], {"grad_norm": norm, "gradient_flow": found[1]})
+
     def _culprit_micro_batch(self) -> snapshot.StepState | None:
         """The micro-batch whose gradient is non-finite, when the accumulated check cannot tell."""
         unchecked = self._states[self._checked + 1:]
@@ -423,8 +457,9 @@ class NanGuard:
         return False
 
     def _snapshot(self, trigger: Trigger, extra: dict) -> str | None:
-        spike = trigger == Trigger.GRAD_SPIKE
-        taken, cap = (self.spike_snapshots, self.max_spike_snapshots) if spike else (self.snapshots, self.max_snapshots)
+        spike = trigger in _SIDE
+        taken, cap = ((self.spike_snapshots if trigger == Trigger.GRAD_SPIKE else self.flow_snapshots),
+                      self.max_spike_snapshots) if spike else (self.snapshots, self.max_snapshots)
         if not spike:
             self.last_snapshot = None
         if len(taken) >= cap:
@@ -452,36 +487,14 @@ class NanGuard:
 
     def _upload(self, path: str) -> str:
         """The snapshot uploaded whole into `upload_to`: its URL; on failure one warning and the local path."""
-        from nanreplay import remote
-
-        try:
-            url = remote.upload(path, self.upload_to)
-        except Exception as e:  # noqa: BLE001 - never crash the training loop
-            self.last_error = f"{type(e).__name__}: {e}"
-            self._warn_once("upload", f"could not upload the snapshot to {self.upload_to} ({self.last_error}); "
-                                      f"it stays at {path}")
-            return path
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        url, err = notify.upload(path, self.upload_to)
+        if err:
+            self.last_error = err
+            self._warn_once("upload", f"could not upload the snapshot to {self.upload_to} ({err}); it stays at {path}")
         return url
 
     def _warn_once(self, key: str, msg: str) -> None:
-        """A warning, once per kind per run; never an exception (also under -W error). It goes to the log too where
-        logging is set up (the run's own log keeps it) or where the warning could not be issued (-W error): never
-        twice on an unconfigured terminal, where logging's last-resort handler would print it beside the warning."""
-        if key in self._warned:
-            return
-        self._warned.add(key)
-        warned = False
-        try:
-            warnings.warn(f"nanreplay: {msg}", RuntimeWarning, stacklevel=4)
-            warned = True
-        except Exception:  # noqa: BLE001, S110 - warnings turned into errors must not stop training
-            pass
-        if not warned or log.hasHandlers():
-            log.warning("nanreplay: %s", msg)
+        notify.warn_once(self._warned, key, msg)
 
     def _write(self, trigger: Trigger, extra: dict) -> str:
         if not self._states and trigger != Trigger.UPDATE:

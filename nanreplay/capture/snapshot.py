@@ -284,6 +284,7 @@ def build(*, model: nn.Module, wrapped: nn.Module, state: StepState, trigger: st
         "micro_batch": extra.get("micro_batch"),
         "nonfinite_ranks": extra.get("nonfinite_ranks"),
         "spike_median": extra.get("spike_median"),
+        "gradient_flow": extra.get("gradient_flow"),  # trigger no_gradient / gradient_died (capture/flow.py)
         "record_seconds": extra.get("record_seconds"),  # how long recording the step program took
         "rank": rank,
         "world_size": world,

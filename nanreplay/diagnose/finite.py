@@ -20,6 +20,7 @@ import torch
 
 from nanreplay import replay, stats
 from nanreplay import torch_internals as ti
+from nanreplay.diagnose import flow_prose
 from nanreplay.diagnose.divergence import clip_value, divergence, lr_clip_fix, remedy
 from nanreplay.diagnose.model import Fix
 from nanreplay.diagnose.plausible import history_rows, norm_squared
@@ -49,6 +50,8 @@ def diagnose_finite(result, subject, step: replay.Step | None, info: dict) -> di
     world = info.get("world_size") if isinstance(info.get("world_size"), int) else 1
     if trigger == "grad_spike" and step is not None:
         return _spike(result, subject, step, info)
+    if trigger in flow_prose.FLOW_TRIGGERS:
+        return flow_prose.diagnose_flow(result, subject, info)
     machine = ((getattr(result, "differential", None) or {}).get("machine") or {})
     if machine.get("verdict") == "transient" and trigger in ("loss", *GRADIENT_TRIGGERS):
         return _transient(result, info, env, machine)  # the guard's own re-run decides it, on the training device
@@ -231,9 +234,11 @@ def _generic(result) -> dict:
 
 
 def _spike(result, subject, step: replay.Step, info: dict) -> dict:
-    sq = {g["name"]: v for g in step.grads if g.get("has_grad") and (v := norm_squared(g)) is not None}
+    sq = {g["name"]: v for g in step.grads if g.get("has_grad") and (v := _norm_squared(g)) is not None}
     total = sum(sq.values())
     norm = math.sqrt(total) / (subject.loss_scale or 1.0)
+    recorded = finite_float(info.get("grad_norm"))
+    reproduced = recorded is not None and recorded > 0 and abs(norm - recorded) <= 1e-3 * recorded
     before = [v for r in history_rows(info) if (v := finite_float(r.get("grad_norm"))) is not None]
     med = statistics.median(before) if before else None
     carriers = [{"name": n, "grad_norm": math.sqrt(v), "share": v / total if total else None}
@@ -241,11 +246,13 @@ def _spike(result, subject, step: replay.Step, info: dict) -> dict:
     growth = _backward_growth(subject, step)
     outliers = _outlier_samples(subject)
     spike = {"grad_norm": norm, "median_before": med, "factor": norm / med if med else None,
-             "recorded_grad_norm": finite_float(info.get("grad_norm")), "carriers": carriers,
+             "recorded_grad_norm": recorded, "reproduced": reproduced, "carriers": carriers,
              "backward_growth": growth, "outlier_samples": outliers}
     parts = [f"The gradient norm of this step is {norm:.4g}"
              + (f", {norm / med:.3g}× the median of the previous steps ({med:.3g})" if med else "")
-             + " — finite, a spike rather than a failure."]
+             + " — finite, a spike rather than a failure"
+            + (" (reproduced: the run recorded the same norm)." if reproduced else
+               f" (the run recorded {recorded:.4g})." if recorded is not None else ".")]
     shown = [c for c in carriers[:3] if c["share"] is not None and c["share"] >= 0.01]
     if shown:
         parts.append("It sits in " + ", ".join(f"{c['name']} ({100 * c['share']:.0f}% of the squared norm)"
@@ -276,6 +283,14 @@ def _spike(result, subject, step: replay.Step, info: dict) -> dict:
               verification="not replayed: clipping changes the update, not this step's gradients",
               reasoning="numbers from the snapshot's history" if med else "")
     return _result("grad_spike", "a finite gradient-norm spike", " ".join(parts), fix, spike=spike)
+
+
+def _norm_squared(g: dict) -> float | None:
+    """‖g‖² of every parameter: a one-element gradient (a bias, a scale) has no std, its square is its mean's."""
+    if math.prod(g.get("shape") or [1]) == 1:
+        m = finite_float(g.get("mean"))
+        return m * m if m is not None else None
+    return norm_squared(g)
 
 
 def _backward_growth(subject, step: replay.Step) -> dict | None:
@@ -333,7 +348,7 @@ def _outlier_samples(subject, ratio: float = 10.0) -> list[dict]:
     """Batch samples (along dim 0) whose largest |value| is `ratio` times the batch's median sample."""
     out = []
     for name, role, t in batch_tensors(subject):
-        if role != "input" or not t.is_floating_point() or t.dim() == 0 or t.shape[0] < 3:
+        if role not in ("input", "target") or not t.is_floating_point() or t.dim() == 0 or t.shape[0] < 3:
             continue
         per = t.detach().reshape(t.shape[0], -1).abs().amax(dim=1).double()
         med = float(per.median())
@@ -341,5 +356,5 @@ def _outlier_samples(subject, ratio: float = 10.0) -> list[dict]:
             continue
         idx = (per > ratio * med).nonzero().flatten().tolist()
         if idx:
-            out.append({"name": name, "samples": idx[:10], "absmax": float(per.max()), "median": med})
+            out.append({"name": name, "role": role, "samples": idx[:10], "absmax": float(per.max()), "median": med})
     return out

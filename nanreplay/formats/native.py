@@ -97,6 +97,12 @@ FIELDS_V2: dict[str, S.Checker] = {
     "nonfinite_ranks": S.optional(S.list_of(S.integer(0, 10**7), 100_000)),
     "loss_value": S.optional(S.number), "grad_norm": S.optional(S.number), "grad_scale": S.optional(S.number),
     "spike_median": S.optional(S.number), "record_seconds": S.optional(S.number),
+    "gradient_flow": S.optional(S.record({
+        "dead": S.list_of(S.record({"name": S.string(1000), "gradient": S.one_of("none", "zero", "frozen"),
+                                    "had_gradient": S.optional(S.boolean),
+                                    "zero_steps": S.optional(S.integer(0))}), 100_000),
+        "frozen": S.optional(S.list_of(S.string(1000), 100_000)), "all_zero": S.optional(S.boolean),
+        "reentrant_checkpoint": S.optional(S.boolean)})),
     "batch": S.record({"inputs": S.batch_tree, "target": S.batch_tree, "batch": S.batch_tree}),
     "state": S.dict_of(S.tensor()), "parameters": S.list_of(S.string(1000)),
     "input_names": S.optional(S.list_of(S.string(200), 64)),
@@ -295,6 +301,7 @@ def describe(snap: Snapshot) -> dict:
                 autocast=raw.get("autocast"), grad_scale=raw.get("grad_scale"), micro_batch=raw.get("micro_batch"),
                 nanreplay_version=raw.get("nanreplay_version"), format_version=raw.get("version"),
                 nonfinite_ranks=raw.get("nonfinite_ranks"), spike_median=raw.get("spike_median"),
+                **({"gradient_flow": raw["gradient_flow"]} if raw.get("gradient_flow") is not None else {}),
                 record_seconds=raw.get("record_seconds"),
                 optimizer=_optimizer_summary(raw.get("optimizer")),
                 notes=raw.get("notes") or [])

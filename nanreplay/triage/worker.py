@@ -119,9 +119,22 @@ def _inf_sign(c: dict) -> str | None:
     return sign or None
 
 
+def _flow_site(d: dict) -> dict:
+    """A dead-gradient analysis' site (where the first parameter's flow ends) in the culprit's shape: the same
+    grouping then holds (verdict, cause, op, module, line)."""
+    gf = d.get("gradient_flow") or {}
+    row = next((r for r in gf.get("per_parameter") or [] if isinstance(r, dict) and r.get("verdict") == d.get("verdict")),
+               None)
+    if row is None:
+        return {}
+    return {"op": row.get("op"), "forward_op": row.get("forward_op"), "module": row.get("module"),
+            "kind": row.get("kind"), "phase": "backward" if d.get("verdict") == "gradient_zero" else "forward",
+            "source": row.get("source") or {}}
+
+
 def analysis_fields(d: dict) -> dict:
     """The summary-row fields of one analysis (its contract JSON)."""
-    c = d.get("culprit") or {}
+    c = d.get("culprit") or _flow_site(d)
     diag = d.get("diagnosis") or {}
     fix = diag.get("fix") or {}
     src = c.get("source") or {}

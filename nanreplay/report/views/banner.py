@@ -198,6 +198,13 @@ def why_and_details(d: dict, explanation: str) -> tuple[str, str]:
     return why, rest
 
 
+def _flow_row(d: dict) -> dict | None:
+    """The first parameter row of a dead-gradient analysis whose verdict is the analysis' verdict."""
+    gf = d.get("gradient_flow") or {}
+    return next((r for r in gf.get("per_parameter") or [] if isinstance(r, dict) and r.get("verdict") == d["verdict"]),
+                None)
+
+
 def banner(d: dict) -> Banner:
     verdict = d["verdict"]
     diag = d.get("diagnosis") or {}
@@ -238,6 +245,21 @@ def banner(d: dict) -> Banner:
         if d.get("loss") is not None:
             subline = f"loss {num(d.get('loss'))}"
     label = _VERDICT_LABEL.get(verdict, verdict.replace("_", " "))
+    spike = diag.get("spike") if isinstance(diag.get("spike"), dict) else {}
+    if verdict == "not_reproduced" and spike.get("reproduced"):  # a finite spike is what the snapshot was for
+        label, tone = "spike reproduced", "warn"
+        headline = (f"The gradient-norm spike reproduced: norm {num(spike.get('grad_norm'))} "
+                    f"(the run recorded {num(spike.get('recorded_grad_norm'))})")
+    flow_row = _flow_row(d) if verdict in ("gradient_cut", "gradient_zero") else None
+    if flow_row is not None:
+        tone, headline = "bad", str(diag.get("title") or verdict.replace("_", " "))
+        headline = headline[:1].upper() + headline[1:]
+        subline = str(flow_row.get("op") or "")
+        src = flow_row.get("source")
+        if src:
+            line = CodeLine(where(src), "", str(src.get("code") or "").strip())
+            facts.append(Fact("source", where(src), code=True))
+        facts.append(Fact("parameters", ", ".join(map(str, (d.get("gradient_flow") or {}).get("parameters") or []))))
     compiled = compiled_verdict(d)  # the compiled replay decided it: finite eager, non-finite compiled
     if compiled:
         label, headline, tone = "reproduced compiled (finite in eager)", compiled, "bad"

@@ -1,0 +1,333 @@
+"""Where a gradient stops: the analysis of a `no_gradient` / `gradient_died` snapshot (docs/flow.md).
+
+The step program is run once more with every value kept. For each parameter the guard named, the data flow of
+the recorded ops says which values depend on it and reach the loss (its *path*); autograd says which of them
+carry a gradient. Two verdicts:
+
+* `gradient_cut`: on the path a value that needs a gradient feeds an op whose output has none (`detach`, an op
+  run under `no_grad`, an integer result such as `argmax` or a cast), or the parameter's value reaches the
+  loss only as a copy taken outside autograd (`.data`, a tensor rebuilt from `.item()`). The first cut from the
+  parameter is the culprit; the others are listed.
+* `gradient_zero`: every path carries a graph, but one backward node turns a non-zero incoming gradient into
+  exact zeros (a dead ReLU, a saturated sigmoid or tanh, round/floor/sign, a clamp out of range, `where`
+  choosing a constant, a zero multiplier). The node nearest the loss is named, with its forward op, line and the
+  fraction of its elements (and of its units, the last dimension) whose local derivative is zero. A zero
+  multiplier that is itself the output of such a node (the activations a dead ReLU passes on) names that node.
+
+Fixes come from `FIXES`; removing a cut (a detach, a no_grad region, a `.data` copy) is verified by replay: the
+loss is the same bit for bit and the parameter's gradient is no longer zero.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from nanreplay.capture.flow import SHAPE_ONLY
+from nanreplay.formats.program import node_inputs, node_outputs
+
+CUT_OPS = {"aten.detach.default": "detach", "aten.detach_.default": "detach"}
+STE = ("a straight-through estimator keeps the forward value and lets the gradient through: "
+       "`y = soft + (hard - soft).detach()` (or torch.nn.functional.gumbel_softmax(..., hard=True))")
+FIXES = {  # kind -> (fix kind, advice)
+    "detach": ("remove_cut", "remove the .detach() on this line: it keeps the gradient from reaching the parameters "
+                             "before it"),
+    "data_copy": ("remove_cut", "use the tensor itself, not `.data` (or a tensor rebuilt from `.item()` / "
+                                "`.tolist()`): the copy carries no gradient"),
+    "no_grad": ("remove_cut", "run this computation with gradients on (outside `torch.no_grad()` / "
+                              "`torch.inference_mode()`, or inside `torch.enable_grad()`)"),
+    "reentrant_checkpoint": ("use_reentrant_false", "a reentrant checkpoint runs its region under no_grad and "
+                                                     "gives its parameters a gradient only when an input needs one; "
+                                                     "none does here: pass use_reentrant=False (transformers: "
+                                                     "gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                                                     "{'use_reentrant': False}), or enable_input_require_grads())"),
+    "integer": ("straight_through", "an integer result (argmax, a cast to an integer dtype) has no gradient: " + STE),
+    "frozen": ("unfreeze", "the parameter has requires_grad=False although it is tied to a trained module's "
+                           "weight: call .requires_grad_(True) on it (or untie the weights if the freeze was meant)"),
+    "relu": ("leaky_relu", "the ReLU units are dead (negative input for every sample): use LeakyReLU/GELU, "
+                           "re-initialise the layer, and lower (or warm up) the learning rate that pushed them there"),
+    "saturated": ("logits", "the activation is saturated (its derivative is exactly zero): compute the loss from "
+                            "logits (binary_cross_entropy_with_logits, log_softmax) rather than from saturated "
+                            "probabilities, or keep its input small (normalisation, a smaller init)"),
+    "softmax_single": ("softmax_dim", "this softmax runs over a dimension of size 1: its output is 1 whatever the "
+                                      "input, so nothing before it learns; take the softmax over the dimension meant "
+                                      "(the tokens, say dim=1)"),
+    "discrete": ("straight_through", "round/floor/sign have a zero derivative everywhere: " + STE),
+    "clamp": ("straight_through", "every value is clamped: the gradient is zero outside the range; clamp only the "
+                                  "forward value (`x + (x.clamp(lo, hi) - x).detach()`) or widen the range"),
+    "where": ("double_where", "`where` picks the branch that does not depend on the parameter for every element; "
+                              "check the mask"),
+    "zero_multiplier": ("check_multiplier", "the value is multiplied by exact zeros: check what makes the other "
+                                            "factor zero (a zero-initialised gate stays zero only while it gets no "
+                                            "gradient itself)"),
+    "other": ("none", "this op's derivative is exactly zero for every element here"),
+}
+_ACTIVATION = {"relu": "relu", "threshold": "relu", "hardtanh": "clamp", "clamp": "clamp", "clip": "clamp",
+               "sigmoid": "saturated", "tanh": "saturated", "softmax": "saturated", "_softmax": "saturated",
+               "round": "discrete", "floor": "discrete", "ceil": "discrete", "sign": "discrete", "trunc": "discrete",
+               "where": "where", "mul": "zero_multiplier", "mm": "zero_multiplier", "addmm": "zero_multiplier",
+               "bmm": "zero_multiplier", "matmul": "zero_multiplier", "linear": "zero_multiplier"}
+
+
+def _kind_of(op_name: str) -> str:
+    base = op_name.split(".")[1] if op_name.count(".") >= 2 else op_name
+    return _ACTIVATION.get(base.rstrip("_"), "other")
+
+
+class Run:
+    """The program run once with every value kept (and, optionally, some cuts undone)."""
+
+    def __init__(self, model, inputs: Any, target: Any, *, undo: set[int] = frozenset(), link: dict | None = None):
+        self.model, prog = model, model.program
+        self.env = model._leaves(inputs, target)
+        for ref, name in (link or {}).items():  # a `.data` copy replaced by the parameter itself
+            self.env[ref] = model._by_name[name]
+        with torch.enable_grad():
+            for i, node in enumerate(prog.nodes):
+                model._node = i
+                torch.set_grad_enabled(node.grad or i in undo)
+                if i in undo and node.name in CUT_OPS:
+                    args, _ = model._checked_args(node, self.env)
+                    out = torch.ops.aten.alias.default(args[0])
+                else:
+                    out = model._run(node, self.env)
+                model._bind(node, out, self.env, i)
+        model._node = None
+        self.loss = self.env[prog.loss]
+
+
+def _source(prog, node) -> dict | None:
+    if node.frame is None:
+        return None
+    f = prog.frames[node.frame]
+    return {"file": f["file"], "line": f["line"], "code": f["code"]}
+
+
+def _where(prog, i: int) -> dict:
+    node = prog.nodes[i]
+    return {"node": i, "op": node.name, "forward_op": node.name, "module": prog.modules[node.module],
+            "source": _source(prog, node), "call": prog.calls[node.call] if node.call else None}
+
+
+def _paths(prog, constants: dict, params: dict) -> tuple[set[int], dict[str, set[int]], dict[int, str]]:
+    """(refs the loss depends on, per parameter the refs that depend on it, constant ref -> parameter it copies)."""
+    need = {prog.loss}
+    for node in reversed(prog.nodes):
+        if _shape_only(node):
+            continue
+        if any(r in need for r in node_outputs(node)):
+            need.update(node_inputs(node))
+    refs = {lf.name: lf.ref for lf in prog.leaves if lf.kind == "param"}
+    copies: dict[int, str] = {}
+    for lf in prog.leaves:
+        if lf.kind == "constant" and lf.ref in need:
+            c = constants.get(lf.name)
+            for name, p in params.items():
+                if _same(c, p):
+                    copies[lf.ref] = name
+    deps: dict[str, set[int]] = {}
+    for name in params:
+        seeds = {r for r in [refs.get(name)] if r is not None} | {r for r, n in copies.items() if n == name}
+        dep = set(seeds)
+        for node in prog.nodes:
+            if not _shape_only(node) and any(r in dep for r in node_inputs(node)):
+                dep.update(node_outputs(node))
+        deps[name] = dep
+    return need, deps, copies
+
+
+def _shape_only(node) -> bool:
+    """An op that reads only its input's shape (zeros_like, empty_like, new_zeros): no value flows through it."""
+    base = node.name.split(".")[1] if node.name.count(".") >= 2 else node.name
+    return base in SHAPE_ONLY
+
+
+def _same(c, p) -> bool:
+    return (isinstance(c, torch.Tensor) and c.shape == p.shape and c.dtype == p.dtype and p.numel() > 1
+            and bool(p.amin() != p.amax()) and bool(torch.equal(c, p.detach())))
+
+
+def _grad_of(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad
+
+
+def _cuts(prog, env: dict, path: set[int], copies: dict[int, str], name: str) -> list[dict]:
+    out = []
+    for ref, pname in copies.items():
+        if pname == name and ref in path:
+            first = next((i for i, n in enumerate(prog.nodes) if ref in node_inputs(n)), None)
+            row = _where(prog, first) if first is not None else {"node": None, "op": None, "source": None}
+            out.append({**row, "kind": "data_copy", "ref": ref})
+    for i, node in enumerate(prog.nodes):
+        ins = [r for r in node_inputs(node) if r in path and _grad_of(env.get(r))]
+        outs = [r for r in node_outputs(node) if r in path]
+        if not ins or not outs or any(_grad_of(env.get(r)) for r in outs):
+            continue
+        t = env.get(outs[0])
+        kind = ("no_grad" if not node.grad else CUT_OPS.get(node.name)
+                or ("integer" if isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex())
+                    else "no_grad"))
+        row = _where(prog, i)
+        if kind == "no_grad" and "checkpoint" in str((row.get("source") or {}).get("code") or "").lower():
+            kind = "reentrant_checkpoint"  # its forward runs under no_grad; with no input needing grad, no backward
+        out.append({**row, "kind": kind})
+    out.sort(key=lambda c: (c["node"] is None, c["node"] or 0))
+    return out
+
+
+def _nonzero(t) -> bool:
+    g = t.grad if isinstance(t, torch.Tensor) else None
+    return g is not None and bool((g != 0).any())
+
+
+def _zero_node(prog, env: dict, path: set[int]) -> tuple[int, int] | None:
+    """(node, input ref): the node nearest the loss whose output's gradient is non-zero and whose input on the
+    parameter's path gets an all-zero gradient."""
+    for i in range(len(prog.nodes) - 1, -1, -1):
+        node = prog.nodes[i]
+        if not any(r in path and _nonzero(env.get(r)) for r in node_outputs(node)):
+            continue
+        for r in node_inputs(node):
+            if r in path and _grad_of(env.get(r)) and not _nonzero(env.get(r)):
+                return i, r
+    return None
+
+
+def _local_zero(model, env: dict, i: int, ref: int) -> dict:
+    """The fraction of the input's elements (and of its last-dimension units) whose local derivative is 0."""
+    node = model.program.nodes[i]
+    x = env[ref].detach().requires_grad_(True)
+    with torch.enable_grad():
+        args, kwargs = model._checked_args(node, env)
+        target = env[ref]
+        args = [x if a is target else a for a in args]
+        kwargs = {k: (x if v is target else v) for k, v in kwargs.items()}
+        out = node.op(*args, **kwargs)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        (d,) = torch.autograd.grad(out, x, torch.ones_like(out), allow_unused=True)
+    if d is None:
+        return {"elements": 1.0, "units": 1.0}
+    z = d == 0
+    units = z.reshape(-1, z.shape[-1]).all(dim=0).float().mean() if z.dim() >= 1 and z.numel() else z.float()
+    return {"elements": float(z.float().mean()), "units": float(units)}
+
+
+def _zero_cause(model, env: dict, i: int, ref: int) -> dict:
+    prog = model.program
+    node = prog.nodes[i]
+    kind = _kind_of(node.name)
+    if kind == "zero_multiplier":  # the other factor is zero: who made it so?
+        for r in node_inputs(node):
+            t = env.get(r)
+            if r != ref and isinstance(t, torch.Tensor) and t.is_floating_point() and not bool((t != 0).any()):
+                j = next((k for k in range(i - 1, -1, -1) if r in node_outputs(prog.nodes[k])), None)
+                while j is not None and _kind_of(prog.nodes[j].name) == "other" and node_inputs(prog.nodes[j]):
+                    src = node_inputs(prog.nodes[j])[0]  # a view or copy of it: go to what made it
+                    j = next((k for k in range(j - 1, -1, -1) if src in node_outputs(prog.nodes[k])), None)
+                if j is not None and _kind_of(prog.nodes[j].name) not in ("other", "zero_multiplier"):
+                    src = node_inputs(prog.nodes[j])[0]
+                    return {**_where(prog, j), "kind": _kind_of(prog.nodes[j].name),
+                            "local_zero": _local_zero(model, env, j, src), "via": _where(prog, i)}
+    if kind == "saturated" and "softmax" in node.name and len(node.args) > 1 and isinstance(node.args[1], int):
+        x = env.get(ref)
+        if isinstance(x, torch.Tensor) and x.dim() and x.shape[node.args[1]] == 1:
+            kind = "softmax_single"  # softmax over one element is 1 whatever the input
+    return {**_where(prog, i), "kind": kind, "local_zero": _local_zero(model, env, i, ref)}
+
+
+def analyze(subject, info: dict) -> dict | None:
+    """The `gradient_flow` object for the parameters the guard named (None without a step program)."""
+    model = subject.model
+    prog = getattr(model, "program", None)
+    if prog is None or not getattr(subject, "program", False):
+        return None
+    flow = info.get("gradient_flow") or {}
+    dead = [d for d in flow.get("dead") or [] if isinstance(d, dict)]
+    params = {n: p for n, p in model.named_parameters()}
+    params.update({a: params[t] for a, t in model.aliases.items() if t in params})
+    names = [d["name"] for d in dead if d.get("name") in params]
+    run = Run(model, subject.inputs, subject.target)
+    need, deps, copies = _paths(prog, model.constants, {n: params[n] for n in names})
+    keep = [r for n in names for r in deps[n] & need if _grad_of(run.env.get(r)) and r != prog.loss]
+    for r in set(keep):
+        if not run.env[r].is_leaf:
+            run.env[r].retain_grad()
+    model.zero_grad(set_to_none=True)
+    if run.loss.requires_grad:
+        run.loss.backward()
+    rows = []
+    for d in dead:
+        name = d.get("name")
+        row: dict[str, Any] = {"name": name, "gradient": d.get("gradient"), "had_gradient": d.get("had_gradient")}
+        if d.get("gradient") == "frozen":
+            row.update(verdict="gradient_cut", kind="frozen", op=None, source=None,
+                       why="requires_grad=False on a parameter tied to a trained module's weight")
+            rows.append(row)
+            continue
+        if name not in params:
+            row.update(verdict="unknown", why="the step program does not name this parameter")
+            rows.append(row)
+            continue
+        path = deps[name] & need
+        p = params[name]
+        g = p.grad
+        cuts = _cuts(prog, run.env, path, copies, name)
+        if not path:
+            row.update(verdict="unused", why="its value does not reach the loss in this step")
+        elif cuts and g is None:  # (a zero gradient has a path: why it is zero is the question)
+            row.update(verdict="gradient_cut", **{k: v for k, v in cuts[0].items() if k != "ref"},
+                       others=[{k: v for k, v in c.items() if k != "ref"} for c in cuts[1:5]])
+        elif g is None or not bool((g != 0).any()):
+            z = _zero_node(prog, run.env, path)
+            if z is None:
+                row.update(verdict="gradient_zero", kind="other", node=None, op=None, source=None,
+                           why="no single backward node turns its gradient to zero (the loss's gradient itself?)")
+            else:
+                row.update(verdict="gradient_zero", **_zero_cause(model, run.env, *z))
+        else:
+            row.update(verdict="flows", why="the replay gives it a non-zero gradient")
+        rows.append(row)
+    run = None
+    model.zero_grad(set_to_none=True)
+    if flow.get("reentrant_checkpoint"):  # the guard saw the no_grad ops run inside a reentrant checkpoint
+        for c in [c for r in rows for c in [r, *r.get("others", [])]]:
+            if c.get("kind") == "no_grad":
+                c["kind"] = "reentrant_checkpoint"
+    for row in rows:
+        if row.get("verdict") == "gradient_cut" and row.get("kind") in ("detach", "no_grad", "data_copy",
+                                                                        "reentrant_checkpoint"):
+            row["fix"] = _verify_cut(subject, prog, row, copies, params)
+    verdicts = [r["verdict"] for r in rows]
+    verdict = ("gradient_cut" if "gradient_cut" in verdicts else "gradient_zero" if "gradient_zero" in verdicts
+               else None)
+    return {"verdict": verdict, "parameters": [r["name"] for r in rows if r["verdict"] in ("gradient_cut",
+                                                                                             "gradient_zero")],
+            "per_parameter": rows, "frozen": list(flow.get("frozen") or []), "all_zero": bool(flow.get("all_zero"))}
+
+
+def _verify_cut(subject, prog, row: dict, copies: dict[int, str], params: dict) -> dict:
+    """Replay with this cut undone: the same loss bit for bit, and a non-zero gradient for the parameter."""
+    fix_kind, advice = FIXES[row["kind"]]
+    out = {"kind": fix_kind, "advice": advice, "verified": None}
+    try:
+        model = subject.model
+        before = Run(model, subject.inputs, subject.target).loss.detach()
+        undo = {c["node"] for c in [row, *row.get("others", [])] if c.get("node") is not None
+                and c.get("kind") == "detach"} | {i for i, n in enumerate(prog.nodes) if not n.grad}
+        link = {r: n for r, n in copies.items() if n == row["name"]}
+        run = Run(model, subject.inputs, subject.target, undo=undo, link=link)
+        model.zero_grad(set_to_none=True)
+        if run.loss.requires_grad:
+            run.loss.backward()
+        g = params[row["name"]].grad
+        same = bool(torch.equal(run.loss.detach(), before))
+        flows = g is not None and bool((g != 0).any()) and bool(torch.isfinite(g).all())
+        norm = float(g.double().norm()) if g is not None else 0.0
+        out.update(verified=same and flows, replay={"loss_unchanged": same, "grad_norm": norm if math.isfinite(norm)
+                                                    else None})
+        model.zero_grad(set_to_none=True)
+    except Exception as e:  # noqa: BLE001 - verification is an extra
+        out["why"] = f"the replay with the cut removed raised {type(e).__name__}: {e}"
+    return out
