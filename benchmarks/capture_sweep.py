@@ -193,7 +193,7 @@ def summary(rows: list[Row]) -> dict:
 
 
 def versions() -> dict:
-    v = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    v = {"torch": torch.__version__, "python": sys.version.split()[0], "cpu": torch.backends.cpu.get_cpu_capability()}
     for mod in ("transformers", "diffusers"):
         try:
             v[mod] = __import__(mod).__version__
@@ -205,7 +205,8 @@ def versions() -> dict:
 def markdown(rows: list[Row], s: dict, v: dict) -> str:
     out = ["# Capture sweep", "",
            f"torch {v['torch']}, transformers {v['transformers']}, diffusers {v['diffusers']}, python {v['python']}; "
-           "`python benchmarks/capture_sweep.py`.", "",
+           f"`python benchmarks/capture_sweep.py` on a CPU whose ATen path is {v.get('cpu') or 'not recorded'}. "
+           "\"bitwise\" compares the replay with eager in one process, on that machine and math-library path.", "",
            f"**architectures recorded {s['recorded']}/{s['trainable']}** ({s['percent']}%; {s['bitwise']} bitwise "
            f"equal to eager, the rest within relative {RTOL:g}); {s['total'] - s['trainable']} of {s['total']} "
            "did not build or train a step on CPU from a tiny config (listed at the end).", ""]
