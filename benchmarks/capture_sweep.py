@@ -214,7 +214,7 @@ def by_library(rows: list[Row]) -> dict[str, dict]:
 
 
 def versions() -> dict:
-    v = {"torch": torch.__version__, "python": sys.version.split()[0]}
+    v = {"torch": torch.__version__, "python": sys.version.split()[0], "cpu": torch.backends.cpu.get_cpu_capability()}
     for mod in ("transformers", "diffusers", "torch_geometric", "timm", "torchaudio"):
         try:
             v[mod] = __import__(mod).__version__
@@ -226,7 +226,7 @@ def versions() -> dict:
 def _versions_line(v: dict) -> str:
     libs = ", ".join(f"{k} {v[k]}" for k in ("transformers", "diffusers", "torch_geometric", "timm", "torchaudio")
                      if v.get(k))
-    return f"torch {v['torch']}, {libs}, python {v['python']}"
+    return f"torch {v['torch']}, {libs}, python {v['python']}, ATen CPU path {v.get('cpu') or 'not recorded'}"
 
 
 def markdown(rows: list[Row], s: dict, v: dict, runs: list[tuple[dict, list[str]]] | None = None) -> str:
@@ -235,6 +235,7 @@ def markdown(rows: list[Row], s: dict, v: dict, runs: list[tuple[dict, list[str]
     out = ["# Capture sweep", "", "`python benchmarks/capture_sweep.py` (`--archs pyg timm: ...` for a part; "
            "`--combine A.json B.json` merges runs made in different environments into this note). Runs:", ""]
     out += [f"* {_versions_line(rv)}: {', '.join(libs)}" for rv, libs in runs]
+    out += ["", "\"bitwise\" compares the replay with eager in one process, on the machine and math-library path of its run."]
     out += ["", f"**architectures recorded {s['recorded']}/{s['trainable']}** ({s['percent']}%; {s['bitwise']} bitwise "
             f"equal to eager, the rest within relative {RTOL:g}); {s['total'] - s['trainable']} of {s['total']} "
             "did not build or train a step on CPU from a tiny config (listed at the end).", "",

@@ -17,7 +17,8 @@ import nanmodels  # noqa: E402
 
 def _threads() -> int:
     """One intra-op thread (the tests share small machines) unless OMP_NUM_THREADS asks for more: .ci/run
-    runs the golden and browser tests again with OMP_NUM_THREADS=2, as no assertion may depend on it."""
+    runs the whole suite again with OMP_NUM_THREADS=2 (and the math libraries forced to a lower code path), as no
+    assertion may depend on it."""
     try:
         return max(1, int(os.environ.get("OMP_NUM_THREADS", "1").split(",")[0]))
     except ValueError:

@@ -1,7 +1,9 @@
 """What a test may assert about a number an analysis computed, and how the tests compare whole analyses.
 
-Float32 sums and matmuls are not bit-stable across CPUs, BLAS code paths (MKL_CBWR, MKL_ENABLE_INSTRUCTIONS)
-or thread counts: a reduced or matmul value agrees to a relative `REL`, never to its last digit. Counts,
+Float32 sums and matmuls are not bit-stable across CPUs, math-library code paths (ATen's vectorised kernels:
+ATEN_CPU_CAPABILITY; oneDNN: ONEDNN_MAX_CPU_ISA; MKL: MKL_CBWR, MKL_ENABLE_INSTRUCTIONS) or thread counts: a
+reduced or matmul value agrees to a relative `REL`, never to its last digit (.ci/run runs the suite under a
+lower code path too). Counts,
 shapes, dtypes, indices and line numbers are exact. Prose writes a measured number with `stats.num`
 (4 significant digits), so its text compares exactly up to a rounding boundary (`same_text`).
 """

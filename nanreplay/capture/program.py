@@ -13,8 +13,9 @@ custom `autograd.Function`s and reentrant checkpointing (their backward is Pytho
 random ops whose output carries a gradient (other than dropout), ops off the allowlist.
 `as_strided` is never in a program (DESIGN.md): over a dense tensor it is recorded as what it reads,
 `take` of the tensor flattened in storage order at a constant index (Longformer's overlapping chunks; the restride inside
-`adaptive_avg_pool1d`), whose bounds the replay checks; the result is a copy, so a later write into it is
-refused here.
+`adaptive_avg_pool1d`), whose bounds the replay checks. The node carries the view's strides: the replay makes the
+same view (a copy's layout would sum in another order downstream: not bit for bit); a later write into it is
+refused here, as a program holds no aliasing as_strided.
 This module imports only torch (and nanreplay's own torch-only modules).
 """
 
@@ -41,6 +42,7 @@ from nanreplay.formats.program import (
     SCHEMA,
     encode_float,
     is_random_call,
+    strided_index,
 )
 from nanreplay.replay.frames import skip_frames_of, user_frame
 from nanreplay.replay.recorder import call_name
@@ -234,9 +236,7 @@ class _Recorder:
         if not dense.is_contiguous():
             raise NotRecordable("the step uses as_strided on a tensor with gaps or overlaps, which a program cannot hold")
         with torch.no_grad():
-            index = torch.full(size, offset - x.storage_offset(), dtype=torch.int64)
-            for d, (n, st) in enumerate(zip(size, stride, strict=True)):
-                index += (torch.arange(n, dtype=torch.int64) * st).view([n if i == d else 1 for i in range(len(size))])
+            index = strided_index(size, stride, offset - x.storage_offset())
             if index.numel() and not (0 <= int(index.min()) and int(index.max()) < x.numel()):
                 raise NotRecordable("the step uses as_strided beyond the elements of its tensor")
             flat = torch.ops.aten.view.default(dense, [-1])
@@ -247,6 +247,7 @@ class _Recorder:
             dense = x
         self.on_op(torch.ops.aten.view.default, (dense, [-1]), {}, flat)
         self.on_op(torch.ops.aten.take.default, (flat, index), {}, out)
+        self.nodes[-1]["view"] = [stride, max(offset - x.storage_offset(), 0)]  # the replay makes eager's view: same layout
         self.strided[out] = True
 
     def _out_variant(self, func, args: tuple, kwargs: dict, out: Any) -> bool:

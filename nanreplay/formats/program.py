@@ -21,7 +21,8 @@ for that (op, argument) exists. Node flags: `"grad": false` (ran under no_grad),
 (its dtype literal is autocast's dtype: a cast autocast inserted, or a dtype taken from a tensor
 autocast made, `torch.zeros(..., dtype=q.dtype)`; replays in other dtypes map it as autocast's),
 `"random": "<constant>"` (a random op: its recorded value replaces
-it), `"mask": "<constant>"` (native_dropout: output = input * mask * scale).
+it), `"mask": "<constant>"` (native_dropout: output = input * mask * scale), `"view": [strides, offset]`
+(a `take` that stands for an `as_strided`: the replay makes the view eager made, once its index is that view's).
 
 Nothing here reaches pickle, eval or an import: `decode()` validates every name, type,
 reference and shape before anything is built, and `dry_run()` recomputes every shape on
@@ -87,6 +88,7 @@ class Node:
     cast: bool = False  # its dtype literal is autocast's dtype (a cast autocast inserted, or a dtype that follows one)
     random: str | None = None  # constant that replaces a random op's output
     mask: str | None = None  # native_dropout's mask
+    view: tuple | None = None  # (strides, offset): a take that stands for an as_strided (`strided_index`)
 
 
 @dataclass
@@ -345,7 +347,7 @@ def _leaf(lf: Any, i: int, defined: set[int]) -> Leaf:
 
 
 _NODE_KEYS = {"op", "args", "kwargs", "out", "meta", "module", "scope", "frame", "call", "grad", "cast", "random",
-              "mask"}
+              "mask", "view"}
 
 
 def _node(n: Any, i: int, defined: set[int], n_modules: int, n_scopes: int, n_frames: int, n_calls: int) -> Node:
@@ -410,8 +412,25 @@ def _node(n: Any, i: int, defined: set[int], n_modules: int, n_scopes: int, n_fr
             raise _Invalid(f"{what}: a dropout mask belongs only to {DROPOUT}")
     if draws and random is None and mask is None:
         raise _Invalid(f"{what}: a random op must carry its recorded value")
+    view = n.get("view")
+    if view is not None:
+        if name != TAKE or len(dec_args) != 2 or not (isinstance(view, list) and len(view) == 2 and isinstance(view[0], list)
+                                and len(view[0]) == len(checked_meta[0][0])):
+            raise _Invalid(f"{what}: view is [strides, offset] of a take's output, one stride per dimension")
+        view = (tuple(_int(s, f"{what} view stride") for s in view[0]), _int(view[1], f"{what} view offset"))
     return Node(op, name, dec_args, dec_kwargs, out, checked_meta, module, scope, frame, call, flags["grad"],
-                flags["cast"], random, mask)
+                flags["cast"], random, mask, view)
+
+
+TAKE = "aten.take.default"
+
+
+def strided_index(size: list[int], stride: list[int] | tuple, offset: int, device=None) -> torch.Tensor:
+    """The flat indices as_strided(size, stride, offset) reads from a dense tensor: the take that records it."""
+    index = torch.full(list(size), offset, dtype=torch.int64, device=device)
+    for d, (n, st) in enumerate(zip(size, stride, strict=True)):
+        index += (torch.arange(n, dtype=torch.int64, device=device) * st).view([n if i == d else 1 for i in range(len(size))])
+    return index
 
 
 DROPOUT = "aten.native_dropout.default"

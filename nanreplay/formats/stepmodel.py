@@ -26,7 +26,7 @@ from nanreplay.errors import ReplayError, SnapshotError, op_of
 from nanreplay.formats import opchecks
 from nanreplay.formats.dryrun import arg_shapes, outside_storage, with_output_size
 from nanreplay.formats.ops import check_values
-from nanreplay.formats.program import DeviceLiteral, Node, Program, Ref
+from nanreplay.formats.program import DeviceLiteral, Node, Program, Ref, strided_index
 from nanreplay.formats.segments import Segment, checkpoint_plan
 from nanreplay.replay.frames import RecordedFrame
 
@@ -281,12 +281,28 @@ class StepModule(nn.Module):
             args, kwargs = self._checked_args(node, env)
         if node.random is not None or node.mask is not None or node.name in _FILL_ZERO:
             return self._run_special(node, args, kwargs)
+        if node.view is not None:
+            return self._strided(node, *args)
         out = node.op(*args, **kwargs)
         if node.name == _RNN_LAYER and isinstance(out, tuple) and len(out) == 4:
             with ti.dispatch_modes_off(), torch.no_grad():  # oneDNN's workspace is uninitialised where unused:
                 zeros = torch.zeros_like(out[3])  # backward keeps the real one, a later node reads zeros
             out = (*out[:3], zeros)
         return out
+
+    def _strided(self, node: Node, flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """A take that stands for an as_strided (capture/program.py), made the view eager made: a copy has
+        another layout, and a sum over it adds in another order (not bit for bit). The view reads exactly the
+        elements the index names (checked against the bounds before, here against the strides)."""
+        stride, offset = node.view
+        if flat.dim() != 1 or (flat.numel() > 1 and flat.stride(0) != 1):
+            return node.op(flat, index)  # not the dense flattening capture records: the take, a copy
+        with ti.function_modes_off(), ti.dispatch_modes_off(), torch.no_grad():
+            same = torch.equal(index, strided_index(list(index.shape), stride, offset, index.device))
+        if not same:
+            raise SnapshotError(f"invalid step program: node {self._node} ({node.name}): its index is not the "
+                                "view its strides describe; nothing was run with it")
+        return torch.ops.aten.as_strided.default(flat, list(index.shape), list(stride), flat.storage_offset() + offset)
 
     def _checked_args(self, node: Node, env: dict) -> tuple[list, dict]:
         args = [self._arg(a, node, env) for a in node.args]

@@ -362,30 +362,69 @@ class Chunks(nn.Module):
         return chunks.pow(2).mean() + pooled.mean()
 
 
-def test_as_strided_is_recorded_as_take_and_replays_bit_for_bit(tmp_path):
-    from nanreplay import formats
-
+def _chunks_snapshot(folder):
+    """(snapshot dict, eager loss, eager grads) of one guarded step of `Chunks`."""
     torch.manual_seed(0)
     model = Chunks()
     x = torch.randn(2, 16, 8)
-    rec = record_step(lambda: model(x), lambda out: out, model=model, batch={"inputs": x})
-    ops = [n["op"] for n in rec.program["nodes"]]
-    assert not any("as_strided" in o for o in ops) and "aten.take.default" in ops
-    guard = NanGuard(model, None, folder=tmp_path, loss_fn=None)
+    guard = NanGuard(model, None, folder=folder, loss_fn=None)
     guard.begin(x, step=0)
     loss = model(x)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     d = guard.to_dict("loss")
     guard.close()
-    torch.save(d, tmp_path / "s.pt")
-    subject = formats.rebuild(formats.load(str(tmp_path / "s.pt")), model=None, loss=None, device="cpu", trust=False)
+    return d, loss.detach(), grads
+
+
+def _replay(d, folder):
+    from nanreplay import formats
+
+    torch.save(d, folder / "s.pt")
+    subject = formats.rebuild(formats.load(str(folder / "s.pt")), model=None, loss=None, device="cpu", trust=False)
     subject.prepare()
     replayed = subject.loss(subject.forward())
     replayed.backward()
-    assert torch.equal(replayed.detach(), loss.detach())
-    for n, p in subject.model.named_parameters():
-        assert torch.equal(p.grad, grads[n]), n
+    return replayed.detach(), {n: p.grad for n, p in subject.model.named_parameters()}
+
+
+def test_as_strided_is_recorded_as_take_and_replays_bit_for_bit(tmp_path):
+    """The take carries the view's strides and the replay makes that view: a contiguous copy would be summed in
+    another order downstream (`chunks.pow(2).mean()`), which differs in the last bit on AVX-512 CPUs."""
+    torch.manual_seed(0)
+    model = Chunks()
+    x = torch.randn(2, 16, 8)
+    rec = record_step(lambda: model(x), lambda out: out, model=model, batch={"inputs": x})
+    ops = [n["op"] for n in rec.program["nodes"]]
+    assert not any("as_strided" in o for o in ops) and "aten.take.default" in ops
+    take = next(n for n in rec.program["nodes"] if n["op"] == "aten.take.default")
+    assert take["view"] == [[32, 8, 128, 1], 0]  # as_strided over h (strides 8, 128, 1): the view's own strides
+    d, loss, grads = _chunks_snapshot(tmp_path)
+    replayed, replayed_grads = _replay(d, tmp_path)
+    assert torch.equal(replayed, loss)  # the same computation on the same machine: bit for bit
+    for n, g in replayed_grads.items():
+        assert torch.equal(g, grads[n]), n
+
+
+@pytest.mark.parametrize("lie,why", [("stride", "not the view its strides describe"),
+                                     ("not a take", "view is \\[strides, offset\\] of a take")])
+def test_a_view_the_index_does_not_describe_is_refused(tmp_path, lie, why):
+    """The view is made only where the file's index is that view's (the index's bounds are checked first): strides
+    that would read elsewhere, or a view on another op, are an invalid program, refused before they are used."""
+    import json
+
+    from nanreplay.errors import SnapshotError
+
+    d, _, _ = _chunks_snapshot(tmp_path)
+    prog = json.loads(d["step_program"])
+    take = next(n for n in prog["nodes"] if n["op"] == "aten.take.default")
+    if lie == "stride":
+        take["view"][0][0] *= 2  # windows 64 apart: past the 256 elements (the index still says 32)
+    else:
+        next(n for n in prog["nodes"] if n["op"] == "aten.addmm.default")["view"] = take.pop("view")
+    d["step_program"] = json.dumps(prog)
+    with pytest.raises(SnapshotError, match=why):
+        _replay(d, tmp_path)
 
 
 @pytest.mark.parametrize("what,why", [("write", "writes into an as_strided view"), ("gaps", "gaps or overlaps")])

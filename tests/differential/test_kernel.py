@@ -9,6 +9,12 @@ kernel and not the math. That is the `kernel_differs` case; ten times larger bre
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -21,6 +27,8 @@ from nanreplay.report.markdown import markdown_summary
 from nanreplay.report.page import build_view
 from nanreplay.report.sources import Sources
 from nanreplay.report.terminal import terminal_summary
+
+ROOT = Path(__file__).resolve().parents[2]
 
 aten = torch.ops.aten
 FLASH = "aten._scaled_dot_product_flash_attention_for_cpu.default"
@@ -177,11 +185,30 @@ def test_kernel_differs_and_the_math_backend_fix_is_verified(tmp_path):
     assert "**Kernel replay:**" in markdown_summary(d)
 
 
+def _backward_case(folder: str) -> dict:
+    return analyze(_snapshot(Path(folder), 2e19, scale=1e-10, random=True)).to_json()
+
+
 def test_a_backward_kernel_culprit_is_replayed_with_the_gradient_that_reached_it(tmp_path):
     """A tiny `scale` keeps the forward finite, but the flash kernel's backward recomputes q·kᵀ unscaled: the
     culprit is its backward op; the node is replayed forward and backward with the incoming gradient recorded
-    in a re-run of the step, and the math backward is finite on the same inputs."""
-    d = analyze(_snapshot(tmp_path, 2e19, scale=1e-10, random=True)).to_json()
+    in a re-run of the step, and the math backward is finite on the same inputs.
+
+    The forward passes `scale` to its q·kᵀ gemm as alpha, and whether MKL applies alpha before its float32 sums
+    overflow is MKL's code path's choice: its AVX2 and AVX-512 kernels on Intel CPUs sum first (the forward
+    breaks too, and the culprit is the forward op), its compatible path (MKL_CBWR=COMPATIBLE, and what MKL
+    runs on AMD CPUs) does not. The step and its analysis run in a child with MKL_CBWR=COMPATIBLE, which gives
+    the same results on every CPU: the case exists on each machine alike."""
+    if not torch.backends.mkl.is_available():
+        pytest.skip("this torch has no MKL: the case is built on MKL's compatible path")
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from test_kernel import _backward_case; "
+            "print(json.dumps(_backward_case(sys.argv[2]), default=str))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MKL_CBWR": "COMPATIBLE",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    r = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d = json.loads(r.stdout.strip().splitlines()[-1])
     assert d["culprit"]["phase"] == "backward" and d["culprit"]["forward_op"] == FLASH
     k = d["differential"]["kernel"]
     assert k["phase"] == "backward" and k["verdict"] == "kernel_differs"

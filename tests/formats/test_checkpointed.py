@@ -154,3 +154,33 @@ def test_a_resnet_is_split_into_its_residual_blocks_not_into_one_layers_call():
     marked = [s.unit for s in checkpoint_plan(prog) if s.unit]
     assert {"layers.0", "layers.1", "layers.2"} <= set(marked) and "layers" not in marked
     _plain_and_checkpointed(_maker(m, prog, rec), x, y)
+
+
+
+class Window(nn.Module):
+    """Overlapping windows by as_strided (Longformer's chunks)."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.proj(x).transpose(0, 1)  # (16, 2, 8), strides (8, 128, 1)
+        chunks = h.as_strided((3, 8, 2, 8), (4 * h.stride(0), h.stride(0), h.stride(1), 1))
+        return chunks.pow(2).mean()
+
+
+def test_an_as_strided_view_replays_in_a_checkpointed_segment_as_in_a_plain_replay():
+    """The replay makes an as_strided's view (its take carries the strides): inside a recomputed segment too,
+    and both replays equal eager bit for bit (the same computation on the same machine)."""
+    torch.manual_seed(0)
+    m, x = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), Window()), torch.randn(2, 16, 8)
+    rec = record_step(lambda: m(x), lambda out: out, model=m, batch={"inputs": x})
+    prog = decode(to_json(rec.program))
+    assert "3" in [s.unit for s in checkpoint_plan(prog) if s.unit]  # the window's segment
+    plain, _ = _plain_and_checkpointed(_maker(m, prog, rec), x, None)
+    loss = m(x)
+    loss.backward()
+    assert torch.equal(loss.detach(), plain[0])
+    for n, p in m.named_parameters():
+        assert torch.equal(p.grad, plain[1][n]), n
