@@ -162,7 +162,8 @@ def judge(name: str, keep: bool = False) -> dict:
                 return row
             (tmp / "snaps2").mkdir()
             fixed = run_train(patched, tmp / "snaps2", tmp / "losses2.json", code)
-            healthy = range(min(case.BAD_STEP, len(run["losses"]), len(fixed["losses"])))
+            broke_at = len(run["losses"]) - 1 if run["stop"] else len(run["losses"])  # its last loss is the failure
+            healthy = range(min(case.BAD_STEP, broke_at, len(fixed["losses"])))
             # unchanged within float32 noise: an epsilon or an exact form may move the last bits of a healthy value
             same = all(abs(fixed["losses"][i] - run["losses"][i]) <= 1e-4 * max(1.0, abs(run["losses"][i]))
                        for i in healthy)

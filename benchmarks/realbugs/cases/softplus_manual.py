@@ -22,7 +22,7 @@ class PositiveScale(nn.Module):
 
 def build():
     model = PositiveScale()
-    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
 def batch(step):
