@@ -144,9 +144,10 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | N
             internal.append(f"the {fix.kind.value} candidate ({fix.code.splitlines()[0][:120] if fix.code else ''}): "
                             f"{o.detail}")
         tried.append(fix)
-        if fix.verified:  # advice the rule put first for a cause in the data (a batch 3000x too large) stays first:
-            # a verified change of the step (bf16) is shown beside it, not as the fix
-            return (diag.fixes[0] if diag.fixes[0].kind in _ADVICE_FIRST else fix), tried
+        if fix.verified:  # a change of the step (bf16) that verifies only as "this batch is unusual" leaves the
+            # advice the rule put first for a cause in the data (a batch 3000x too large) first; it is shown beside it
+            data_first = diag.fixes[0].kind in _ADVICE_FIRST and plausible.UNUSUAL in why
+            return (diag.fixes[0] if data_first else fix), tried
     code_fixes = [f for f in tried if f.verified is not None]
     if not code_fixes and diag.fixes and diag.fixes[0].kind not in (FixKind.NONE, FixKind.LOWER_LR_CLIP_GRADS, FixKind.MASK_ROWS):
         diag.fixes[0].verification = ("could not apply this fix automatically at the culprit call "

@@ -276,11 +276,14 @@ def judge_same_step(loss: float | None, same: SameStep, probe_loss: float | None
     return None, ""
 
 
+UNUSUAL = "this batch is unusual"
+
+
 def unusual_batch(loss: float | None, ref: Reference | None) -> str:
     """A note, never a verdict: the batch itself is far from the recent history (its scale, not the fix)."""
     if loss is None or ref is None or ref.loss is None or not ref.source.startswith("the recent history"):
         return ""
     if abs(loss) <= LOSS_FACTOR * max(ref.loss, 1e-12):
         return ""
-    return (f"; this batch is unusual: its fixed loss {abs(loss):.4g} is {abs(loss) / max(ref.loss, 1e-12):.3g}× "
+    return (f"; {UNUSUAL}: its fixed loss {abs(loss):.4g} is {abs(loss) / max(ref.loss, 1e-12):.3g}× "
             f"the largest in {ref.source} ({ref.loss:.4g}) — the batch's scale, not the fix")

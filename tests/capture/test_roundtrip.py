@@ -299,11 +299,13 @@ def test_float_under_autocast_probes_and_verifies(runs):
         assert d["precision"] and all("error" not in r for r in d["precision"]), d["precision"]
     _, fp16, _ = runs["autocast_fp16"]
     # the batch is 3000x too large: the advice is to normalise `x` (named by forward's own parameter name);
-    # bf16 keeps the step finite, but the loss is nowhere near the run's: tried, and not called a fix
+    # bf16 keeps the step finite and computes what the same step computes in float64 (docs/fix-verification.md),
+    # but only as "this batch is unusual": verified beside the advice, not instead of it
     assert fp16["diagnosis"]["cause"] == "fp16_overflow" and fp16["diagnosis"]["fix"]["kind"] == "normalize_input"
     assert "`x` holds values up to" in fp16["diagnosis"]["explanation"]
     bf16 = next(f for f in fp16["diagnosis"]["candidates"] if f["kind"] == "bf16_or_grad_scaler")
-    assert bf16["verified"] is False and bf16["replay"]["plausible"] is False and bf16["replay"]["loss"] is not None
+    assert bf16["replay"]["loss"] is not None
+    assert bf16["verified"] is False or "this batch is unusual" in bf16["replay"]["why"], bf16["replay"]
 
 
 def test_wrappers_are_unwrapped_and_noted(runs):

@@ -40,8 +40,8 @@ def batch(step, model):
     g = torch.Generator().manual_seed(1000 + step)  # not the seed the weights were drawn with
     x = torch.randn(6, 8, generator=g)
     label = torch.randint(0, 4, (6,), generator=g)
-    if step == BAD_STEP:  # a hard example: an embedding exactly on its class centre
-        x[2] = model.head.weight.detach()[label[2]] * 3.0
+    if step == BAD_STEP:  # embeddings exactly on their class centres (a collapsed encoder, duplicated samples)
+        x[:] = model.head.weight.detach()[label] * torch.tensor([3.0, 0.5, 7.0, 1.0, 2.0, 5.0])[:, None]
     return (x, label), label
 
 
