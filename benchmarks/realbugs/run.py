@@ -24,7 +24,6 @@ import importlib.util
 import json
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -168,7 +167,8 @@ def judge(name: str, keep: bool = False) -> dict:
             same = all(abs(fixed["losses"][i] - run["losses"][i]) <= 1e-4 * max(1.0, abs(run["losses"][i]))
                        for i in healthy)
             trained = fixed["stop"] is None and len(fixed["losses"]) == case.STEPS
-            row["fix"] = "right" if (trained and same) else ("healthy values changed" if trained else f"still breaks ({fixed['stop']})")
+            row["fix"] = "right" if (trained and same) else \
+                ("healthy values changed" if trained else f"still breaks ({fixed['stop']})")
         else:
             row["fix"] = "advice"
         return row
