@@ -66,8 +66,8 @@ def _population(eps: float | None) -> Callable:
 
 
 def _correction_text(src, node, rest) -> str:
-    """The user's spelling of min(1, n - 1) for this call: n is x.numel() for a full reduction, x.shape[d] for one
-    literal dim (a 0 where neither can be written)."""
+    """The user's spelling of min(1, n - 1) for this call: n is x.numel() for a full reduction, the product of
+    x.shape[d] over literal dims (a 0 where neither can be written)."""
     x = src(node.args[0]) if codefix._is_function_call(node) and node.args else \
         src(node.func.value) if isinstance(node.func, codefix.ast.Attribute) else None
     dim = rest[0] if rest else next((k.value for k in node.keywords if k.arg == "dim"), None)
@@ -75,8 +75,10 @@ def _correction_text(src, node, rest) -> str:
         return "0"
     if dim is None:
         return f"min(1, {x}.numel() - 1)"
-    if isinstance(dim, codefix.ast.Constant) and isinstance(dim.value, int) and not isinstance(dim.value, bool):
-        return f"min(1, {x}.shape[{dim.value}] - 1)"
+    dims = dim.elts if isinstance(dim, (codefix.ast.Tuple, codefix.ast.List)) else [dim]
+    if dims and all(isinstance(d, codefix.ast.Constant) and isinstance(d.value, int) and not isinstance(d.value, bool)
+                    for d in dims):
+        return f"min(1, {' * '.join(f'{x}.shape[{d.value}]' for d in dims)} - 1)"
     return "0"
 
 
