@@ -29,7 +29,9 @@ class PairNet(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.enc = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+        # no bias in the last layer: it would cancel in enc(a) - enc(b), its gradient exactly zero on every step,
+        # which the guard rightly reports as a parameter that cannot learn (no_gradient, docs/flow.md)
+        self.enc = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4, bias=False))
 
     def forward(self, x):
         a, b = x[:, 0].contiguous(), x[:, 1].contiguous()
