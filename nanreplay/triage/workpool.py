@@ -61,8 +61,17 @@ class PoolStats:
     extra: dict = field(default_factory=dict)
 
 
+# The forkserver listens on a Unix socket under the temporary folder (TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX): a
+# socket path is at most 107 bytes on Linux, so under a long TMPDIR (a cluster job's scratch folder, pytest's own
+# under xdist) it cannot start ("AF_UNIX path too long") and every triage would fail; spawn needs no socket.
+_SOCKET_ROOM = 107 - len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+
+
 def _context():
-    if "forkserver" in multiprocessing.get_all_start_methods():
+    import tempfile
+
+    if "forkserver" in multiprocessing.get_all_start_methods() and \
+            len(os.fsencode(tempfile.gettempdir())) <= _SOCKET_ROOM:
         return multiprocessing.get_context("forkserver")
     return multiprocessing.get_context("spawn")
 

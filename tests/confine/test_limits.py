@@ -78,7 +78,10 @@ def test_sigterm_during_triage_leaves_no_temporary_folder(tmp_path):
                             env=_env(tmp), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300
     while not list(tmp.glob("nanreplay-triage-*/nanreplay-confined-*")):
-        assert proc.poll() is None and time.monotonic() < deadline, "no confined child's folder appeared"
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            out, err = proc.communicate()
+            raise AssertionError(f"no confined child's folder appeared (exit {proc.returncode}): {out[-800:]} {err[-1500:]}")
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
