@@ -43,6 +43,10 @@ def filesystem(url: str):
     except ImportError:
         raise UsageError(f"{url}: reading object storage needs fsspec (pip install fsspec)") from None
     protocol = url.split("://", 1)[0].lower()
+    if protocol == "file":  # a file URI percent-encodes its path (RFC 8089: Path.as_uri() of "a b" is "a%20b"),
+        from urllib.parse import unquote  # which fsspec's local file system takes literally
+
+        url = "file://" + unquote(url.split("://", 1)[1])
     try:
         return fsspec.core.url_to_fs(url)
     except ImportError:

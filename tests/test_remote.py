@@ -120,8 +120,12 @@ def test_no_client_is_imported_unless_a_url_is_used(tmp_path):
 
 
 def test_file_urls_need_no_extra_and_a_missing_client_is_one_line(tmp_path):
-    """file:// goes through the same download (fsspec comes with torch); no S3 server needed."""
-    res = CliRunner().invoke(main, ["analyze", SAMPLE.as_uri(), "--json", str(tmp_path / "a.json"),
+    """file:// goes through the same download (fsspec comes with torch); no S3 server needed. A file URI
+    percent-encodes its path: a folder with a space in its name is `a%20b` in the URI."""
+    spaced = tmp_path / "a b"
+    spaced.mkdir()
+    (spaced / SAMPLE.name).write_bytes(SAMPLE.read_bytes())
+    res = CliRunner().invoke(main, ["analyze", (spaced / SAMPLE.name).as_uri(), "--json", str(tmp_path / "a.json"),
                                     "-o", str(tmp_path / "r.html"), "--no-verify"])
     assert res.exit_code == 0, res.output
     assert json.loads((tmp_path / "a.json").read_text())["diagnosis"]["cause"] == "normalize_zero_norm"
