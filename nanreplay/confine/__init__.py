@@ -42,7 +42,12 @@ PER_THREAD = 80 << 20
 _CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGFPE, signal.SIGBUS, signal.SIGILL, signal.SIGABRT, signal.SIGSYS,
                   signal.SIGTRAP}
 _REQUIRED = ("schema", "snapshot", "verdict", "diagnosis", "environment", "stats")
-_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+# What the child keeps of the analyst's environment: thread counts, the visible devices, and the math libraries'
+# code-path settings (the analysis must compute with the kernels the analyst chose: a confined and an unconfined
+# analysis under ATEN_CPU_CAPABILITY=avx2 gave two different losses). Values, never paths or secrets.
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "CUDA_VISIBLE_DEVICES",
+                "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR",
+                "OPENBLAS_CORETYPE")
 
 
 def needed(*, trust: bool, model: str | None, loss: str | None) -> bool:
