@@ -126,7 +126,7 @@ def clone_tensors(obj: Any) -> Any:
     memo: dict[int, torch.Tensor] = {}
     groups: dict[tuple, list[torch.Tensor]] = {}
     for t in leaves:
-        if id(t) in memo or not _held(t):
+        if id(t) in memo or storage_freed(t):
             memo.setdefault(id(t), t)
             continue
         memo[id(t)] = t  # (placeholder: cloned below)
@@ -140,7 +140,7 @@ def clone_tensors(obj: Any) -> Any:
                 memo[id(t)] = _clone(t, t)
             continue
         lo = min(t.storage_offset() for t in ts)
-        hi = max(_end(t) for t in ts)
+        hi = max(storage_end(t) for t in ts)
         with torch.no_grad():
             flat = ts[0].detach().as_strided((hi - lo,), (1,), lo).clone()
         for t in ts:
@@ -175,17 +175,21 @@ def _rebuild(x: Any, memo: dict, depth: int = 0) -> Any:
     return x  # other containers (a namedtuple, a BatchEncoding, a dataclass) as they are: their tensors live
 
 
-def _end(t: torch.Tensor) -> int:
-    return t.storage_offset() + sum((d - 1) * st for d, st in zip(t.shape, t.stride(), strict=True)) + 1 \
+def storage_end(t: torch.Tensor) -> int:
+    """One past the last storage element `t` addresses."""
+    return t.storage_offset() + sum((d - 1) * abs(st) for d, st in zip(t.shape, t.stride(), strict=True)) + 1 \
         if t.numel() else t.storage_offset()
 
 
-def _held(t: torch.Tensor) -> bool:
-    """The tensor's storage holds every element it addresses."""
+def storage_freed(t: torch.Tensor) -> bool:
+    """Whether `t`'s storage no longer holds the elements `t` addresses (freed or shrunk in place since it was made:
+    PyG's GroupAddRev frees its input's storage): reading it would read past the storage."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return False
     try:
-        return t.numel() == 0 or _end(t) * t.element_size() <= t.untyped_storage().nbytes()
+        return t.untyped_storage().nbytes() < storage_end(t) * t.element_size()
     except (RuntimeError, NotImplementedError):
-        return True
+        return False
 
 
 @contextlib.contextmanager

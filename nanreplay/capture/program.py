@@ -31,6 +31,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from nanreplay import torch_internals as ti
+from nanreplay.capture.owned import storage_freed
 from nanreplay.formats.ops import ALLOWED_OPS
 from nanreplay.formats.program import (
     DROPOUT,
@@ -462,19 +463,6 @@ class ModuleHooks:
 
 FREED = ("a batch tensor no longer holds its data: the step freed its storage (a memory-saving layer, e.g. "
          "torch_geometric's GroupAddRev, resizes its inputs' storage to 0), so the step cannot run again or be stored")
-
-
-def storage_freed(t: torch.Tensor) -> bool:
-    """Whether `t`'s storage no longer holds the elements `t` addresses (freed or shrunk in place since it was made):
-    reading it would read past the storage."""
-    if t.numel() == 0 or t.device.type == "meta":
-        return False
-    try:
-        have = t.untyped_storage().nbytes()
-    except (RuntimeError, NotImplementedError):
-        return False
-    extent = t.storage_offset() + sum((d - 1) * abs(s) for d, s in zip(t.shape, t.stride(), strict=True)) + 1
-    return have < extent * t.element_size()
 
 
 def record_step(forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor], *, model: torch.nn.Module,

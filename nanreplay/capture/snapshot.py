@@ -21,7 +21,8 @@ import torch.nn as nn
 
 from nanreplay import __version__
 from nanreplay.capture import owned, plain, recipe
-from nanreplay.capture.program import FREED, ModuleHooks, NotRecordable, record_step, storage_freed
+from nanreplay.capture.owned import storage_freed
+from nanreplay.capture.program import FREED, ModuleHooks, NotRecordable, record_step
 from nanreplay.errors import first_line
 from nanreplay.formats.loss_spec import loss_spec
 from nanreplay.formats.native import FORMAT, VERSION
@@ -111,8 +112,7 @@ def cpu_copy(obj: Any) -> Any:
         if len({id(t) for t in ts}) < 2 or len({t.dtype for t in ts}) > 1 or not key:
             continue
         lo = min(t.storage_offset() for t in ts)
-        hi = max(t.storage_offset() + sum((d - 1) * s for d, s in zip(t.shape, t.stride(), strict=True)) + 1
-                 for t in ts if t.numel())
+        hi = max(owned.storage_end(t) for t in ts if t.numel())
         base = ts[0].detach()
         flat = base.as_strided((hi - lo,), (1,), lo).to("cpu", copy=True)
         spans[key] = (flat, lo)
