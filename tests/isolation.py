@@ -84,3 +84,25 @@ def analyze_isolated(paths: list[str], workdir: Path, also_blocked: tuple[str, .
                          timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout)
+
+
+def train_then_analyze(root: Path, training: str, kinds, analyze_script: str) -> dict[str, tuple[str, dict]]:
+    """Run `training` as root/proj/trainmod.py with `root` and `kinds` as arguments (it prints `KIND PATH` per
+    snapshot), then `analyze_script` from root/elsewhere with those paths (it prints one JSON object keyed by
+    path), the training code not importable there. Returns {kind: (path, its analysis)}."""
+    proj, elsewhere = root / "proj", root / "elsewhere"
+    proj.mkdir()
+    elsewhere.mkdir()
+    (proj / "trainmod.py").write_text(training)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "trainmod.py", str(root), *kinds], cwd=proj, capture_output=True,
+                         text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    paths = dict(ln.split() for ln in res.stdout.splitlines() if ln.split() and ln.split()[0] in kinds)
+    assert set(paths) == set(kinds) and all(p.endswith(".pt") for p in paths.values()), res.stdout
+    (elsewhere / "analyze_it.py").write_text(analyze_script)
+    res = subprocess.run([sys.executable, "analyze_it.py", *paths.values()], cwd=elsewhere, capture_output=True,
+                         text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout)
+    return {k: (paths[k], out[paths[k]]) for k in kinds}

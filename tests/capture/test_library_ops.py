@@ -13,17 +13,12 @@ culprit op and line are the ones a user would change.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from isolation import marker_line, train_then_analyze
 
 from nanreplay import NanGuard
-
-ROOT = Path(__file__).resolve().parents[2]
 
 TRAINING = r'''
 import sys
@@ -154,29 +149,13 @@ KINDS = ("gat", "stft", "policy")
 
 
 def _line(marker: str) -> int:
-    return next(i for i, ln in enumerate(TRAINING.splitlines(), 1) if ln.endswith(f"# LINE: {marker}"))
+    return marker_line(TRAINING, marker)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     pytest.importorskip("torch_geometric")
-    root = tmp_path_factory.mktemp("library_ops")
-    proj, elsewhere = root / "proj", root / "elsewhere"
-    proj.mkdir()
-    elsewhere.mkdir()
-    (proj / "trainmod.py").write_text(TRAINING)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "trainmod.py", str(root), *KINDS], cwd=proj, capture_output=True, text=True,
-                         timeout=600, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
-    paths = dict(ln.split() for ln in res.stdout.splitlines() if ln.split()[0] in KINDS)
-    assert all(p.endswith(".pt") for p in paths.values()), res.stdout
-    (elsewhere / "analyze_it.py").write_text(ANALYZE)
-    res = subprocess.run([sys.executable, "analyze_it.py", *paths.values()], cwd=elsewhere, capture_output=True,
-                         text=True, timeout=600, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout)
-    return {k: (paths[k], out[paths[k]]) for k in KINDS}
+    return train_then_analyze(tmp_path_factory.mktemp("library_ops"), TRAINING, KINDS, ANALYZE)
 
 
 def _program_ops(path: str) -> set[str]:
