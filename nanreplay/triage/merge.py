@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections import Counter
 from pathlib import Path
 
-from nanreplay import __version__, atomic, interrupt
+from nanreplay import __version__, interrupt
 from nanreplay.errors import UsageError
-from nanreplay.triage.groups import build_groups, build_ranks, group_id, signature
-from nanreplay.triage.index import render_index
+from nanreplay.triage.groups import group_id, signature
 from nanreplay.triage.lock import OutdirLock
-from nanreplay.triage.machines import build_machines
-from nanreplay.triage.output import SCHEMA, Result, summary_csv, summary_line
-from nanreplay.triage.rows import COLUMNS, FAILURES, clean_row
+from nanreplay.triage.output import SCHEMA, Result, save, tally
+from nanreplay.triage.rows import COLUMNS, clean_row
 from nanreplay.triage.shard import PART_DIR, PART_FILE, PART_SCHEMA, PARTS, listing_key, part_folder, part_name, span
 
 
@@ -94,34 +91,16 @@ def merge(outdir: str) -> Result:
             dup = first_of.setdefault(sha, r["file"]) if sha else r["file"]
             r["duplicate_of"] = dup if dup != r["file"] else ""
         ignored = sorted({f for doc in parts.values() for f in doc.get("ignored") or [] if isinstance(f, str)})
-        groups = build_groups(rows)
-        failures = [{"file": r["file"], "failure": r["failure"], "label": FAILURES.get(r["failure"], r["failure"]),
-                     "reason": r["reason"], **({"detail": r["detail"]} if r.get("detail") else {})}
-                    for r in rows if r["status"] != "analyzed"]
-        ranks = build_ranks(rows)
-        machines = build_machines(rows)
-        counts = {"snapshots": len(rows), "analyzed": len(rows) - len(failures), "failed": len(failures),
-                  "cached": sum(bool(r["cached"]) for r in rows), "groups": len(groups), "ignored": len(ignored),
-                  "failures": dict(Counter(f["failure"] for f in failures))}
+        tallied = tally(rows, len(ignored))
         missing = [i for i in range(n) if i not in parts]
-        summary = summary_line(counts, groups, machines)
         if missing:
-            summary += f"; {len(missing)} of {n} parts missing: {span(missing)}"
+            tallied["summary"] += f"; {len(missing)} of {n} parts missing: {span(missing)}"
         first = parts[min(parts)]
         opts = first.get("options") if isinstance(first.get("options"), dict) else {}
         doc = {"schema": SCHEMA, "nanreplay_version": __version__, "dir": str(first.get("dir") or ""),
                "options": {"model": opts.get("model"), "loss": opts.get("loss"), "trust": opts.get("trust") is True},
-               "summary": summary, "counts": counts, "groups": groups,
-               "failures": failures, "ranks": ranks, "ignored": ignored, "machines": machines,
-               "parts": {"of": n, "present": sorted(parts), "missing": missing}}
+               **tallied, "ignored": ignored, "parts": {"of": n, "present": sorted(parts), "missing": missing}}
         with interrupt.deferred():
-            try:
-                atomic.write_text(out / "groups.json", json.dumps(doc, indent=2, allow_nan=False))
-                atomic.write_text(out / "summary.csv", summary_csv(rows))
-                atomic.write_text(out / "index.html", render_index(doc))
-            except OSError as e:
-                raise UsageError(f"{out}: cannot write the merged outputs: {e.strerror or e}") from None
+            return save(out, doc, rows, "merged outputs")
     finally:
         lock.release()
-    return Result(rows=rows, groups=groups, failures=failures, ranks=ranks, summary=summary,
-                  index=out / "index.html", counts=counts, doc=doc)

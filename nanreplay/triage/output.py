@@ -41,39 +41,43 @@ def write(p: Plan) -> Result:
     """Group the rows and write groups.json, summary.csv and index.html (all atomically)."""
     mark_duplicates(p.items)  # workers hashed the big files: now every hash is known
     rows = [it.row for it in p.items if it.row is not None]
+    doc = {"schema": SCHEMA, "nanreplay_version": __version__, "dir": str(p.dir),
+           "options": {"model": p.options.model, "loss": p.options.loss, "trust": p.options.trust},
+           **tally(rows, len(p.ignored)), "ignored": p.ignored}
+    with interrupt.deferred():  # Ctrl-C from here waits: the old index and its files, or a whole new set
+        _remove_stale_outputs(p)
+        p.old_cache = {}  # cleaned up: the cache now holds only what this run has
+        save_cache(p.outdir, p.items, p.old_cache, p.dir)
+        try:
+            return save(p.outdir, doc, rows, "triage outputs")
+        finally:
+            p.release()
+
+
+def tally(rows: list[dict], ignored: int) -> dict:
+    """What groups.json says of the rows: the one-line summary, counts, groups, failures, ranks, machines."""
     groups = build_groups(rows)
     failures = [{"file": r["file"], "failure": r["failure"], "label": FAILURES.get(r["failure"], r["failure"]),
                  "reason": r["reason"], **({"detail": r["detail"]} if r.get("detail") else {})}
                 for r in rows if r["status"] != "analyzed"]
-    ranks = build_ranks(rows)
     machines = build_machines(rows)
     counts = {"snapshots": len(rows), "analyzed": len(rows) - len(failures), "failed": len(failures),
-              "cached": sum(bool(r["cached"]) for r in rows), "groups": len(groups), "ignored": len(p.ignored),
+              "cached": sum(bool(r["cached"]) for r in rows), "groups": len(groups), "ignored": ignored,
               "failures": dict(Counter(f["failure"] for f in failures))}
-    summary = summary_line(counts, groups, machines)
-    with interrupt.deferred():  # Ctrl-C from here waits: the old index and its files, or a whole new set
-        return _write(p, rows, groups, failures, ranks, counts, summary, machines)
+    return {"summary": summary_line(counts, groups, machines), "counts": counts, "groups": groups,
+            "failures": failures, "ranks": build_ranks(rows), "machines": machines}
 
 
-def _write(p: Plan, rows: list[dict], groups: list[dict], failures: list[dict], ranks: dict | None, counts: dict,
-           summary: str, machines: dict | None = None) -> Result:
-    _remove_stale_outputs(p)
-    p.old_cache = {}  # cleaned up: the cache now holds only what this run has
-    save_cache(p.outdir, p.items, p.old_cache, p.dir)
-    doc = {"schema": SCHEMA, "nanreplay_version": __version__, "dir": str(p.dir),
-           "options": {"model": p.options.model, "loss": p.options.loss, "trust": p.options.trust},
-           "summary": summary, "counts": counts, "groups": groups, "failures": failures, "ranks": ranks,
-           "ignored": p.ignored, "machines": machines}
+def save(outdir: Path, doc: dict, rows: list[dict], what: str) -> Result:
+    """groups.json, summary.csv and index.html in `outdir`, each written atomically."""
     try:
-        atomic.write_text(p.outdir / "groups.json", json.dumps(doc, indent=2, allow_nan=False))
-        atomic.write_text(p.outdir / "summary.csv", summary_csv(rows))
-        atomic.write_text(p.outdir / "index.html", render_index(doc))
+        atomic.write_text(outdir / "groups.json", json.dumps(doc, indent=2, allow_nan=False))
+        atomic.write_text(outdir / "summary.csv", summary_csv(rows))
+        atomic.write_text(outdir / "index.html", render_index(doc))
     except OSError as e:
-        raise UsageError(f"{p.outdir}: cannot write the triage outputs: {e.strerror or e}") from None
-    finally:
-        p.release()
-    return Result(rows=rows, groups=groups, failures=failures, ranks=ranks, summary=summary,
-                  index=p.outdir / "index.html", counts=counts, doc=doc)
+        raise UsageError(f"{outdir}: cannot write the {what}: {e.strerror or e}") from None
+    return Result(rows=rows, groups=doc["groups"], failures=doc["failures"], ranks=doc["ranks"],
+                  summary=doc["summary"], index=outdir / "index.html", counts=doc["counts"], doc=doc)
 
 
 def summary_line(counts: dict, groups: list[dict], machines: dict | None = None) -> str:
