@@ -28,6 +28,7 @@ import torch
 from nanreplay.capture.flow import SHAPE_ONLY
 from nanreplay.formats.program import node_inputs, node_outputs
 
+LEAKY_MAX_CHANGE = 0.5  # LeakyReLU repairs dead units when the loss it gives differs by at most this (relative)
 CUT_OPS = {"aten.detach.default": "detach", "aten.detach_.default": "detach"}
 STE = ("a straight-through estimator keeps the forward value and lets the gradient through: "
        "`y = soft + (hard - soft).detach()` (or torch.nn.functional.gumbel_softmax(..., hard=True))")
@@ -79,7 +80,8 @@ def _kind_of(op_name: str) -> str:
 class Run:
     """The program run once with every value kept (and, optionally, some cuts undone)."""
 
-    def __init__(self, model, inputs: Any, target: Any, *, undo: set[int] = frozenset(), link: dict | None = None):
+    def __init__(self, model, inputs: Any, target: Any, *, undo: set[int] = frozenset(), link: dict | None = None,
+                 leaky: set[int] = frozenset()):
         self.model, prog = model, model.program
         self.env = model._leaves(inputs, target)
         for ref, name in (link or {}).items():  # a `.data` copy replaced by the parameter itself
@@ -91,6 +93,10 @@ class Run:
                 if i in undo and node.name in CUT_OPS:
                     args, _ = model._checked_args(node, self.env)
                     out = torch.ops.aten.alias.default(args[0])
+                elif i in leaky:  # a ReLU replayed as LeakyReLU(0.01)
+                    args, _ = model._checked_args(node, self.env)
+                    op = torch.ops.aten.leaky_relu_ if node.name.endswith("relu_.default") else torch.ops.aten.leaky_relu
+                    out = op.default(args[0], 0.01)
                 else:
                     out = model._run(node, self.env)
                 model._bind(node, out, self.env, i)
@@ -291,14 +297,24 @@ def analyze(subject, info: dict) -> dict | None:
         rows.append(row)
     run = None
     model.zero_grad(set_to_none=True)
-    if flow.get("reentrant_checkpoint"):  # the guard saw the no_grad ops run inside a reentrant checkpoint
-        for c in [c for r in rows for c in [r, *r.get("others", [])]]:
-            if c.get("kind") == "no_grad":
-                c["kind"] = "reentrant_checkpoint"
+    for c in [c for r in rows for c in [r, *r.get("others", [])]]:
+        if c.get("kind") == "no_grad" and flow.get("reentrant_checkpoint"):  # the guard saw it: no_grad ops run
+            c["kind"] = "reentrant_checkpoint"  # inside a reentrant checkpoint's forward
+        if c.get("kind") == "reentrant_checkpoint" and c.get("node") is not None:
+            _at_checkpoint_call(prog, c, flow)
+    verified: dict[tuple, dict] = {}  # one replay per place: the rows that stop at the same node share it
     for row in rows:
-        if row.get("verdict") == "gradient_cut" and row.get("kind") in ("detach", "no_grad", "data_copy",
-                                                                        "reentrant_checkpoint"):
-            row["fix"] = _verify_cut(subject, prog, row, copies, params)
+        key = (row.get("verdict"), row.get("kind"), row.get("node"), row["name"] if row.get("kind") == "frozen" else 0)
+        same = [r for r in rows if (r.get("verdict"), r.get("kind"), r.get("node")) == key[:3]]
+        if key in verified:
+            row["fix"] = verified[key]
+        elif row.get("verdict") == "gradient_cut" and row.get("kind") in ("detach", "no_grad", "data_copy",
+                                                                          "reentrant_checkpoint"):
+            row["fix"] = verified[key] = _verify_cut(subject, prog, same, copies, params)
+        elif row.get("verdict") == "gradient_zero" and row.get("kind") == "relu" and row.get("node") is not None:
+            row["fix"] = verified[key] = _verify_leaky(subject, prog, same, deps, need, params)
+        elif row.get("kind") == "frozen" and row["name"] in params:
+            row["fix"] = verified[key] = _verify_unfreeze(subject, row, params)
     verdicts = [r["verdict"] for r in rows]
     verdict = ("gradient_cut" if "gradient_cut" in verdicts else "gradient_zero" if "gradient_zero" in verdicts
                else None)
@@ -307,27 +323,109 @@ def analyze(subject, info: dict) -> dict | None:
             "per_parameter": rows, "frozen": list(flow.get("frozen") or []), "all_zero": bool(flow.get("all_zero"))}
 
 
-def _verify_cut(subject, prog, row: dict, copies: dict[int, str], params: dict) -> dict:
-    """Replay with this cut undone: the same loss bit for bit, and a non-zero gradient for the parameter."""
-    fix_kind, advice = FIXES[row["kind"]]
+def _at_checkpoint_call(prog, row: dict, flow: dict) -> None:
+    """A cut inside a reentrant checkpoint is the checkpoint's: the row's module becomes the checkpointed one (the
+    outermost module call around the op whose every op ran under no_grad), its source the line that called the
+    checkpoint (the guard saw it); the op's own line is kept as `checkpoint.inside`."""
+    node = prog.nodes[row["node"]]
+    chain, s = [], node.scope
+    while s is not None and s >= 0:
+        chain.append(s)
+        s = prog.scopes[s][1]
+    inside: dict[int, bool] = {}  # scope -> every op in it ran under no_grad
+    for n in prog.nodes:
+        s = n.scope
+        while s is not None and s >= 0:
+            inside[s] = inside.get(s, True) and not n.grad
+            s = prog.scopes[s][1]
+    region = next((prog.modules[prog.scopes[s][0]] for s in reversed(chain) if inside.get(s)), None)
+    call, caller = flow.get("checkpoint_call"), flow.get("checkpoint_caller")
+    row["checkpoint"] = {"module": region, "call": call, "caller": caller, "first_op": node.name,
+                         "inside": row.get("source"), "inside_module": row.get("module")}
+    if region is not None:
+        row["module"] = region
+    if isinstance(call, dict) and call.get("file"):
+        row["source"] = {"file": call["file"], "line": call["line"], "code": call.get("code")}
+
+
+def _replayed(subject, params: dict, names: list[str], before: torch.Tensor, **undo) -> dict:
+    """Replay with a change (Run's keywords) and say whether every named parameter now gets a finite, non-zero
+    gradient, and how the loss moved."""
+    model = subject.model
+    run = Run(model, subject.inputs, subject.target, **undo)
+    model.zero_grad(set_to_none=True)
+    if run.loss.requires_grad:
+        run.loss.backward()
+    grads = [params[n].grad for n in names]
+    flows = all(g is not None and bool((g != 0).any()) and bool(torch.isfinite(g).all()) for g in grads)
+    norm = math.sqrt(sum(float(g.double().norm()) ** 2 for g in grads if g is not None))
+    loss = run.loss.detach()
+    same = bool(torch.equal(loss, before))
+    rel = float((loss.double() - before.double()).abs() / before.double().abs().clamp_min(1e-30))
+    model.zero_grad(set_to_none=True)
+    return {"flows": flows, "replay": {"loss_unchanged": same, "loss_change": rel if math.isfinite(rel) else None,
+                                       "grad_norm": norm if math.isfinite(norm) else None}}
+
+
+def _verify_leaky(subject, prog, same: list[dict], deps: dict, need: set, params: dict) -> dict:
+    """Replay with the ReLUs on the dead parameters' paths as LeakyReLU(0.01): verified when every parameter this
+    ReLU starved gets a non-zero gradient again (the loss moves a little: the dead units now pass 1% of their
+    input; `loss_change` says how much)."""
+    fix_kind, advice = FIXES["relu"]
     out = {"kind": fix_kind, "advice": advice, "verified": None}
+    names = [r["name"] for r in same]
     try:
-        model = subject.model
-        before = Run(model, subject.inputs, subject.target).loss.detach()
-        undo = {c["node"] for c in [row, *row.get("others", [])] if c.get("node") is not None
+        before = Run(subject.model, subject.inputs, subject.target).loss.detach()
+        path = set().union(*(deps[n] & need for n in names))
+        leaky = {i for i, n in enumerate(prog.nodes) if _kind_of(n.name) == "relu" and n.name.split(".")[1]
+                 in ("relu", "relu_") and any(r in path for r in node_inputs(n))}
+        got = _replayed(subject, params, names, before, leaky=leaky)
+        moved = got["replay"]["loss_change"]
+        small = moved is not None and moved <= LEAKY_MAX_CHANGE
+        out.update(verified=got["flows"] and small and bool(torch.isfinite(before)), replay=got["replay"],
+                   swapped=len(leaky))
+        if got["flows"] and not small:  # the units' inputs are far below zero: 1% of them is no small change
+            out["why"] = ("the gradient flows again, but the loss changes by "
+                          + (f"{moved:.3g}x" if moved is not None else "a non-finite amount")
+                          + ": the units' inputs are far below zero (weights an update blew up), so LeakyReLU "
+                          "alone does not repair them; re-initialise the layer and lower the learning rate")
+    except Exception as e:  # noqa: BLE001 - verification is an extra
+        out["why"] = f"the replay with LeakyReLU raised {type(e).__name__}: {e}"
+    return out
+
+
+def _verify_unfreeze(subject, row: dict, params: dict) -> dict:
+    """Replay with the tied weight's requires_grad on: the same loss bit for bit and a non-zero gradient."""
+    fix_kind, advice = FIXES["frozen"]
+    out = {"kind": fix_kind, "advice": advice, "verified": None}
+    p = params[row["name"]]
+    was = p.requires_grad
+    try:
+        before = Run(subject.model, subject.inputs, subject.target).loss.detach()
+        p.requires_grad_(True)
+        got = _replayed(subject, params, [row["name"]], before)
+        out.update(verified=got["flows"] and got["replay"]["loss_unchanged"], replay=got["replay"])
+    except Exception as e:  # noqa: BLE001 - verification is an extra
+        out["why"] = f"the replay with requires_grad on raised {type(e).__name__}: {e}"
+    finally:
+        p.requires_grad_(was)
+        p.grad = None
+    return out
+
+
+def _verify_cut(subject, prog, same: list[dict], copies: dict[int, str], params: dict) -> dict:
+    """Replay with these rows' cut undone (rows cut at the same place): the same loss bit for bit, and a non-zero
+    gradient for each of their parameters."""
+    fix_kind, advice = FIXES[same[0]["kind"]]
+    out = {"kind": fix_kind, "advice": advice, "verified": None}
+    names = [r["name"] for r in same]
+    try:
+        before = Run(subject.model, subject.inputs, subject.target).loss.detach()
+        undo = {c["node"] for r in same for c in [r, *r.get("others", [])] if c.get("node") is not None
                 and c.get("kind") == "detach"} | {i for i, n in enumerate(prog.nodes) if not n.grad}
-        link = {r: n for r, n in copies.items() if n == row["name"]}
-        run = Run(model, subject.inputs, subject.target, undo=undo, link=link)
-        model.zero_grad(set_to_none=True)
-        if run.loss.requires_grad:
-            run.loss.backward()
-        g = params[row["name"]].grad
-        same = bool(torch.equal(run.loss.detach(), before))
-        flows = g is not None and bool((g != 0).any()) and bool(torch.isfinite(g).all())
-        norm = float(g.double().norm()) if g is not None else 0.0
-        out.update(verified=same and flows, replay={"loss_unchanged": same, "grad_norm": norm if math.isfinite(norm)
-                                                    else None})
-        model.zero_grad(set_to_none=True)
+        link = {r: n for r, n in copies.items() if n in names}
+        got = _replayed(subject, params, names, before, undo=undo, link=link)
+        out.update(verified=got["replay"]["loss_unchanged"] and got["flows"], replay=got["replay"])
     except Exception as e:  # noqa: BLE001 - verification is an extra
         out["why"] = f"the replay with the cut removed raised {type(e).__name__}: {e}"
     return out

@@ -72,8 +72,19 @@ class TiedLM(nn.Module):
         return self.lm_head(torch.tanh(self.body(self.embed(idx))))
 
 
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = F.relu(self.fc1(x))
+        h = F.relu(self.fc2(h))  # RELU
+        return self.out(h)
+
+
 def dead_relu():
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    return MLP()
 
 
 def loop(model, folder, steps, *, lr=1e-2, lr_at=None, tokens=False):
