@@ -270,6 +270,9 @@ def analyze(subject, info: dict) -> dict | None:
         if d.get("gradient") == "frozen":
             row.update(verdict="gradient_cut", kind="frozen", op=None, source=None,
                        why="requires_grad=False on a parameter tied to a trained module's weight")
+            use = _use_of(prog, model, name or "")
+            if use is not None:  # where its frozen value enters the step under this name (a tied decoder's matmul)
+                row.update(**{k: v for k, v in _where(prog, use).items() if k != "forward_op"})
             rows.append(row)
             continue
         if name not in params:
@@ -321,6 +324,15 @@ def analyze(subject, info: dict) -> dict | None:
     return {"verdict": verdict, "parameters": [r["name"] for r in rows if r["verdict"] in ("gradient_cut",
                                                                                              "gradient_zero")],
             "per_parameter": rows, "frozen": list(flow.get("frozen") or []), "all_zero": bool(flow.get("all_zero"))}
+
+
+def _use_of(prog, model, name: str) -> int | None:
+    """The first op that reads this parameter inside the module that owns it under this name (else anywhere)."""
+    canon = model.aliases.get(name, name)
+    refs = {lf.ref for lf in prog.leaves if lf.kind == "param" and model.aliases.get(lf.name, lf.name) == canon}
+    owner = name.rpartition(".")[0]
+    readers = [i for i, n in enumerate(prog.nodes) if any(r in refs for r in node_inputs(n))]
+    return next((i for i in readers if prog.modules[prog.nodes[i].module] == owner), readers[0] if readers else None)
 
 
 def _at_checkpoint_call(prog, row: dict, flow: dict) -> None:

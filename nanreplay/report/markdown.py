@@ -127,6 +127,10 @@ def markdown_summary(a: Analysis | dict) -> str:
     if b.why:  # a dead gradient's details (the checkpoint, the share of dead units, the history) are its why
         rest = f" {prose(b.details)}" if d.get("verdict") in ("gradient_cut", "gradient_zero") and b.details else ""
         out += ["", f"**Why:** {prose(b.why)}{rest}"]
+    for bc in [x for x in d.get("broadcast") or [] if isinstance(x, dict)][:3]:  # a silent shape bug, always said
+        src = bc.get("source") if isinstance(bc.get("source"), dict) else None
+        at = f"{code(str(src.get('file')) + ':' + str(src.get('line')))}: " if src else ""
+        out += ["", f"**Shape bug:** {at}{escape(str(bc.get('message') or ''))}"]
     fix = _fix_lines(b)
     if fix:
         out += ["", *fix]

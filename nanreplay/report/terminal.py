@@ -80,6 +80,7 @@ def _lines(d: dict, b, report_path: str | None, *, block_only: bool = False) -> 
         return [one_line(ln) for ln in lines]
     if b.cause:
         lines.append(f"  cause    {b.cause}")
+    lines += _broadcast_lines(d)
     machine = first_screen_line(d)
     if machine:
         lines.append(f"  {machine}")
@@ -126,4 +127,17 @@ def _flow_lines(d: dict, b) -> list[str]:
     if isinstance(jump, dict) and all(isinstance(jump.get(k), (int, float)) for k in ("from", "to")):
         out.append(f"  history  the learning rate jumped from {jump.get('from'):.3g} to {jump.get('to'):.3g} at step "
                    f"{jump.get('step')}, before the units died")
+    return out
+
+
+def _broadcast_lines(d: dict) -> list[str]:
+    """A loss whose inputs broadcast silently (diagnose/broadcast.py): said in every summary, healthy or not."""
+    out = []
+    for b in [b for b in d.get("broadcast") or [] if isinstance(b, dict)][:3]:
+        src = b.get("source") if isinstance(b.get("source"), dict) else None
+        at = f" at {where(src)}" if src else ""
+        shapes = " with ".join(map(str, b.get("shapes") or []))
+        out.append(f"  shape    {b.get('op')} broadcasts {shapes} to {b.get('broadcast_to')}{at}")
+        if src and src.get("code"):
+            out.append(f"           {str(src['code']).strip()}")
     return out

@@ -2,6 +2,7 @@
 folder of its own: the analysis runs where this file cannot be imported). Each blamed line ends in `# CULPRIT`."""
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -133,6 +134,26 @@ def broadcast_mse(folder):
     return guard
 
 
+def broadcast_healthy(folder):
+    """The same broadcasting loss on healthy steps: a snapshot of a finite step (as a user would save one by hand)."""
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    guard = NanGuard(model, opt, step_fn=mse_step, folder=folder)
+    for step in range(2):
+        x, y = torch.randn(8, 4), torch.randn(8)
+        guard.begin((x, y), step=step)
+        opt.zero_grad()
+        loss = mse_step(model, (x, y))
+        guard.loss_ok(loss)
+        loss.backward()
+        guard.grads_ok()
+        if step == 1:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            torch.save(guard.to_dict("loss"), f"{folder}/healthy.pt")
+        opt.step()
+    return f"{folder}/healthy.pt"
+
+
 def swiftformer(folder):
     """transformers' SwiftFormer, tiny: its additive attention's softmax runs over a dimension of size 1."""
     from transformers import SwiftFormerConfig, SwiftFormerForImageClassification
@@ -186,15 +207,46 @@ def vit_reentrant(folder):
     return guard
 
 
+def bert_tied_frozen(folder):
+    """transformers' BERT masked LM, tiny, with the token embeddings frozen: its MLM decoder's weight is the same
+    tensor (tied), so the decoder stops learning too while its bias trains on."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                     max_position_embeddings=16)
+    model = BertForMaskedLM(cfg)
+    model.bert.embeddings.word_embeddings.requires_grad_(False)  # meant: freeze the input embeddings only
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+    def step_fn(m, batch):
+        return m(input_ids=batch[0], labels=batch[1]).loss
+
+    guard = NanGuard(model, opt, step_fn=step_fn, folder=folder)
+    for step in range(2):
+        ids = torch.randint(0, 64, (2, 8))
+        guard.begin((ids, ids), step=step)
+        opt.zero_grad()
+        loss = step_fn(model, (ids, ids))
+        guard.loss_ok(loss)
+        loss.backward()
+        guard.grads_ok()
+        opt.step()
+    return guard
+
+
 def main(root, kinds):
     for kind in kinds:
         torch.manual_seed(0)
+        if kind == "broadcast_healthy":
+            print(kind, broadcast_healthy(f"{root}/{kind}"))
+            continue
         if kind == "broadcast_mse":
             g = broadcast_mse(f"{root}/{kind}")
             print(kind, g.snapshots[0] if g.snapshots else "none")
             continue
-        if kind in ("swiftformer", "vit_reentrant"):
-            g = {"swiftformer": swiftformer, "vit_reentrant": vit_reentrant}[kind](f"{root}/{kind}")
+        if kind in ("swiftformer", "vit_reentrant", "bert_tied_frozen"):
+            g = {"swiftformer": swiftformer, "vit_reentrant": vit_reentrant,
+                 "bert_tied_frozen": bert_tied_frozen}[kind](f"{root}/{kind}")
             print(kind, g.flow_snapshots[0] if g.flow_snapshots else "none", g.snapshots)
             continue
         if kind == "dead_relu":

@@ -19,7 +19,7 @@ from tests.isolation import ROOT, analyze_isolated, framework
 
 HERE = Path(__file__).resolve().parent
 KINDS = ("dead_relu", "skip_detach", "argmax_router", "sigmoid_gate", "no_grad_helper", "tied_frozen", "broadcast_mse",
-         "swiftformer", "vit_reentrant")
+         "swiftformer", "vit_reentrant", "bert_tied_frozen", "broadcast_healthy")
 
 
 def culprit_line(marker: str = "# CULPRIT") -> list[int]:
@@ -114,6 +114,39 @@ def test_a_frozen_tied_weight_is_reported_with_its_other_name(runs):
     assert fix["verified"] is True and fix["replay"]["loss_unchanged"] is True and fix["replay"]["grad_norm"] > 0
 
 
+def test_transformers_bert_with_frozen_token_embeddings_freezes_its_tied_mlm_decoder(runs):
+    """Freezing BERT's word embeddings freezes the masked-LM decoder's weight too (the same tensor), while the
+    decoder's bias trains on: named at the decoder's call, and unfreezing it is verified by replay."""
+    d = runs[0]["bert_tied_frozen"]
+    assert d["verdict"] == "gradient_cut" and d["gradient_flow"]["parameters"] == ["cls.predictions.decoder.weight"]
+    row = _first(d)
+    assert row["kind"] == "frozen" and row["module"] == "cls.predictions.decoder"
+    assert _line(row)[0] == "modeling_bert.py" and "self.decoder(" in row["source"]["code"]
+    assert "bert.embeddings.word_embeddings.weight" in d["diagnosis"]["explanation"]
+    fix = d["diagnosis"]["fix"]
+    assert fix["kind"] == "unfreeze" and fix["verified"] is True and fix["replay"]["loss_unchanged"] is True
+
+
+def test_the_cli_summary_says_where_the_flow_ends_and_never_not_reproduced_first(runs, tmp_path):
+    """`nanreplay analyze` with no flags, from a folder where the training code cannot be imported: the terminal
+    names the verdict once (the replay alone, finite, would say "not reproduced": the diagnosis decides), where
+    the flow ends with the line's code, the parameters, and for dead units their share and the lr jump."""
+    from tests.clirun import run
+
+    paths = runs[1]
+    res = run("analyze", paths["dead_relu"], "--no-report", cwd=tmp_path)
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert "not reproduced" not in out and out.splitlines()[0].endswith(": gradient zero")
+    assert f"flowtrain.py:{culprit_line('# RELU')[0]}" in out and "h = F.relu(self.fc2(h))" in out
+    assert "100% of its units" in out and "jumped from 0.01 to 30 at step 4" in out
+    res = run("analyze", paths["vit_reentrant"], "--no-report", "--markdown", "-", cwd=tmp_path)
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert "not reproduced" not in out and "modeling_layers.py:" in out and "_gradient_checkpointing_func" in out
+    assert "verified by replay" in out
+
+
 def test_a_broadcasting_mse_is_flagged_with_its_line_in_an_analysis_of_another_failure(runs):
     d = runs[0]["broadcast_mse"]
     assert d["verdict"] == "nonfinite_input"  # the snapshot is for a NaN in the batch; the loss is wrong anyway
@@ -154,8 +187,22 @@ def test_transformers_reentrant_checkpointing_with_frozen_embeddings_is_cut_ther
     assert fix["kind"] == "use_reentrant_false" and fix["verified"] is True
 
 
+def test_a_broadcasting_mse_is_flagged_in_the_analysis_of_a_healthy_step_and_in_every_summary(runs, tmp_path):
+    from tests.clirun import run
+
+    d = runs[0]["broadcast_healthy"]
+    assert d["loss"] is not None and d["failure"] is None  # a finite step
+    (b,) = d["broadcast"]
+    assert b["broadcast_to"] == [8, 8] and _line(b) == ("flowtrain.py", culprit_line()[4])
+    res = run("analyze", runs[1]["broadcast_healthy"], "--no-report", "--markdown", "-", cwd=tmp_path)
+    assert res.exit_code == 0, res.output
+    line = f"flowtrain.py:{culprit_line()[4]}"
+    assert "**Shape bug:**" in res.output and "shape    aten.mse_loss.default broadcasts [8, 1] with [8]" in res.output
+    assert res.output.count(line) >= 2  # the Markdown's and the terminal's
+
+
 def test_no_broadcast_is_flagged_where_shapes_match(runs):
-    assert all("broadcast" not in runs[0][k] for k in KINDS if k != "broadcast_mse")
+    assert all("broadcast" not in runs[0][k] for k in KINDS if not k.startswith("broadcast"))
 
 
 # ------------------------------------------------------------------ routine zeros: nothing written
@@ -270,7 +317,7 @@ def test_triage_groups_dead_gradients_by_verdict_op_and_line(runs):
     from nanreplay.triage.groups import signature
     from nanreplay.triage.worker import analysis_fields
 
-    sig = {k: signature(analysis_fields(runs[0][k])) for k in KINDS if k != "broadcast_mse"}
+    sig = {k: signature(analysis_fields(runs[0][k])) for k in KINDS if not k.startswith("broadcast")}
     assert len(set(sig.values())) == len(sig)  # one root cause each
     cut = analysis_fields(runs[0]["skip_detach"])
     assert (cut["verdict"], cut["op"], cut["source_line"]) == ("gradient_cut", "aten.detach.default", culprit_line()[0])
