@@ -236,7 +236,7 @@ def bert_tied_frozen(folder):
 
 def main(root, kinds):
     for kind in kinds:
-        torch.manual_seed(0)
+        torch.manual_seed(1 if kind == "skip_detach_again" else 0)
         if kind == "broadcast_healthy":
             print(kind, broadcast_healthy(f"{root}/{kind}"))
             continue
@@ -256,7 +256,7 @@ def main(root, kinds):
             m.embed.weight.requires_grad_(False)  # meant: freeze the embeddings; it freezes the tied head too
             g = loop(m, f"{root}/{kind}", 2, tokens=True)
         else:
-            model = {"skip_detach": SkipDetach, "argmax_router": ArgmaxRouter, "sigmoid_gate": SigmoidGate,
+            model = {"skip_detach": SkipDetach, "skip_detach_again": SkipDetach, "argmax_router": ArgmaxRouter, "sigmoid_gate": SigmoidGate,
                      "no_grad_helper": NoGradHelper}[kind]()
             g = loop(model, f"{root}/{kind}", 4)
         print(kind, g.flow_snapshots[0] if g.flow_snapshots else "none", g.snapshots)

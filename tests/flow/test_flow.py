@@ -19,7 +19,7 @@ from tests.isolation import ROOT, analyze_isolated, framework
 
 HERE = Path(__file__).resolve().parent
 KINDS = ("dead_relu", "skip_detach", "argmax_router", "sigmoid_gate", "no_grad_helper", "tied_frozen", "broadcast_mse",
-         "swiftformer", "vit_reentrant", "bert_tied_frozen", "broadcast_healthy")
+         "swiftformer", "vit_reentrant", "bert_tied_frozen", "broadcast_healthy", "skip_detach_again")
 
 
 def culprit_line(marker: str = "# CULPRIT") -> list[int]:
@@ -317,12 +317,36 @@ def test_triage_groups_dead_gradients_by_verdict_op_and_line(runs):
     from nanreplay.triage.groups import signature
     from nanreplay.triage.worker import analysis_fields
 
-    sig = {k: signature(analysis_fields(runs[0][k])) for k in KINDS if not k.startswith("broadcast")}
+    sig = {k: signature(analysis_fields(runs[0][k])) for k in KINDS if not k.startswith("broadcast")
+           and k != "skip_detach_again"}
     assert len(set(sig.values())) == len(sig)  # one root cause each
     cut = analysis_fields(runs[0]["skip_detach"])
     assert (cut["verdict"], cut["op"], cut["source_line"]) == ("gradient_cut", "aten.detach.default", culprit_line()[0])
     again = analysis_fields({**runs[0]["skip_detach"], "snapshot": "another.pt"})
     assert signature(again) == sig["skip_detach"]
+
+
+def test_triage_puts_two_runs_of_the_same_cut_in_one_group_and_other_families_apart(runs, tmp_path):
+    """`nanreplay triage DIR` on dead-gradient snapshots: two runs (other seeds, other weights) cut by the same detach
+    are one incident; a dead ReLU and a reentrant checkpoint are their own."""
+    import json
+    import shutil
+
+    from tests.clirun import run
+
+    folder = tmp_path / "snaps"
+    folder.mkdir()
+    for k in ("skip_detach", "skip_detach_again", "dead_relu", "vit_reentrant"):
+        shutil.copy(runs[1][k], folder / f"{k}.pt")
+    res = run("triage", folder, "-o", tmp_path / "out", "-j", "1", "-q", cwd=tmp_path)
+    assert res.exit_code == 0, res.output
+    groups = json.loads((tmp_path / "out" / "groups.json").read_text())["groups"]
+    by = {g["verdict"] + ":" + str(g["kind"]): g for g in groups}
+    assert sorted(by) == ["gradient_cut:detach", "gradient_cut:reentrant_checkpoint", "gradient_zero:relu"]
+    cut = by["gradient_cut:detach"]
+    assert sorted(s["file"] for s in cut["snapshots"]) == ["skip_detach.pt", "skip_detach_again.pt"]
+    assert all(s["duplicate_of"] is None for s in cut["snapshots"])  # different files, one root cause
+    assert cut["source"]["line"] == culprit_line()[0] and cut["fix"]["verified"] == 2
 
 
 class DropDetach(nn.Module):
