@@ -256,8 +256,8 @@ def main(root, kinds):
             m.embed.weight.requires_grad_(False)  # meant: freeze the embeddings; it freezes the tied head too
             g = loop(m, f"{root}/{kind}", 2, tokens=True)
         else:
-            model = {"skip_detach": SkipDetach, "skip_detach_again": SkipDetach, "argmax_router": ArgmaxRouter, "sigmoid_gate": SigmoidGate,
-                     "no_grad_helper": NoGradHelper}[kind]()
+            model = {"skip_detach": SkipDetach, "skip_detach_again": SkipDetach, "argmax_router": ArgmaxRouter,
+                     "sigmoid_gate": SigmoidGate, "no_grad_helper": NoGradHelper}[kind]()
             g = loop(model, f"{root}/{kind}", 4)
         print(kind, g.flow_snapshots[0] if g.flow_snapshots else "none", g.snapshots)
 
