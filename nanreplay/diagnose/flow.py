@@ -45,6 +45,10 @@ FIXES = {  # kind -> (fix kind, advice)
                                                      "gradient_checkpointing_enable(gradient_checkpointing_kwargs="
                                                      "{'use_reentrant': False}), or enable_input_require_grads())"),
     "integer": ("straight_through", "an integer result (argmax, a cast to an integer dtype) has no gradient: " + STE),
+    "argmax": ("straight_through", "argmax has no gradient, so whatever computed its input (a router, a scorer) "
+                                   "never learns: weight what the choice selects by its softmax probability "
+                                   "(`probs = logits.softmax(-1); y = y * probs.gather(-1, choice[:, None])`, as "
+                                   "mixture-of-experts routers do), or " + STE),
     "frozen": ("unfreeze", "the parameter has requires_grad=False although it is tied to a trained module's "
                            "weight: call .requires_grad_(True) on it (or untie the weights if the freeze was meant)"),
     "relu": ("leaky_relu", "the ReLU units are dead (negative input for every sample): use LeakyReLU/GELU, "

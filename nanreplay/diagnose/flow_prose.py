@@ -109,7 +109,10 @@ def diagnose_flow(result, subject, info: dict) -> dict:
         if first.get("kind") == "relu":
             gf["lr_jump"] = lr_jump(info)
             expl += _lr_jump(gf["lr_jump"])
-    fix_kind, advice = flow.FIXES.get(first.get("kind"), flow.FIXES["other"])
+    key = first.get("kind")
+    if key == "integer" and any(a in str(first.get("op") or "") for a in (".argmax.", ".argmin.", ".max.dim", ".topk.")):
+        key = "argmax"  # a choice: routing weighted by the softmax is the usual repair
+    fix_kind, advice = flow.FIXES.get(key, flow.FIXES["other"])
     verified = first.get("fix", {}).get("verified") if isinstance(first.get("fix"), dict) else None
     change = {"relu": "with LeakyReLU(0.01) in place of the dead ReLU", "frozen": "with requires_grad=True on it"
               }.get(first.get("kind"), "with the cut removed")

@@ -86,7 +86,8 @@ def test_a_router_through_argmax_is_cut_at_the_argmax(runs):
     row = _first(d)
     assert row["op"] == "aten.argmax.default" and row["kind"] == "integer"
     assert _line(row) == ("flowtrain.py", culprit_line()[1])
-    assert d["diagnosis"]["fix"]["kind"] == "straight_through"
+    fix = d["diagnosis"]["fix"]
+    assert fix["kind"] == "straight_through" and "softmax probability" in fix["code"] and ".detach()" in fix["code"]
 
 
 def test_a_saturated_sigmoid_gate_zeroes_the_gradient_at_the_sigmoid(runs):
