@@ -304,11 +304,17 @@ def analyze(subject, info: dict) -> dict | None:
         rows.append(row)
     run = None
     model.zero_grad(set_to_none=True)
+    regions = []
     for c in [c for r in rows for c in [r, *r.get("others", [])]]:
         if c.get("kind") == "no_grad" and flow.get("reentrant_checkpoint"):  # the guard saw it: no_grad ops run
             c["kind"] = "reentrant_checkpoint"  # inside a reentrant checkpoint's forward
         if c.get("kind") == "reentrant_checkpoint" and c.get("node") is not None:
-            _at_checkpoint_call(prog, c, flow)
+            regions.append((_at_checkpoint(prog, c), c))
+    call, caller = flow.get("checkpoint_call"), flow.get("checkpoint_caller")
+    for start, c in regions:  # the guard saw the first region's call: the rows cut in that region are said there
+        if start == min(s for s, _ in regions) and isinstance(call, dict) and call.get("file"):
+            c["checkpoint"].update(call=call, caller=caller)
+            c["source"] = {"file": call["file"], "line": call["line"], "code": call.get("code")}
     verified: dict[tuple, dict] = {}  # one replay per place: the rows that stop at the same node share it
     for row in rows:
         key = (row.get("verdict"), row.get("kind"), row.get("node"), row["name"] if row.get("kind") == "frozen" else 0)
@@ -339,29 +345,30 @@ def _use_of(prog, model, name: str) -> int | None:
     return next((i for i in readers if prog.modules[prog.nodes[i].module] == owner), readers[0] if readers else None)
 
 
-def _at_checkpoint_call(prog, row: dict, flow: dict) -> None:
+def _at_checkpoint(prog, row: dict) -> int:
     """A cut inside a reentrant checkpoint is the checkpoint's: the row's module becomes the checkpointed one (the
-    outermost module call around the op whose every op ran under no_grad), its source the line that called the
-    checkpoint (the guard saw it); the op's own line is kept as `checkpoint.inside`."""
+    outermost module call around the op whose every op ran under no_grad); the op's own line is kept as
+    `checkpoint.inside`. Returns the index of the region's first node (the guard saw the first region's call)."""
     node = prog.nodes[row["node"]]
     chain, s = [], node.scope
     while s is not None and s >= 0:
         chain.append(s)
         s = prog.scopes[s][1]
     inside: dict[int, bool] = {}  # scope -> every op in it ran under no_grad
-    for n in prog.nodes:
+    first: dict[int, int] = {}  # scope -> its first node
+    for i, n in enumerate(prog.nodes):
         s = n.scope
         while s is not None and s >= 0:
             inside[s] = inside.get(s, True) and not n.grad
+            first.setdefault(s, i)
             s = prog.scopes[s][1]
-    region = next((prog.modules[prog.scopes[s][0]] for s in reversed(chain) if inside.get(s)), None)
-    call, caller = flow.get("checkpoint_call"), flow.get("checkpoint_caller")
-    row["checkpoint"] = {"module": region, "call": call, "caller": caller, "first_op": node.name,
+    scope = next((s for s in reversed(chain) if inside.get(s)), None)
+    region = prog.modules[prog.scopes[scope][0]] if scope is not None else None
+    row["checkpoint"] = {"module": region, "call": None, "caller": None, "first_op": node.name,
                          "inside": row.get("source"), "inside_module": row.get("module")}
     if region is not None:
         row["module"] = region
-    if isinstance(call, dict) and call.get("file"):
-        row["source"] = {"file": call["file"], "line": call["line"], "code": call.get("code")}
+    return first.get(scope, row["node"]) if scope is not None else row["node"]
 
 
 def _replayed(subject, params: dict, names: list[str], before: torch.Tensor, **undo) -> dict:

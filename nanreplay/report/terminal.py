@@ -78,7 +78,7 @@ def _lines(d: dict, b, report_path: str | None, *, block_only: bool = False) -> 
         lines.append(f"  failure  {fail}")
     if block_only:
         return [one_line(ln) for ln in lines]
-    if b.cause:
+    if b.cause and b.cause.lower() != b.headline.lower():  # (a dead gradient's headline is its cause)
         lines.append(f"  cause    {b.cause}")
     lines += _broadcast_lines(d)
     machine = first_screen_line(d)

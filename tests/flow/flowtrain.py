@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from nanreplay import NanGuard
 
@@ -73,6 +74,21 @@ class TiedLM(nn.Module):
         return self.lm_head(torch.tanh(self.body(self.embed(idx))))
 
 
+class OwnCheckpoint(nn.Module):
+    """A user's own reentrant checkpoint after a frozen input projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Linear(8, 16), nn.Linear(16, 1)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.embed.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.embed(x)
+        h = checkpoint(self.block, h, use_reentrant=True)  # CKPT
+        return self.head(h)
+
+
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -89,7 +105,7 @@ def dead_relu():
 
 
 def loop(model, folder, steps, *, lr=1e-2, lr_at=None, tokens=False):
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad] if tokens else model.parameters(), lr=lr)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     loss_fn = F.cross_entropy if tokens else F.mse_loss
     guard = NanGuard(model, opt, loss_fn=loss_fn, folder=folder)
     for step in range(steps):
@@ -257,7 +273,8 @@ def main(root, kinds):
             g = loop(m, f"{root}/{kind}", 2, tokens=True)
         else:
             model = {"skip_detach": SkipDetach, "skip_detach_again": SkipDetach, "argmax_router": ArgmaxRouter,
-                     "sigmoid_gate": SigmoidGate, "no_grad_helper": NoGradHelper}[kind]()
+                     "sigmoid_gate": SigmoidGate, "no_grad_helper": NoGradHelper,
+                     "own_reentrant": OwnCheckpoint}[kind]()
             g = loop(model, f"{root}/{kind}", 4)
         print(kind, g.flow_snapshots[0] if g.flow_snapshots else "none", g.snapshots)
 

@@ -19,7 +19,8 @@ from tests.isolation import ROOT, analyze_isolated, framework
 
 HERE = Path(__file__).resolve().parent
 KINDS = ("dead_relu", "skip_detach", "argmax_router", "sigmoid_gate", "no_grad_helper", "tied_frozen", "broadcast_mse",
-         "swiftformer", "vit_reentrant", "bert_tied_frozen", "broadcast_healthy", "skip_detach_again")
+         "swiftformer", "vit_reentrant", "bert_tied_frozen", "broadcast_healthy", "skip_detach_again",
+         "own_reentrant")
 
 
 def culprit_line(marker: str = "# CULPRIT") -> list[int]:
@@ -113,6 +114,16 @@ def test_a_frozen_tied_weight_is_reported_with_its_other_name(runs):
     assert "embed.weight" in d["diagnosis"]["explanation"] and d["diagnosis"]["fix"]["kind"] == "unfreeze"
     fix = d["diagnosis"]["fix"]  # replayed with requires_grad on: the same loss, a gradient
     assert fix["verified"] is True and fix["replay"]["loss_unchanged"] is True and fix["replay"]["grad_norm"] > 0
+
+
+def test_a_users_own_reentrant_checkpoint_after_a_frozen_layer_is_cut_at_its_call(runs):
+    d = runs[0]["own_reentrant"]
+    assert d["verdict"] == "gradient_cut" and set(d["gradient_flow"]["parameters"]) == {"block.0.weight", "block.0.bias"}
+    row = _first(d)
+    assert row["kind"] == "reentrant_checkpoint" and row["module"] == "block"
+    assert _line(row) == ("flowtrain.py", culprit_line("# CKPT")[0])
+    fix = d["diagnosis"]["fix"]
+    assert fix["kind"] == "use_reentrant_false" and fix["verified"] is True and fix["replay"]["loss_unchanged"] is True
 
 
 def test_transformers_bert_with_frozen_token_embeddings_freezes_its_tied_mlm_decoder(runs):
@@ -319,7 +330,7 @@ def test_triage_groups_dead_gradients_by_verdict_op_and_line(runs):
     from nanreplay.triage.worker import analysis_fields
 
     sig = {k: signature(analysis_fields(runs[0][k])) for k in KINDS if not k.startswith("broadcast")
-           and k != "skip_detach_again"}
+           and k not in ("skip_detach_again", "own_reentrant")}
     assert len(set(sig.values())) == len(sig)  # one root cause each
     cut = analysis_fields(runs[0]["skip_detach"])
     assert (cut["verdict"], cut["op"], cut["source_line"]) == ("gradient_cut", "aten.detach.default", culprit_line()[0])
