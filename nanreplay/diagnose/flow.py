@@ -247,8 +247,9 @@ def _zero_cause(model, env: dict, i: int, ref: int) -> dict:
     return {**_where(prog, i), "kind": kind, "local_zero": _local_zero(model, env, i, ref)}
 
 
-def analyze(subject, info: dict) -> dict | None:
-    """The `gradient_flow` object for the parameters the guard named (None without a step program)."""
+def analyze(subject, info: dict, *, verify: bool = True) -> dict | None:
+    """The `gradient_flow` object for the parameters the guard named (None without a step program); the fixes
+    replayed unless `verify` is off (`--no-verify`)."""
     model = subject.model
     prog = getattr(model, "program", None)
     if prog is None or not getattr(subject, "program", False):
@@ -316,7 +317,7 @@ def analyze(subject, info: dict) -> dict | None:
             c["checkpoint"].update(call=call, caller=caller)
             c["source"] = {"file": call["file"], "line": call["line"], "code": call.get("code")}
     verified: dict[tuple, dict] = {}  # one replay per place: the rows that stop at the same node share it
-    for row in rows:
+    for row in rows if verify else []:
         key = (row.get("verdict"), row.get("kind"), row.get("node"), row["name"] if row.get("kind") == "frozen" else 0)
         same = [r for r in rows if (r.get("verdict"), r.get("kind"), r.get("node")) == key[:3]]
         if key in verified:

@@ -60,10 +60,10 @@ def _lr_jump(jump: dict | None) -> str:
             "for every sample.")
 
 
-def diagnose_flow(result, subject, info: dict) -> dict:
+def diagnose_flow(result, subject, info: dict, *, verify: bool = True) -> dict:
     gf = None
     try:
-        gf = flow.analyze(subject, info)
+        gf = flow.analyze(subject, info, verify=verify)
     except Exception as e:  # noqa: BLE001 - report what the guard saw rather than fail the analysis
         result.warnings.append(f"the gradient-flow walk failed: {type(e).__name__}: {e}")
     dead = [d.get("name") for d in (info.get("gradient_flow") or {}).get("dead") or []]

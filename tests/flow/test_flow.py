@@ -157,6 +157,8 @@ def test_the_cli_summary_says_where_the_flow_ends_and_never_not_reproduced_first
     out = res.output
     assert "not reproduced" not in out and "modeling_layers.py:" in out and "_gradient_checkpointing_func" in out
     assert "verified by replay" in out
+    res = run("analyze", paths["skip_detach"], "--no-report", "--no-verify", cwd=tmp_path)  # no replay of the fix
+    assert res.exit_code == 0 and "[not verified]" in res.output and "(not replayed)" in res.output, res.output
 
 
 def test_a_broadcasting_mse_is_flagged_with_its_line_in_an_analysis_of_another_failure(runs):
