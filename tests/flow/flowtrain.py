@@ -267,6 +267,11 @@ def main(root, kinds):
             continue
         if kind == "dead_relu":
             g = loop(dead_relu(), f"{root}/{kind}", 11, lr_at={4: 30.0})  # one step at lr 30 kills the units
+        elif kind == "dead_init":
+            m = MLP()
+            with torch.no_grad():
+                m.fc2.bias.fill_(-20.0)  # a bad init: every unit of the second layer dead from the first step
+            g = loop(m, f"{root}/{kind}", 5)
         elif kind == "tied_frozen":
             m = TiedLM()
             m.embed.weight.requires_grad_(False)  # meant: freeze the embeddings; it freezes the tied head too

@@ -20,7 +20,7 @@ from tests.isolation import ROOT, analyze_isolated, framework
 HERE = Path(__file__).resolve().parent
 KINDS = ("dead_relu", "skip_detach", "argmax_router", "sigmoid_gate", "no_grad_helper", "tied_frozen", "broadcast_mse",
          "swiftformer", "vit_reentrant", "bert_tied_frozen", "broadcast_healthy", "skip_detach_again",
-         "own_reentrant")
+         "own_reentrant", "dead_init")
 
 
 def culprit_line(marker: str = "# CULPRIT") -> list[int]:
@@ -69,6 +69,17 @@ def test_dead_relu_after_an_lr_jump_is_a_zeroing_relu_and_the_history_names_the_
     # replayed with LeakyReLU the gradient flows, but the lr jump blew the weights up: 1% of inputs that far below
     # zero changes the loss by orders of magnitude, so the swap is not called a verified fix
     assert fix["verified"] is False and fix["replay"]["loss_change"] > 1 and "re-initialise" in fix["verification"]
+
+
+def test_relu_units_dead_from_a_bad_init_are_repaired_by_leaky_relu_verified_by_replay(runs):
+    """No lr jump here (none is named): the units' inputs sit a little below zero, so LeakyReLU gives every parameter
+    a gradient and moves the loss only a little."""
+    d = runs[0]["dead_init"]
+    assert d["verdict"] == "gradient_zero" and _first(d)["kind"] == "relu" and d["gradient_flow"]["lr_jump"] is None
+    assert _line(_first(d)) == ("flowtrain.py", culprit_line("# RELU")[0])
+    fix = d["diagnosis"]["fix"]
+    assert fix["kind"] == "leaky_relu" and fix["verified"] is True and 0 < fix["replay"]["loss_change"] <= 0.5
+    assert fix["replay"]["grad_norm"] > 0 and "jumped" not in d["diagnosis"]["explanation"]
 
 
 def test_a_detach_on_the_skip_connection_is_cut_there_and_removing_it_is_verified(runs):
@@ -332,7 +343,7 @@ def test_triage_groups_dead_gradients_by_verdict_op_and_line(runs):
     from nanreplay.triage.worker import analysis_fields
 
     sig = {k: signature(analysis_fields(runs[0][k])) for k in KINDS if not k.startswith("broadcast")
-           and k not in ("skip_detach_again", "own_reentrant")}
+           and k not in ("skip_detach_again", "own_reentrant", "dead_init")}
     assert len(set(sig.values())) == len(sig)  # one root cause each
     cut = analysis_fields(runs[0]["skip_detach"])
     assert (cut["verdict"], cut["op"], cut["source_line"]) == ("gradient_cut", "aten.detach.default", culprit_line()[0])
