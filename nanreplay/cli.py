@@ -233,7 +233,8 @@ class _Live:
                 self.status("")
                 self.shown = report_mod.culprit_block(result)
                 shown = report_mod.coloured(self.shown, result) if self.colour else self.shown
-                click.echo("\n".join(shown), err=self.err)
+                if shown:  # (none where the diagnosis decides the verdict)
+                    click.echo("\n".join(shown), err=self.err)
             self._stage = self.NEXT.get(stage, "")
             self.status(self._stage)
 

@@ -33,6 +33,7 @@ import torch.nn as nn
 from nanreplay import torch_internals as ti
 from nanreplay.capture import snapshot
 from nanreplay.enums import Trigger
+from nanreplay.replay.frames import user_frames_from
 
 log = logging.getLogger("nanreplay")
 
@@ -193,7 +194,7 @@ def check(fw: FlowWatch, guard: Any) -> tuple[Trigger, dict] | None:
         return None
     suspects = (pending["none"] + pending["zero"]) if pending else []
     reached: set[int] | None = set()
-    reentrant = False
+    reentrant, ckpt = False, None
     if suspects:
         dist = torch.distributed
         if not guard._states or not guard.export or (dist.is_available() and dist.is_initialized()):
@@ -205,7 +206,7 @@ def check(fw: FlowWatch, guard: Any) -> tuple[Trigger, dict] | None:
         with guard._calls_paused():  # the guard's own re-run, on state it owns (as a snapshot's recording)
             snapshot.record(guard.model, st, forward, loss, guard._autocast or None, watch=watch, seen=seen)
         reached = fw.reaching(watch, seen.pop("loss", None), suspects)
-        reentrant = watch.reentrant
+        reentrant, ckpt = watch.reentrant, watch.checkpoint_call
         del watch, seen
     dead = fw.settle(pending, reached, guard.step_index) if pending else []
     dead += [{"name": n, "gradient": "frozen", "had_gradient": False, "zero_steps": None} for n in tied]
@@ -213,7 +214,7 @@ def check(fw: FlowWatch, guard: Any) -> tuple[Trigger, dict] | None:
         return None
     trigger = Trigger.GRADIENT_DIED if any(d["had_gradient"] for d in dead) else Trigger.NO_GRADIENT
     return trigger, {"dead": dead, "frozen": beside, "all_zero": bool(pending and pending.get("all_zero")),
-                     "reentrant_checkpoint": reentrant}
+                     "reentrant_checkpoint": reentrant, **(ckpt or {})}
 
 
 SHAPE_ONLY = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",
@@ -230,6 +231,7 @@ class ReachWatch:
     def __init__(self, suspects: list[torch.Tensor]):
         self.of: dict[int, int] = {id(p): 1 << i for i, p in enumerate(suspects)}
         self.reentrant = False  # an op ran under no_grad inside a reentrant checkpoint's forward
+        self.checkpoint_call: dict | None = None  # the lines that called that checkpoint (_reentrant_call)
         self._looked = 0
         self._keep: dict[int, torch.Tensor] = {}  # the tensors `of` names stay alive: their ids are not reused
         self._ptrs = {}
@@ -242,7 +244,8 @@ class ReachWatch:
     def see(self, func, args: tuple, kwargs: dict, out: Any) -> None:
         if not torch.is_grad_enabled() and not self.reentrant and self._looked < 20:
             self._looked += 1
-            self.reentrant = _in_reentrant_checkpoint()
+            self.checkpoint_call = _reentrant_call()
+            self.reentrant = self.checkpoint_call is not None
         try:
             name = func.overloadpacket.__name__
         except AttributeError:
@@ -269,16 +272,22 @@ class ReachWatch:
                 self._keep[id(o)] = o
 
 
-def _in_reentrant_checkpoint() -> bool:
-    """Whether the running op was called from torch.utils.checkpoint's reentrant CheckpointFunction.forward."""
+def _reentrant_call() -> dict | None:
+    """When the running op was called from torch.utils.checkpoint's reentrant CheckpointFunction.forward: the
+    first line outside torch above it (the checkpoint call: `checkpoint(block, x, use_reentrant=True)`, or
+    transformers' checkpointing layer wrapper) and the line that called that one (the layer call in the model's
+    forward), as `checkpoint_call` / `checkpoint_caller` frames; None otherwise."""
     import sys
 
     f = sys._getframe(2)
     while f is not None:
         if f.f_code.co_name == "forward" and f.f_code.co_filename.replace("\\", "/").endswith("utils/checkpoint.py"):
-            return True
+            found = user_frames_from(f.f_back, 2)
+            names = ("checkpoint_call", "checkpoint_caller")
+            return {k: {"file": fr[0], "line": fr[1], "function": fr[2], "code": fr[3]}
+                    for k, fr in zip(names, found, strict=False)}
         f = f.f_back
-    return False
+    return None
 
 
 def _selects_nothing(indices: Any) -> bool:

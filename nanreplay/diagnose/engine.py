@@ -32,7 +32,8 @@ def diagnose(result, subject, step: Step, c: int | None, chain: list[int], *, ve
     """The `diagnosis` object of the JSON contract, with fixes verified by replay."""
     info = getattr(result, "snapshot_info", None) or {}
     if c is None:
-        return finite.diagnose_finite(result, subject, step if step.failure is None else None, info)
+        return finite.diagnose_finite(result, subject, step if step.failure is None else None, info,
+                                      verify_fixes=verify_fixes)
     site = Site(step, step.events[c], chain, subject, info)
     diag = RULES.answer(site)
     if verify_fixes:

@@ -40,7 +40,7 @@ def _none(guidance: str, verification: str = "not replayed: nothing in this step
     return Fix(FixKind.NONE, "", guidance=guidance, verification=verification)
 
 
-def diagnose_finite(result, subject, step: replay.Step | None, info: dict) -> dict:
+def diagnose_finite(result, subject, step: replay.Step | None, info: dict, *, verify_fixes: bool = True) -> dict:
     trigger = info.get("trigger")
     env = info.get("environment") if isinstance(info.get("environment"), dict) else {}
     coll = env.get("collective") if isinstance(env.get("collective"), dict) else info.get("collective")
@@ -51,7 +51,7 @@ def diagnose_finite(result, subject, step: replay.Step | None, info: dict) -> di
     if trigger == "grad_spike" and step is not None:
         return _spike(result, subject, step, info)
     if trigger in flow_prose.FLOW_TRIGGERS:
-        return flow_prose.diagnose_flow(result, subject, info)
+        return flow_prose.diagnose_flow(result, subject, info, verify=verify_fixes)
     machine = ((getattr(result, "differential", None) or {}).get("machine") or {})
     if machine.get("verdict") == "transient" and trigger in ("loss", *GRADIENT_TRIGGERS):
         return _transient(result, info, env, machine)  # the guard's own re-run decides it, on the training device

@@ -28,6 +28,7 @@ import torch
 from nanreplay.capture.flow import SHAPE_ONLY
 from nanreplay.formats.program import node_inputs, node_outputs
 
+LEAKY_MAX_CHANGE = 0.5  # LeakyReLU repairs dead units when the loss it gives differs by at most this (relative)
 CUT_OPS = {"aten.detach.default": "detach", "aten.detach_.default": "detach"}
 STE = ("a straight-through estimator keeps the forward value and lets the gradient through: "
        "`y = soft + (hard - soft).detach()` (or torch.nn.functional.gumbel_softmax(..., hard=True))")
@@ -44,6 +45,10 @@ FIXES = {  # kind -> (fix kind, advice)
                                                      "gradient_checkpointing_enable(gradient_checkpointing_kwargs="
                                                      "{'use_reentrant': False}), or enable_input_require_grads())"),
     "integer": ("straight_through", "an integer result (argmax, a cast to an integer dtype) has no gradient: " + STE),
+    "argmax": ("straight_through", "argmax has no gradient, so whatever computed its input (a router, a scorer) "
+                                   "never learns: weight what the choice selects by its softmax probability "
+                                   "(`probs = logits.softmax(-1); y = y * probs.gather(-1, choice[:, None])`, as "
+                                   "mixture-of-experts routers do), or " + STE),
     "frozen": ("unfreeze", "the parameter has requires_grad=False although it is tied to a trained module's "
                            "weight: call .requires_grad_(True) on it (or untie the weights if the freeze was meant)"),
     "relu": ("leaky_relu", "the ReLU units are dead (negative input for every sample): use LeakyReLU/GELU, "
@@ -79,7 +84,8 @@ def _kind_of(op_name: str) -> str:
 class Run:
     """The program run once with every value kept (and, optionally, some cuts undone)."""
 
-    def __init__(self, model, inputs: Any, target: Any, *, undo: set[int] = frozenset(), link: dict | None = None):
+    def __init__(self, model, inputs: Any, target: Any, *, undo: set[int] = frozenset(), link: dict | None = None,
+                 leaky: set[int] = frozenset()):
         self.model, prog = model, model.program
         self.env = model._leaves(inputs, target)
         for ref, name in (link or {}).items():  # a `.data` copy replaced by the parameter itself
@@ -91,6 +97,10 @@ class Run:
                 if i in undo and node.name in CUT_OPS:
                     args, _ = model._checked_args(node, self.env)
                     out = torch.ops.aten.alias.default(args[0])
+                elif i in leaky:  # a ReLU replayed as LeakyReLU(0.01)
+                    args, _ = model._checked_args(node, self.env)
+                    op = torch.ops.aten.leaky_relu_ if node.name.endswith("relu_.default") else torch.ops.aten.leaky_relu
+                    out = op.default(args[0], 0.01)
                 else:
                     out = model._run(node, self.env)
                 model._bind(node, out, self.env, i)
@@ -237,8 +247,9 @@ def _zero_cause(model, env: dict, i: int, ref: int) -> dict:
     return {**_where(prog, i), "kind": kind, "local_zero": _local_zero(model, env, i, ref)}
 
 
-def analyze(subject, info: dict) -> dict | None:
-    """The `gradient_flow` object for the parameters the guard named (None without a step program)."""
+def analyze(subject, info: dict, *, verify: bool = True) -> dict | None:
+    """The `gradient_flow` object for the parameters the guard named (None without a step program); the fixes
+    replayed unless `verify` is off (`--no-verify`)."""
     model = subject.model
     prog = getattr(model, "program", None)
     if prog is None or not getattr(subject, "program", False):
@@ -264,6 +275,9 @@ def analyze(subject, info: dict) -> dict | None:
         if d.get("gradient") == "frozen":
             row.update(verdict="gradient_cut", kind="frozen", op=None, source=None,
                        why="requires_grad=False on a parameter tied to a trained module's weight")
+            use = _use_of(prog, model, name or "")
+            if use is not None:  # where its frozen value enters the step under this name (a tied decoder's matmul)
+                row.update(**{k: v for k, v in _where(prog, use).items() if k != "forward_op"})
             rows.append(row)
             continue
         if name not in params:
@@ -291,14 +305,30 @@ def analyze(subject, info: dict) -> dict | None:
         rows.append(row)
     run = None
     model.zero_grad(set_to_none=True)
-    if flow.get("reentrant_checkpoint"):  # the guard saw the no_grad ops run inside a reentrant checkpoint
-        for c in [c for r in rows for c in [r, *r.get("others", [])]]:
-            if c.get("kind") == "no_grad":
-                c["kind"] = "reentrant_checkpoint"
-    for row in rows:
-        if row.get("verdict") == "gradient_cut" and row.get("kind") in ("detach", "no_grad", "data_copy",
-                                                                        "reentrant_checkpoint"):
-            row["fix"] = _verify_cut(subject, prog, row, copies, params)
+    regions = []
+    for c in [c for r in rows for c in [r, *r.get("others", [])]]:
+        if c.get("kind") == "no_grad" and flow.get("reentrant_checkpoint"):  # the guard saw it: no_grad ops run
+            c["kind"] = "reentrant_checkpoint"  # inside a reentrant checkpoint's forward
+        if c.get("kind") == "reentrant_checkpoint" and c.get("node") is not None:
+            regions.append((_at_checkpoint(prog, c), c))
+    call, caller = flow.get("checkpoint_call"), flow.get("checkpoint_caller")
+    for start, c in regions:  # the guard saw the first region's call: the rows cut in that region are said there
+        if start == min(s for s, _ in regions) and isinstance(call, dict) and call.get("file"):
+            c["checkpoint"].update(call=call, caller=caller)
+            c["source"] = {"file": call["file"], "line": call["line"], "code": call.get("code")}
+    verified: dict[tuple, dict] = {}  # one replay per place: the rows that stop at the same node share it
+    for row in rows if verify else []:
+        key = (row.get("verdict"), row.get("kind"), row.get("node"), row["name"] if row.get("kind") == "frozen" else 0)
+        same = [r for r in rows if (r.get("verdict"), r.get("kind"), r.get("node")) == key[:3]]
+        if key in verified:
+            row["fix"] = verified[key]
+        elif row.get("verdict") == "gradient_cut" and row.get("kind") in ("detach", "no_grad", "data_copy",
+                                                                          "reentrant_checkpoint"):
+            row["fix"] = verified[key] = _verify_cut(subject, prog, same, copies, params)
+        elif row.get("verdict") == "gradient_zero" and row.get("kind") == "relu" and row.get("node") is not None:
+            row["fix"] = verified[key] = _verify_leaky(subject, prog, same, deps, need, params)
+        elif row.get("kind") == "frozen" and row["name"] in params:
+            row["fix"] = verified[key] = _verify_unfreeze(subject, row, params)
     verdicts = [r["verdict"] for r in rows]
     verdict = ("gradient_cut" if "gradient_cut" in verdicts else "gradient_zero" if "gradient_zero" in verdicts
                else None)
@@ -307,27 +337,119 @@ def analyze(subject, info: dict) -> dict | None:
             "per_parameter": rows, "frozen": list(flow.get("frozen") or []), "all_zero": bool(flow.get("all_zero"))}
 
 
-def _verify_cut(subject, prog, row: dict, copies: dict[int, str], params: dict) -> dict:
-    """Replay with this cut undone: the same loss bit for bit, and a non-zero gradient for the parameter."""
-    fix_kind, advice = FIXES[row["kind"]]
+def _use_of(prog, model, name: str) -> int | None:
+    """The first op that reads this parameter inside the module that owns it under this name (else anywhere)."""
+    canon = model.aliases.get(name, name)
+    refs = {lf.ref for lf in prog.leaves if lf.kind == "param" and model.aliases.get(lf.name, lf.name) == canon}
+    owner = name.rpartition(".")[0]
+    readers = [i for i, n in enumerate(prog.nodes) if any(r in refs for r in node_inputs(n))]
+    return next((i for i in readers if prog.modules[prog.nodes[i].module] == owner), readers[0] if readers else None)
+
+
+def _at_checkpoint(prog, row: dict) -> int:
+    """A cut inside a reentrant checkpoint is the checkpoint's: the row's module becomes the checkpointed one (the
+    outermost module call around the op whose every op ran under no_grad); the op's own line is kept as
+    `checkpoint.inside`. Returns the index of the region's first node (the guard saw the first region's call)."""
+    node = prog.nodes[row["node"]]
+    chain, s = [], node.scope
+    while s is not None and s >= 0:
+        chain.append(s)
+        s = prog.scopes[s][1]
+    inside: dict[int, bool] = {}  # scope -> every op in it ran under no_grad
+    first: dict[int, int] = {}  # scope -> its first node
+    for i, n in enumerate(prog.nodes):
+        s = n.scope
+        while s is not None and s >= 0:
+            inside[s] = inside.get(s, True) and not n.grad
+            first.setdefault(s, i)
+            s = prog.scopes[s][1]
+    scope = next((s for s in reversed(chain) if inside.get(s)), None)
+    region = prog.modules[prog.scopes[scope][0]] if scope is not None else None
+    row["checkpoint"] = {"module": region, "call": None, "caller": None, "first_op": node.name,
+                         "inside": row.get("source"), "inside_module": row.get("module")}
+    if region is not None:
+        row["module"] = region
+    return first.get(scope, row["node"]) if scope is not None else row["node"]
+
+
+def _replayed(subject, params: dict, names: list[str], before: torch.Tensor, **undo) -> dict:
+    """Replay with a change (Run's keywords) and say whether every named parameter now gets a finite, non-zero
+    gradient, and how the loss moved."""
+    model = subject.model
+    run = Run(model, subject.inputs, subject.target, **undo)
+    model.zero_grad(set_to_none=True)
+    if run.loss.requires_grad:
+        run.loss.backward()
+    grads = [params[n].grad for n in names]
+    flows = all(g is not None and bool((g != 0).any()) and bool(torch.isfinite(g).all()) for g in grads)
+    norm = math.sqrt(sum(float(g.double().norm()) ** 2 for g in grads if g is not None))
+    loss = run.loss.detach()
+    same = bool(torch.equal(loss, before))
+    rel = float((loss.double() - before.double()).abs() / before.double().abs().clamp_min(1e-30))
+    model.zero_grad(set_to_none=True)
+    return {"flows": flows, "replay": {"loss_unchanged": same, "loss_change": rel if math.isfinite(rel) else None,
+                                       "grad_norm": norm if math.isfinite(norm) else None}}
+
+
+def _verify_leaky(subject, prog, same: list[dict], deps: dict, need: set, params: dict) -> dict:
+    """Replay with the ReLUs on the dead parameters' paths as LeakyReLU(0.01): verified when every parameter this
+    ReLU starved gets a non-zero gradient again (the loss moves a little: the dead units now pass 1% of their
+    input; `loss_change` says how much)."""
+    fix_kind, advice = FIXES["relu"]
     out = {"kind": fix_kind, "advice": advice, "verified": None}
+    names = [r["name"] for r in same]
     try:
-        model = subject.model
-        before = Run(model, subject.inputs, subject.target).loss.detach()
-        undo = {c["node"] for c in [row, *row.get("others", [])] if c.get("node") is not None
+        before = Run(subject.model, subject.inputs, subject.target).loss.detach()
+        path = set().union(*(deps[n] & need for n in names))
+        leaky = {i for i, n in enumerate(prog.nodes) if _kind_of(n.name) == "relu" and n.name.split(".")[1]
+                 in ("relu", "relu_") and any(r in path for r in node_inputs(n))}
+        got = _replayed(subject, params, names, before, leaky=leaky)
+        moved = got["replay"]["loss_change"]
+        small = moved is not None and moved <= LEAKY_MAX_CHANGE
+        out.update(verified=got["flows"] and small and bool(torch.isfinite(before)), replay=got["replay"],
+                   swapped=len(leaky))
+        if got["flows"] and not small:  # the units' inputs are far below zero: 1% of them is no small change
+            out["why"] = ("the gradient flows again, but the loss changes by "
+                          + (f"{moved:.3g}x" if moved is not None else "a non-finite amount")
+                          + ": the units' inputs are far below zero (weights an update blew up), so LeakyReLU "
+                          "alone does not repair them; re-initialise the layer and lower the learning rate")
+    except Exception as e:  # noqa: BLE001 - verification is an extra
+        out["why"] = f"the replay with LeakyReLU raised {type(e).__name__}: {e}"
+    return out
+
+
+def _verify_unfreeze(subject, row: dict, params: dict) -> dict:
+    """Replay with the tied weight's requires_grad on: the same loss bit for bit and a non-zero gradient."""
+    fix_kind, advice = FIXES["frozen"]
+    out = {"kind": fix_kind, "advice": advice, "verified": None}
+    p = params[row["name"]]
+    was = p.requires_grad
+    try:
+        before = Run(subject.model, subject.inputs, subject.target).loss.detach()
+        p.requires_grad_(True)
+        got = _replayed(subject, params, [row["name"]], before)
+        out.update(verified=got["flows"] and got["replay"]["loss_unchanged"], replay=got["replay"])
+    except Exception as e:  # noqa: BLE001 - verification is an extra
+        out["why"] = f"the replay with requires_grad on raised {type(e).__name__}: {e}"
+    finally:
+        p.requires_grad_(was)
+        p.grad = None
+    return out
+
+
+def _verify_cut(subject, prog, same: list[dict], copies: dict[int, str], params: dict) -> dict:
+    """Replay with these rows' cut undone (rows cut at the same place): the same loss bit for bit, and a non-zero
+    gradient for each of their parameters."""
+    fix_kind, advice = FIXES[same[0]["kind"]]
+    out = {"kind": fix_kind, "advice": advice, "verified": None}
+    names = [r["name"] for r in same]
+    try:
+        before = Run(subject.model, subject.inputs, subject.target).loss.detach()
+        undo = {c["node"] for r in same for c in [r, *r.get("others", [])] if c.get("node") is not None
                 and c.get("kind") == "detach"} | {i for i, n in enumerate(prog.nodes) if not n.grad}
-        link = {r: n for r, n in copies.items() if n == row["name"]}
-        run = Run(model, subject.inputs, subject.target, undo=undo, link=link)
-        model.zero_grad(set_to_none=True)
-        if run.loss.requires_grad:
-            run.loss.backward()
-        g = params[row["name"]].grad
-        same = bool(torch.equal(run.loss.detach(), before))
-        flows = g is not None and bool((g != 0).any()) and bool(torch.isfinite(g).all())
-        norm = float(g.double().norm()) if g is not None else 0.0
-        out.update(verified=same and flows, replay={"loss_unchanged": same, "grad_norm": norm if math.isfinite(norm)
-                                                    else None})
-        model.zero_grad(set_to_none=True)
+        link = {r: n for r, n in copies.items() if n in names}
+        got = _replayed(subject, params, names, before, undo=undo, link=link)
+        out.update(verified=got["replay"]["loss_unchanged"] and got["flows"], replay=got["replay"])
     except Exception as e:  # noqa: BLE001 - verification is an extra
         out["why"] = f"the replay with the cut removed raised {type(e).__name__}: {e}"
     return out

@@ -25,21 +25,45 @@ def _at(row: dict) -> str:
     return f"{row.get('op') or ''}{mod}{where}"
 
 
-def _lr_jump(info: dict) -> str:
-    """The learning rate's jump in the history before the gradients died, as a sentence ('' if none)."""
+def _line(src) -> str:
+    return f"{src['file']}:{src['line']}" + (f" (`{src['code'].strip()}`)" if src.get("code") else "") \
+        if isinstance(src, dict) and src.get("file") else ""
+
+
+def _checkpoint_at(ck: dict) -> str:
+    """Where the reentrant checkpoint was called, and what its region ran first."""
+    out = f" — the checkpoint of module {ck['module']!r}" if ck.get("module") else " — the checkpoint"
+    if _line(ck.get("call")):
+        out += f", called at {_line(ck['call'])}"
+        out += f" from {_line(ck['caller'])}" if _line(ck.get("caller")) else ""
+    out += (". Its forward runs under no_grad, and since none of its inputs needs a gradient its output has no "
+            "graph at all: nothing inside it learns")
+    inside = _line(ck.get("inside"))
+    return out + (f" (its first op, {ck.get('first_op')}, runs at {inside})" if inside else "")
+
+
+def lr_jump(info: dict) -> dict | None:
+    """The learning rate's first jump (10x or more between two recorded steps) in the run's history."""
     rows = [(r.get("step"), finite_float(r.get("lr"))) for r in history_rows(info)]
     rows = [(s, v) for s, v in rows if v is not None and v > 0]
     for (_s0, a), (s1, b) in zip(rows, rows[1:], strict=False):
         if b > 10 * a:
-            return (f" The run's history shows the cause: the learning rate jumped from {a:.3g} to {b:.3g} at step "
-                    f"{s1}, and the update it made pushed the units' inputs below zero for every sample.")
-    return ""
+            return {"from": a, "to": b, "step": s1}
+    return None
 
 
-def diagnose_flow(result, subject, info: dict) -> dict:
+def _lr_jump(jump: dict | None) -> str:
+    if jump is None:
+        return ""
+    return (f" The run's history shows the cause: the learning rate jumped from {jump['from']:.3g} to "
+            f"{jump['to']:.3g} at step {jump['step']}, and the update it made pushed the units' inputs below zero "
+            "for every sample.")
+
+
+def diagnose_flow(result, subject, info: dict, *, verify: bool = True) -> dict:
     gf = None
     try:
-        gf = flow.analyze(subject, info)
+        gf = flow.analyze(subject, info, verify=verify)
     except Exception as e:  # noqa: BLE001 - report what the guard saw rather than fail the analysis
         result.warnings.append(f"the gradient-flow walk failed: {type(e).__name__}: {e}")
     dead = [d.get("name") for d in (info.get("gradient_flow") or {}).get("dead") or []]
@@ -65,9 +89,11 @@ def diagnose_flow(result, subject, info: dict) -> dict:
                 "everywhere.")
     elif gf["verdict"] == "gradient_cut":
         title = f"gradient cut: {_SAID.get(first['kind'], first['kind'])} stops the gradient"
+        ck = first.get("checkpoint") if first["kind"] == "reentrant_checkpoint" else None
+        at = _checkpoint_at(ck) if isinstance(ck, dict) else (" — " + _at(first)) if first.get("op") else ""
         expl = (f"{names} take part in the loss but get no gradient: on the way from "
                 f"{'them' if len(rows) > 1 else 'it'} to the loss the graph is cut by {_SAID.get(first['kind'])}"
-                f"{(' — ' + _at(first)) if first.get('op') else ''}.")
+                f"{at}.")
         if first.get("others"):
             expl += " Further cuts on the same path: " + "; ".join(_at(o) for o in first["others"]) + "."
     else:
@@ -81,11 +107,21 @@ def diagnose_flow(result, subject, info: dict) -> dict:
         if first.get("kind") == "softmax_single":
             expl += " It is a softmax over a dimension of size 1: its output is 1.0 whatever its input."
         if first.get("kind") == "relu":
-            expl += _lr_jump(info)
-    fix_kind, advice = flow.FIXES.get(first.get("kind"), flow.FIXES["other"])
+            gf["lr_jump"] = lr_jump(info)
+            expl += _lr_jump(gf["lr_jump"])
+    key = first.get("kind")
+    if key == "integer" and any(a in str(first.get("op") or "") for a in (".argmax.", ".argmin.", ".max.dim", ".topk.")):
+        key = "argmax"  # a choice: routing weighted by the softmax is the usual repair
+    fix_kind, advice = flow.FIXES.get(key, flow.FIXES["other"])
     verified = first.get("fix", {}).get("verified") if isinstance(first.get("fix"), dict) else None
-    how = ("replayed with the cut removed: the loss is unchanged bit for bit and the gradient is non-zero"
-           if verified else "not replayed" if verified is None else "replayed with the cut removed: "
+    change = {"relu": "with LeakyReLU(0.01) in place of the dead ReLU", "frozen": "with requires_grad=True on it"
+              }.get(first.get("kind"), "with the cut removed")
+    moved = (first.get("fix") or {}).get("replay") or {}
+    same = ("the loss is unchanged bit for bit" if moved.get("loss_unchanged") else
+            f"the loss moves by {100 * moved['loss_change']:.2g}%" if isinstance(moved.get("loss_change"), float)
+            else "the loss changes")
+    how = (f"replayed {change}: {same} and every parameter named gets a non-zero gradient" if verified
+           else "not replayed" if verified is None else f"replayed {change}: "
            + str(first["fix"].get("why") or "the gradient stayed zero"))
     fix = Fix(FixKind(fix_kind), "", guidance=advice, verification=how).to_json()
     fix.update(verified=verified, replay=first["fix"].get("replay") if isinstance(first.get("fix"), dict) else None)

@@ -88,6 +88,8 @@ def _state_dict(v, where):
         raise S.SchemaError(f"{where} must be a dict, not a {type(v).__name__}")
     return S.batch_tree(v, where)
 
+_FRAME = S.record({"file": S.string(4096), "line": S.integer(0), "function": S.optional(S.string(1000)),
+                   "code": S.optional(S.string(2000))})  # a source line the guard saw (capture/flow.py)
 FIELDS_V2: dict[str, S.Checker] = {
     "format": S.string(100), "version": S.integer(1, 1000),
     "created": S.optional(S.string(64)), "nanreplay_version": S.optional(S.string(64)),
@@ -102,7 +104,8 @@ FIELDS_V2: dict[str, S.Checker] = {
                                     "had_gradient": S.optional(S.boolean),
                                     "zero_steps": S.optional(S.integer(0))}), 100_000),
         "frozen": S.optional(S.list_of(S.string(1000), 100_000)), "all_zero": S.optional(S.boolean),
-        "reentrant_checkpoint": S.optional(S.boolean)})),
+        "reentrant_checkpoint": S.optional(S.boolean),
+        "checkpoint_call": S.optional(_FRAME), "checkpoint_caller": S.optional(_FRAME)})),
     "batch": S.record({"inputs": S.batch_tree, "target": S.batch_tree, "batch": S.batch_tree}),
     "state": S.dict_of(S.tensor()), "parameters": S.list_of(S.string(1000)),
     "input_names": S.optional(S.list_of(S.string(200), 64)),

@@ -64,6 +64,24 @@ def user_frame(depth: int = 2) -> Frame | None:
     return None
 
 
+def user_frames_from(f, count: int) -> list[Frame]:
+    """Up to `count` user frames (outside torch and the stdlib) from frame `f` outward, each a different
+    function's, with its line's code; stops at nanreplay's own code."""
+    out: list[Frame] = []
+    while f is not None and len(out) < count:
+        code = f.f_code
+        k = _frame_kind.get(code)
+        if k is None:
+            k = _frame_kind[code] = _classify(code.co_filename)
+        if k == _STOP:
+            break
+        if k == _USER:
+            out.append((code.co_filename, f.f_lineno, code.co_name,
+                        linecache.getline(code.co_filename, f.f_lineno).strip()[:2000] or None))
+        f = f.f_back
+    return out
+
+
 # Folders whose .py files may be read to show or rewrite a line a *snapshot* recorded (not lines of code that
 # ran in this process, which are read as usual). Set by the analysis from `--source DIR` only (default: none —
 # a guessable line such as `DEBUG = False` is no proof that a file under the current folder is the one recorded).

@@ -114,15 +114,23 @@ def markdown_summary(a: Analysis | dict) -> str:
         fail = failure_text(d)
         out.append(what + (f"; {escape(fail)}." if fail else "."))
     else:
-        out.append(escape(b.headline) + ".")
+        flow = d.get("verdict") in ("gradient_cut", "gradient_zero")
+        if flow and b.line:  # where the gradient's flow ends
+            out += [f"{code(b.line.where)}:", block(b.line.code, "python")]
+        out.append(escape(b.headline) + (f" ({code(b.subline)})" if flow and b.subline else "") + ".")
         for r in (d.get("nonfinite_leaves") or [])[:5]:
             out.append(f"- {code(r.get('name') or '')} ({escape(r.get('role') or '')}): {escape(str(r.get('nan', 0)))} NaN, "
                        f"{escape(str(r.get('inf', 0)))} Inf")
     machine = machine_view(d)
     if machine is not None and machine.first_screen:
         out += ["", f"**Machine:** {escape(machine.sentence)}"]
-    if b.why:
-        out += ["", f"**Why:** {prose(b.why)}"]
+    if b.why:  # a dead gradient's details (the checkpoint, the share of dead units, the history) are its why
+        rest = f" {prose(b.details)}" if d.get("verdict") in ("gradient_cut", "gradient_zero") and b.details else ""
+        out += ["", f"**Why:** {prose(b.why)}{rest}"]
+    for bc in [x for x in d.get("broadcast") or [] if isinstance(x, dict)][:3]:  # a silent shape bug, always said
+        src = bc.get("source") if isinstance(bc.get("source"), dict) else None
+        at = f"{code(str(src.get('file')) + ':' + str(src.get('line')))}: " if src else ""
+        out += ["", f"**Shape bug:** {at}{escape(str(bc.get('message') or ''))}"]
     fix = _fix_lines(b)
     if fix:
         out += ["", *fix]

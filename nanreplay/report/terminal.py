@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from nanreplay.analysis.result import Analysis
 from nanreplay.report.format import kind_text, module_label, where
-from nanreplay.report.views.banner import anomaly_short, banner, failure_text, loss_source_note
+from nanreplay.report.views.banner import anomaly_short, banner, failure_text, flow_row, loss_source_note
 from nanreplay.report.views.compiler import compiler_line
 from nanreplay.report.views.kernel import kernel_line
 from nanreplay.report.views.machine import first_screen_line
@@ -22,8 +22,12 @@ def terminal_summary(a: Analysis | dict, report_path: str | None) -> str:
 
 def culprit_block(a: Analysis | dict) -> list[str]:
     """The summary's first lines — the verdict, the culprit and the failure — which the replay alone decides:
-    printed as soon as it has them, before the diagnosis and the probe have run."""
+    printed as soon as it has them, before the diagnosis and the probe have run. Empty when the replay alone does
+    not decide the verdict: a finite replay is what a spike, a dead-gradient or a transient snapshot's diagnosis
+    reads, and it names the verdict itself (a block saying "not reproduced" first would be wrong)."""
     d = a.to_json() if isinstance(a, Analysis) else a
+    if d.get("verdict") == "not_reproduced":
+        return []
     return _lines(d, banner(d), None, block_only=True)
 
 
@@ -65,6 +69,7 @@ def _lines(d: dict, b, report_path: str | None, *, block_only: bool = False) -> 
             lines.append(f"           {src['code']}")
     else:
         lines.append(f"  {b.headline}")
+        lines += _flow_lines(d, b)
         for r in (d.get("nonfinite_leaves") or [])[:5]:
             at = f"; bad samples (dim 0): {r['samples']}" if r.get("samples") else ""
             lines.append(f"  {r['role']:10} {r['name']}: {r['nan']} NaN, {r['inf']} Inf{at}")
@@ -73,8 +78,9 @@ def _lines(d: dict, b, report_path: str | None, *, block_only: bool = False) -> 
         lines.append(f"  failure  {fail}")
     if block_only:
         return [one_line(ln) for ln in lines]
-    if b.cause:
+    if b.cause and b.cause.lower() != b.headline.lower():  # (a dead gradient's headline is its cause)
         lines.append(f"  cause    {b.cause}")
+    lines += _broadcast_lines(d)
     machine = first_screen_line(d)
     if machine:
         lines.append(f"  {machine}")
@@ -98,3 +104,40 @@ def _lines(d: dict, b, report_path: str | None, *, block_only: bool = False) -> 
         lines.append(f"  report   {report_path}")
     # Module names, paths, code and messages come from the snapshot: each line escaped and capped.
     return [one_line(ln) for ln in lines]
+
+
+def _flow_lines(d: dict, b) -> list[str]:
+    """A dead-gradient verdict: where the flow ends (op, module, line and its code) and which parameters stopped."""
+    row = flow_row(d) if d.get("verdict") in ("gradient_cut", "gradient_zero") else None
+    if row is None:
+        return []
+    mod = f" in module {row['module']!r}" if row.get("module") else ""
+    loc = f" at {b.line.where}" if b.line else " (no source line recorded)"
+    out = [f"  where    {row.get('op') or 'requires_grad=False'}{mod}{loc}"]
+    if b.line and b.line.code:
+        out.append(f"           {b.line.code}")
+    names = list((d.get("gradient_flow") or {}).get("parameters") or [])
+    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+    out.append(f"  params   {len(names)} stopped learning: {', '.join(map(str, names[:4]))}{more}")
+    lz = row.get("local_zero") if isinstance(row.get("local_zero"), dict) else None
+    if lz and lz.get("units") is not None:
+        out.append(f"  zeroed   {100 * lz['units']:.0f}% of its units, {100 * lz.get('elements', 0):.0f}% of the elements "
+                   "(a zero derivative for every sample)")
+    jump = (d.get("gradient_flow") or {}).get("lr_jump")
+    if isinstance(jump, dict) and all(isinstance(jump.get(k), (int, float)) for k in ("from", "to")):
+        out.append(f"  history  the learning rate jumped from {jump.get('from'):.3g} to {jump.get('to'):.3g} at step "
+                   f"{jump.get('step')}, before the units died")
+    return out
+
+
+def _broadcast_lines(d: dict) -> list[str]:
+    """A loss whose inputs broadcast silently (diagnose/broadcast.py): said in every summary, healthy or not."""
+    out = []
+    for b in [b for b in d.get("broadcast") or [] if isinstance(b, dict)][:3]:
+        src = b.get("source") if isinstance(b.get("source"), dict) else None
+        at = f" at {where(src)}" if src else ""
+        shapes = " with ".join(map(str, b.get("shapes") or []))
+        out.append(f"  shape    {b.get('op')} broadcasts {shapes} to {b.get('broadcast_to')}{at}")
+        if src and src.get("code"):
+            out.append(f"           {str(src['code']).strip()}")
+    return out

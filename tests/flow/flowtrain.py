@@ -2,10 +2,12 @@
 folder of its own: the analysis runs where this file cannot be imported). Each blamed line ends in `# CULPRIT`."""
 
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from nanreplay import NanGuard
 
@@ -72,12 +74,38 @@ class TiedLM(nn.Module):
         return self.lm_head(torch.tanh(self.body(self.embed(idx))))
 
 
+class OwnCheckpoint(nn.Module):
+    """A user's own reentrant checkpoint after a frozen input projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Linear(8, 16), nn.Linear(16, 1)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.embed.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.embed(x)
+        h = checkpoint(self.block, h, use_reentrant=True)  # CKPT
+        return self.head(h)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = F.relu(self.fc1(x))
+        h = F.relu(self.fc2(h))  # RELU
+        return self.out(h)
+
+
 def dead_relu():
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    return MLP()
 
 
 def loop(model, folder, steps, *, lr=1e-2, lr_at=None, tokens=False):
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad] if tokens else model.parameters(), lr=lr)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     loss_fn = F.cross_entropy if tokens else F.mse_loss
     guard = NanGuard(model, opt, loss_fn=loss_fn, folder=folder)
     for step in range(steps):
@@ -120,6 +148,26 @@ def broadcast_mse(folder):
         guard.grads_ok()
         opt.step()
     return guard
+
+
+def broadcast_healthy(folder):
+    """The same broadcasting loss on healthy steps: a snapshot of a finite step (as a user would save one by hand)."""
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    guard = NanGuard(model, opt, step_fn=mse_step, folder=folder)
+    for step in range(2):
+        x, y = torch.randn(8, 4), torch.randn(8)
+        guard.begin((x, y), step=step)
+        opt.zero_grad()
+        loss = mse_step(model, (x, y))
+        guard.loss_ok(loss)
+        loss.backward()
+        guard.grads_ok()
+        if step == 1:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            torch.save(guard.to_dict("loss"), f"{folder}/healthy.pt")
+        opt.step()
+    return f"{folder}/healthy.pt"
 
 
 def swiftformer(folder):
@@ -175,26 +223,63 @@ def vit_reentrant(folder):
     return guard
 
 
+def bert_tied_frozen(folder):
+    """transformers' BERT masked LM, tiny, with the token embeddings frozen: its MLM decoder's weight is the same
+    tensor (tied), so the decoder stops learning too while its bias trains on."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                     max_position_embeddings=16)
+    model = BertForMaskedLM(cfg)
+    model.bert.embeddings.word_embeddings.requires_grad_(False)  # meant: freeze the input embeddings only
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+    def step_fn(m, batch):
+        return m(input_ids=batch[0], labels=batch[1]).loss
+
+    guard = NanGuard(model, opt, step_fn=step_fn, folder=folder)
+    for step in range(2):
+        ids = torch.randint(0, 64, (2, 8))
+        guard.begin((ids, ids), step=step)
+        opt.zero_grad()
+        loss = step_fn(model, (ids, ids))
+        guard.loss_ok(loss)
+        loss.backward()
+        guard.grads_ok()
+        opt.step()
+    return guard
+
+
 def main(root, kinds):
     for kind in kinds:
-        torch.manual_seed(0)
+        torch.manual_seed(1 if kind == "skip_detach_again" else 0)
+        if kind == "broadcast_healthy":
+            print(kind, broadcast_healthy(f"{root}/{kind}"))
+            continue
         if kind == "broadcast_mse":
             g = broadcast_mse(f"{root}/{kind}")
             print(kind, g.snapshots[0] if g.snapshots else "none")
             continue
-        if kind in ("swiftformer", "vit_reentrant"):
-            g = {"swiftformer": swiftformer, "vit_reentrant": vit_reentrant}[kind](f"{root}/{kind}")
+        if kind in ("swiftformer", "vit_reentrant", "bert_tied_frozen"):
+            g = {"swiftformer": swiftformer, "vit_reentrant": vit_reentrant,
+                 "bert_tied_frozen": bert_tied_frozen}[kind](f"{root}/{kind}")
             print(kind, g.flow_snapshots[0] if g.flow_snapshots else "none", g.snapshots)
             continue
         if kind == "dead_relu":
             g = loop(dead_relu(), f"{root}/{kind}", 11, lr_at={4: 30.0})  # one step at lr 30 kills the units
+        elif kind == "dead_init":
+            m = MLP()
+            with torch.no_grad():
+                m.fc2.bias.fill_(-20.0)  # a bad init: every unit of the second layer dead from the first step
+            g = loop(m, f"{root}/{kind}", 5)
         elif kind == "tied_frozen":
             m = TiedLM()
             m.embed.weight.requires_grad_(False)  # meant: freeze the embeddings; it freezes the tied head too
             g = loop(m, f"{root}/{kind}", 2, tokens=True)
         else:
-            model = {"skip_detach": SkipDetach, "argmax_router": ArgmaxRouter, "sigmoid_gate": SigmoidGate,
-                     "no_grad_helper": NoGradHelper}[kind]()
+            model = {"skip_detach": SkipDetach, "skip_detach_again": SkipDetach, "argmax_router": ArgmaxRouter,
+                     "sigmoid_gate": SigmoidGate, "no_grad_helper": NoGradHelper,
+                     "own_reentrant": OwnCheckpoint}[kind]()
             g = loop(model, f"{root}/{kind}", 4)
         print(kind, g.flow_snapshots[0] if g.flow_snapshots else "none", g.snapshots)
 

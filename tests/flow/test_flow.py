@@ -19,7 +19,8 @@ from tests.isolation import ROOT, analyze_isolated, framework
 
 HERE = Path(__file__).resolve().parent
 KINDS = ("dead_relu", "skip_detach", "argmax_router", "sigmoid_gate", "no_grad_helper", "tied_frozen", "broadcast_mse",
-         "swiftformer", "vit_reentrant")
+         "swiftformer", "vit_reentrant", "bert_tied_frozen", "broadcast_healthy", "skip_detach_again",
+         "own_reentrant", "dead_init")
 
 
 def culprit_line(marker: str = "# CULPRIT") -> list[int]:
@@ -57,11 +58,28 @@ def test_dead_relu_after_an_lr_jump_is_a_zeroing_relu_and_the_history_names_the_
     d, paths = runs[0]["dead_relu"], runs[1]
     assert "gradient_died" in paths["dead_relu"]
     assert d["verdict"] == "gradient_zero" and d["snapshot_info"]["trigger"] == "gradient_died"
-    assert set(d["gradient_flow"]["parameters"]) == {"0.weight", "0.bias", "2.weight", "2.bias", "4.weight"}
+    assert set(d["gradient_flow"]["parameters"]) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "out.weight"}
     row = _first(d)
     assert row["op"] == "aten.relu.default" and row["kind"] == "relu" and row["local_zero"]["units"] == 1.0
+    assert _line(row) == ("flowtrain.py", culprit_line("# RELU")[0])
+    assert d["gradient_flow"]["lr_jump"] == {"from": 0.01, "to": 30.0, "step": 4}
     assert "jumped from 0.01 to 30 at step 4" in d["diagnosis"]["explanation"]
-    assert d["diagnosis"]["fix"]["kind"] == "leaky_relu"
+    fix = d["diagnosis"]["fix"]
+    assert fix["kind"] == "leaky_relu"
+    # replayed with LeakyReLU the gradient flows, but the lr jump blew the weights up: 1% of inputs that far below
+    # zero changes the loss by orders of magnitude, so the swap is not called a verified fix
+    assert fix["verified"] is False and fix["replay"]["loss_change"] > 1 and "re-initialise" in fix["verification"]
+
+
+def test_relu_units_dead_from_a_bad_init_are_repaired_by_leaky_relu_verified_by_replay(runs):
+    """No lr jump here (none is named): the units' inputs sit a little below zero, so LeakyReLU gives every parameter
+    a gradient and moves the loss only a little."""
+    d = runs[0]["dead_init"]
+    assert d["verdict"] == "gradient_zero" and _first(d)["kind"] == "relu" and d["gradient_flow"]["lr_jump"] is None
+    assert _line(_first(d)) == ("flowtrain.py", culprit_line("# RELU")[0])
+    fix = d["diagnosis"]["fix"]
+    assert fix["kind"] == "leaky_relu" and fix["verified"] is True and 0 < fix["replay"]["loss_change"] <= 0.5
+    assert fix["replay"]["grad_norm"] > 0 and "jumped" not in d["diagnosis"]["explanation"]
 
 
 def test_a_detach_on_the_skip_connection_is_cut_there_and_removing_it_is_verified(runs):
@@ -80,7 +98,8 @@ def test_a_router_through_argmax_is_cut_at_the_argmax(runs):
     row = _first(d)
     assert row["op"] == "aten.argmax.default" and row["kind"] == "integer"
     assert _line(row) == ("flowtrain.py", culprit_line()[1])
-    assert d["diagnosis"]["fix"]["kind"] == "straight_through"
+    fix = d["diagnosis"]["fix"]
+    assert fix["kind"] == "straight_through" and "softmax probability" in fix["code"] and ".detach()" in fix["code"]
 
 
 def test_a_saturated_sigmoid_gate_zeroes_the_gradient_at_the_sigmoid(runs):
@@ -104,6 +123,53 @@ def test_a_frozen_tied_weight_is_reported_with_its_other_name(runs):
     d = runs[0]["tied_frozen"]
     assert d["verdict"] == "gradient_cut" and _first(d)["kind"] == "frozen"
     assert "embed.weight" in d["diagnosis"]["explanation"] and d["diagnosis"]["fix"]["kind"] == "unfreeze"
+    fix = d["diagnosis"]["fix"]  # replayed with requires_grad on: the same loss, a gradient
+    assert fix["verified"] is True and fix["replay"]["loss_unchanged"] is True and fix["replay"]["grad_norm"] > 0
+
+
+def test_a_users_own_reentrant_checkpoint_after_a_frozen_layer_is_cut_at_its_call(runs):
+    d = runs[0]["own_reentrant"]
+    assert d["verdict"] == "gradient_cut" and set(d["gradient_flow"]["parameters"]) == {"block.0.weight", "block.0.bias"}
+    row = _first(d)
+    assert row["kind"] == "reentrant_checkpoint" and row["module"] == "block"
+    assert _line(row) == ("flowtrain.py", culprit_line("# CKPT")[0])
+    fix = d["diagnosis"]["fix"]
+    assert fix["kind"] == "use_reentrant_false" and fix["verified"] is True and fix["replay"]["loss_unchanged"] is True
+
+
+def test_transformers_bert_with_frozen_token_embeddings_freezes_its_tied_mlm_decoder(runs):
+    """Freezing BERT's word embeddings freezes the masked-LM decoder's weight too (the same tensor), while the
+    decoder's bias trains on: named at the decoder's call, and unfreezing it is verified by replay."""
+    d = runs[0]["bert_tied_frozen"]
+    assert d["verdict"] == "gradient_cut" and d["gradient_flow"]["parameters"] == ["cls.predictions.decoder.weight"]
+    row = _first(d)
+    assert row["kind"] == "frozen" and row["module"] == "cls.predictions.decoder"
+    assert _line(row)[0] == "modeling_bert.py" and "self.decoder(" in row["source"]["code"]
+    assert "bert.embeddings.word_embeddings.weight" in d["diagnosis"]["explanation"]
+    fix = d["diagnosis"]["fix"]
+    assert fix["kind"] == "unfreeze" and fix["verified"] is True and fix["replay"]["loss_unchanged"] is True
+
+
+def test_the_cli_summary_says_where_the_flow_ends_and_never_not_reproduced_first(runs, tmp_path):
+    """`nanreplay analyze` with no flags, from a folder where the training code cannot be imported: the terminal
+    names the verdict once (the replay alone, finite, would say "not reproduced": the diagnosis decides), where
+    the flow ends with the line's code, the parameters, and for dead units their share and the lr jump."""
+    from tests.clirun import run
+
+    paths = runs[1]
+    res = run("analyze", paths["dead_relu"], "--no-report", cwd=tmp_path)
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert "not reproduced" not in out and out.splitlines()[0].endswith(": gradient zero")
+    assert f"flowtrain.py:{culprit_line('# RELU')[0]}" in out and "h = F.relu(self.fc2(h))" in out
+    assert "100% of its units" in out and "jumped from 0.01 to 30 at step 4" in out
+    res = run("analyze", paths["vit_reentrant"], "--no-report", "--markdown", "-", cwd=tmp_path)
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert "not reproduced" not in out and "modeling_layers.py:" in out and "_gradient_checkpointing_func" in out
+    assert "verified by replay" in out
+    res = run("analyze", paths["skip_detach"], "--no-report", "--no-verify", cwd=tmp_path)  # no replay of the fix
+    assert res.exit_code == 0 and "[not verified]" in res.output and "(not replayed)" in res.output, res.output
 
 
 def test_a_broadcasting_mse_is_flagged_with_its_line_in_an_analysis_of_another_failure(runs):
@@ -134,13 +200,34 @@ def test_transformers_reentrant_checkpointing_with_frozen_embeddings_is_cut_ther
     assert names and all(n.startswith("vit.layers.") for n in names)
     assert any(n.startswith("vit.layers.1.") for n in names)  # every layer, not only the first
     row = _first(d)
-    assert row["kind"] == "reentrant_checkpoint" and _line(row)[0] == "modeling_vit.py"
+    assert row["kind"] == "reentrant_checkpoint" and row["module"] == "vit.layers.0"
+    # the cut is the checkpoint call (transformers' checkpointing wrapper), from the encoder's layer loop; the
+    # region's first op (a projection inside the layer) is kept as what it ran
+    ck = row["checkpoint"]
+    assert _line(row)[0] == "modeling_layers.py" and "_gradient_checkpointing_func" in row["source"]["code"]
+    assert Path(ck["caller"]["file"]).name == "modeling_vit.py" and "layer(hidden_states" in ck["caller"]["code"]
+    assert Path(ck["inside"]["file"]).name == "modeling_vit.py" and ck["first_op"] == row["op"]
+    assert "the checkpoint of module 'vit.layers.0', called at" in d["diagnosis"]["explanation"]
     fix = d["diagnosis"]["fix"]
     assert fix["kind"] == "use_reentrant_false" and fix["verified"] is True
 
 
+def test_a_broadcasting_mse_is_flagged_in_the_analysis_of_a_healthy_step_and_in_every_summary(runs, tmp_path):
+    from tests.clirun import run
+
+    d = runs[0]["broadcast_healthy"]
+    assert d["loss"] is not None and d["failure"] is None  # a finite step
+    (b,) = d["broadcast"]
+    assert b["broadcast_to"] == [8, 8] and _line(b) == ("flowtrain.py", culprit_line()[4])
+    res = run("analyze", runs[1]["broadcast_healthy"], "--no-report", "--markdown", "-", cwd=tmp_path)
+    assert res.exit_code == 0, res.output
+    line = f"flowtrain.py:{culprit_line()[4]}"
+    assert "**Shape bug:**" in res.output and "shape    aten.mse_loss.default broadcasts [8, 1] with [8]" in res.output
+    assert res.output.count(line) >= 2  # the Markdown's and the terminal's
+
+
 def test_no_broadcast_is_flagged_where_shapes_match(runs):
-    assert all("broadcast" not in runs[0][k] for k in KINDS if k != "broadcast_mse")
+    assert all("broadcast" not in runs[0][k] for k in KINDS if not k.startswith("broadcast"))
 
 
 # ------------------------------------------------------------------ routine zeros: nothing written
@@ -255,12 +342,36 @@ def test_triage_groups_dead_gradients_by_verdict_op_and_line(runs):
     from nanreplay.triage.groups import signature
     from nanreplay.triage.worker import analysis_fields
 
-    sig = {k: signature(analysis_fields(runs[0][k])) for k in KINDS if k != "broadcast_mse"}
+    sig = {k: signature(analysis_fields(runs[0][k])) for k in KINDS if not k.startswith("broadcast")
+           and k not in ("skip_detach_again", "own_reentrant", "dead_init")}
     assert len(set(sig.values())) == len(sig)  # one root cause each
     cut = analysis_fields(runs[0]["skip_detach"])
     assert (cut["verdict"], cut["op"], cut["source_line"]) == ("gradient_cut", "aten.detach.default", culprit_line()[0])
     again = analysis_fields({**runs[0]["skip_detach"], "snapshot": "another.pt"})
     assert signature(again) == sig["skip_detach"]
+
+
+def test_triage_puts_two_runs_of_the_same_cut_in_one_group_and_other_families_apart(runs, tmp_path):
+    """`nanreplay triage DIR` on dead-gradient snapshots: two runs (other seeds, other weights) cut by the same detach
+    are one incident; a dead ReLU and a reentrant checkpoint are their own."""
+    import json
+    import shutil
+
+    from tests.clirun import run
+
+    folder = tmp_path / "snaps"
+    folder.mkdir()
+    for k in ("skip_detach", "skip_detach_again", "dead_relu", "vit_reentrant"):
+        shutil.copy(runs[1][k], folder / f"{k}.pt")
+    res = run("triage", folder, "-o", tmp_path / "out", "-j", "1", "-q", cwd=tmp_path)
+    assert res.exit_code == 0, res.output
+    groups = json.loads((tmp_path / "out" / "groups.json").read_text())["groups"]
+    by = {g["verdict"] + ":" + str(g["kind"]): g for g in groups}
+    assert sorted(by) == ["gradient_cut:detach", "gradient_cut:reentrant_checkpoint", "gradient_zero:relu"]
+    cut = by["gradient_cut:detach"]
+    assert sorted(s["file"] for s in cut["snapshots"]) == ["skip_detach.pt", "skip_detach_again.pt"]
+    assert all(s["duplicate_of"] is None for s in cut["snapshots"])  # different files, one root cause
+    assert cut["source"]["line"] == culprit_line()[0] and cut["fix"]["verified"] == 2
 
 
 class DropDetach(nn.Module):

@@ -198,7 +198,7 @@ def why_and_details(d: dict, explanation: str) -> tuple[str, str]:
     return why, rest
 
 
-def _flow_row(d: dict) -> dict | None:
+def flow_row(d: dict) -> dict | None:
     """The first parameter row of a dead-gradient analysis whose verdict is the analysis' verdict."""
     gf = d.get("gradient_flow") or {}
     return next((r for r in gf.get("per_parameter") or [] if isinstance(r, dict) and r.get("verdict") == d["verdict"]),
@@ -250,12 +250,12 @@ def banner(d: dict) -> Banner:
         label, tone = "spike reproduced", "warn"
         headline = (f"The gradient-norm spike reproduced: norm {num(spike.get('grad_norm'))} "
                     f"(the run recorded {num(spike.get('recorded_grad_norm'))})")
-    flow_row = _flow_row(d) if verdict in ("gradient_cut", "gradient_zero") else None
-    if flow_row is not None:
+    frow = flow_row(d) if verdict in ("gradient_cut", "gradient_zero") else None
+    if frow is not None:
         tone, headline = "bad", str(diag.get("title") or verdict.replace("_", " "))
         headline = headline[:1].upper() + headline[1:]
-        subline = str(flow_row.get("op") or "")
-        src = flow_row.get("source")
+        subline = str(frow.get("op") or "")
+        src = frow.get("source")
         if src:
             line = CodeLine(where(src), "", str(src.get("code") or "").strip())
             facts.append(Fact("source", where(src), code=True))
