@@ -30,8 +30,30 @@ def _scaled(r: OpRecord) -> bool:
     return packet(str(r.op)) in _SCALE and sum(x is not None for x in r.src) == 1 and not (r.leaves and any(r.leaves))
 
 
+_METHODS = ("mul", "multiply", "div", "divide", "true_divide", "neg", "negative")
+
+
+def _name(node) -> str:
+    f = node.func
+    return f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+
+
 def _coefficient(node) -> float | None:
-    """c of the exponent c * x as written (`0.5 * logvar`, `-alpha`, `logvar / 2`, `logvar`), or None."""
+    """c of the exponent c * x as written (`0.5 * logvar`, `-alpha`, `logvar / 2`, `logvar.mul(0.5)`, `logvar`), or
+    None where it is not a number times the value (`logvar + 1`, a clamp)."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _METHODS:
+        c = _coefficient(node.func.value)  # x.mul(0.5), x.div(2), x.neg()
+        if node.func.attr in ("neg", "negative"):
+            return -c if c is not None and not node.args else None
+        try:
+            v = ast.literal_eval(node.args[0]) if len(node.args) == 1 and not node.keywords else None
+        except (ValueError, TypeError, SyntaxError):
+            return None
+        if c is None or not isinstance(v, (int, float)) or isinstance(v, bool) or v == 0:
+            return None
+        return c * v if node.func.attr in ("mul", "multiply") else c / v
+    if isinstance(node, ast.Call) and _name(node) in _METHODS + ("add", "sub", "subtract", "rsub", "clamp"):
+        return None  # an arithmetic call this reading does not follow
     if isinstance(node, (ast.Name, ast.Attribute, ast.Subscript, ast.Call)):
         return 1.0
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):

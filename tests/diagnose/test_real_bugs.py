@@ -8,7 +8,7 @@ of the training file and trained on — finite at every step, the healthy steps 
 * a padding mask filled with -float('-inf') (which is +inf): the softmax of a row holding +inf is NaN; the mask
   line gets torch.finfo(dtype).min;
 * GPT-2's `w * b - C * (1 - b)` with C = 1e10 a buffer that model.half() made inf: inf * 0 = NaN; the constant is
-  kept at float16's largest value;
+  kept at float16's largest value; the same with C = torch.tensor(1e10).to(w.dtype): clamped before the cast;
 * an entropy bonus p * log p over logits masked with -inf: 0 * -inf; the exact form clamps log p at finfo.min.
 """
 
@@ -91,6 +91,15 @@ class GPT2Block(nn.Module):
         return (w.softmax(-1) @ v).float().pow(2).mean()
 
 
+class CastBlock(GPT2Block):  # the constant made in float32 and cast where it is used (tf.cast(1e10, w.dtype))
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        w = q @ k.transpose(-1, -2) * 0.25
+        b = self.bias.to(w.dtype)
+        w = w * b - torch.tensor(1e10).to(w.dtype) * (1 - b)  # LINE: fp16 cast
+        return (w.softmax(-1) @ v).float().pow(2).mean()
+
+
 class Policy(nn.Module):
     def __init__(self):
         super().__init__()
@@ -123,7 +132,7 @@ def batches(kind, step):
         if step == 2:
             pad[1, 2] = True  # a padded key: masked with +inf
         return (torch.randn(2, 3, 4, generator=g), pad), None
-    if kind == "fp16":
+    if kind.startswith("fp16"):
         return (torch.randn(2, 4, 8, generator=g).half(),), None
     allowed = torch.ones(4, 5, dtype=torch.bool)
     if step == 2:
@@ -132,16 +141,17 @@ def batches(kind, step):
 
 
 MODELS = {"vae": (VAE, vae_loss), "ctc": (CRNN, ctc), "posmask": (Attention, None), "fp16": (GPT2Block, None),
-          "entropy": (Policy, policy_loss)}
+          "fp16cast": (CastBlock, None), "entropy": (Policy, policy_loss)}
 
 
 def run(kind, folder=None, f64=False):
     """Four optimizer steps; with a folder, under NanGuard (stops at the failure); else plainly: (loss, grad norm)."""
     torch.manual_seed(0)
     cls, loss_fn = MODELS[kind]
-    model = cls().half() if kind == "fp16" else cls()
+    model = cls().half() if kind.startswith("fp16") else cls()
     # float16 weights: SGD (Adam's eps of 1e-8 is 0 in float16, and its update 0/0)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2) if kind == "fp16" else torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = (torch.optim.SGD(model.parameters(), lr=1e-2) if kind.startswith("fp16") else
+           torch.optim.Adam(model.parameters(), lr=1e-3))
     guard = NanGuard(model, opt, loss_fn=loss_fn, folder=folder) if folder else None
     out = []
     for step in range(4):
@@ -172,7 +182,7 @@ if __name__ == "__main__":
 
 pytestmark = pytest.mark.integrations  # training loops run and analyzed in subprocesses, as test_real_forms.py
 
-KINDS = ("vae", "ctc", "posmask", "fp16", "entropy")
+KINDS = ("vae", "ctc", "posmask", "fp16", "fp16cast", "entropy")
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 
 
@@ -251,6 +261,20 @@ def test_fp16_constant_beyond_range_is_kept_finite(runs):
     assert fix["verified"] is True, fix["verification"]
     assert fix["after"].startswith("w = w * b - self.masked_bias.clamp_max(torch.finfo(torch.float16).max) * (1 - b)")
     _applied(root, "fp16", fix, bad=0)  # broken from the first half-precision step
+
+
+def test_fp16_constant_cast_beyond_range_is_clamped_before_the_cast(runs):
+    root, out = runs
+    d = out["fp16cast"]
+    assert d["culprit"]["op"].startswith("aten._to_copy")
+    assert d["culprit"]["source"]["line"] == marker_line(TRAINING, "fp16 cast")
+    diag = d["diagnosis"]
+    assert diag["cause"] == "constant_overflow", (diag["cause"], diag["title"])
+    fix = diag["fix"]
+    assert fix["verified"] is True, fix["verification"]
+    assert fix["after"].startswith("w = w * b - torch.tensor(1e10).clamp_max(torch.finfo(torch.float16).max)"
+                                   ".to(w.dtype) * (1 - b)"), fix
+    _applied(root, "fp16cast", fix, bad=0)
 
 
 def test_entropy_over_masked_logits_gets_the_exact_form(runs):

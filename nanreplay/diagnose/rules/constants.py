@@ -139,9 +139,53 @@ def _inf_operand(s: Site) -> tuple[int, dict] | None:
     return ins[0]
 
 
-@rule("constant_overflow", aten.mul, aten.add, aten.sub, priority=45)
+def _cast_target(s: Site) -> str | None:
+    """The floating dtype a cast (aten._to_copy) made, from its recorded arguments ('torch.float16' -> 'float16')."""
+    for v in s.event.scalars or []:
+        name = v.split(".", 1)[1] if isinstance(v, str) and v.startswith("torch.") else ""
+        if isinstance(getattr(torch, name, None), torch.dtype) and getattr(torch, name).is_floating_point:
+            return name
+    return None
+
+
+def _cast_overflow(s: Site) -> Diagnosis | None:
+    """A one-value constant cast to a dtype it is beyond (`torch.tensor(1e10).to(w.dtype)` in float16)."""
+    st = s.inp(0)
+    target = _cast_target(s)
+    if target is None or _numel(st) > 1 or st.get("inf") or st.get("nan") or st.get("absmax") is None:
+        return None
+    fi = torch.finfo(getattr(torch, target))
+    if st["absmax"] <= fi.max:
+        return None
+    sign = -1 if (st.get("max") or 0) < 0 else 1
+    src = s.source
+
+    def change(t: str) -> str:
+        return _finite_text(t, sign, target)
+    transform = codefix.with_operand("input", change)
+    rw = s.rewrite(transform)
+    if rw is None and src and not s.library:  # the cast as the user wrote it: x.to(dtype), x.half(), x.type(dtype)
+        names = [n for n in ("to", "half", "type") if codefix.count_calls(src, src["line"], f"Tensor.{n}")]
+        if len(names) == 1 and codefix.count_calls(src, src["line"], f"Tensor.{names[0]}") == 1:
+            rw = codefix.rewrite(src, src["line"], f"Tensor.{names[0]}", transform)
+    fn = operand_fn(rw) or (lambda x: x.clamp(fi.min, fi.max))
+    return Diagnosis(
+        "constant_overflow", f"a constant beyond {target}'s range is cast to inf",
+        f"a constant of {num(st['absmax'])} is cast to {target} at {s.where}; {target}'s largest value is "
+        f"{num(fi.max)}, so it becomes {'-' if sign < 0 else ''}inf (a mask constant such as 1e10, written for "
+        f"float32), and what it meets next (0 * inf, inf - inf) is NaN. Keep it within {target}'s range: "
+        f"torch.finfo(dtype).max, or mask with masked_fill(mask, torch.finfo(dtype).min).",
+        [Fix(FixKind.FINITE_MASK_VALUE, "", rewrite=rw, patch=s.at_calls(replace_arg(0, fn), rewrite=rw),
+             guidance=f"clamp the constant at {s.where} to {target}'s range before the cast: "
+                      f"torch.finfo(torch.{target}).{'min' if sign < 0 else 'max'}",
+             reasoning=f"torch.finfo({target}).max is as good a large value as any constant above it, and finite")])
+
+
+@rule("constant_overflow", aten.mul, aten.add, aten.sub, aten._to_copy, priority=45)
 def _constant_overflow(s: Site) -> Diagnosis | None:
     """inf * 0 (or inf - inf) where the inf is a constant: a value beyond the working dtype's range."""
+    if s.forward and s.event.role == "origin" and s.op_packet == "aten._to_copy" and s.event.kind == "inf":
+        return _cast_overflow(s)
     if not (s.forward and s.event.role == "conversion" and s.op_packet in ("aten.mul", "aten.add", "aten.sub")):
         return None
     got = _inf_operand(s)
