@@ -4,7 +4,8 @@
   +inf is inf - inf = NaN. The value meant is the most negative one; the mask line is rewritten to finfo.min.
 * `constant_overflow`: a constant (a buffer, a 0-dim tensor) that is ±inf in the working dtype — GPT-2's
   `w * b - 1e10 * (1 - b)` with the 1e10 a buffer that `model.half()` made inf (1e10 > 65504) — multiplied by
-  0 (the unmasked positions). The constant is kept at the dtype's largest finite value.
+  0 (the unmasked positions): kept at the dtype's largest finite value; or the cast that made such a constant
+  inf (`torch.tensor(1e10).to(w.dtype)`): clamped to the dtype's range before the cast.
 * `zero_times_inf`: `p * log p` where log p = -inf exactly where p = 0 (an entropy of a distribution whose
   masked logits are -inf): 0 * -inf = NaN, 0 by definition. The reformulation table's row (diagnose/forms.py)
   gives the exact form: the log clamped at the dtype's most negative finite value, 0 * it is 0, and its
@@ -181,12 +182,12 @@ def _cast_overflow(s: Site) -> Diagnosis | None:
              reasoning=f"torch.finfo({target}).max is as good a large value as any constant above it, and finite")])
 
 
-@rule("constant_overflow", aten.mul, aten.add, aten.sub, aten._to_copy, priority=45)
+@rule("constant_overflow", aten.mul, aten._to_copy, priority=45)
 def _constant_overflow(s: Site) -> Diagnosis | None:
-    """inf * 0 (or inf - inf) where the inf is a constant: a value beyond the working dtype's range."""
+    """inf * 0 where the inf is a constant: a value beyond the working dtype's range; or the cast that made it."""
     if s.forward and s.event.role == "origin" and s.op_packet == "aten._to_copy" and s.event.kind == "inf":
         return _cast_overflow(s)
-    if not (s.forward and s.event.role == "conversion" and s.op_packet in ("aten.mul", "aten.add", "aten.sub")):
+    if not (s.forward and s.event.role == "conversion" and s.op_packet == "aten.mul"):
         return None
     got = _inf_operand(s)
     if got is None:
@@ -198,7 +199,7 @@ def _constant_overflow(s: Site) -> Diagnosis | None:
     fi = s.finfo
     rw, patch = _operand_fix(s, i, sign)
     other = s.inp(1 - i)
-    what = "0 * inf" if s.op_packet == "aten.mul" else "inf - inf"
+    what = "0 * inf"
     return Diagnosis(
         "constant_overflow", f"a constant beyond {s.dtype}'s range is inf: {what} = NaN",
         f"a constant operand at {s.where} is {'+' if sign >= 0 else '-'}inf in {s.dtype}: a value above {s.dtype}'s "
