@@ -92,5 +92,6 @@ class FixKind(StrEnum):
     SOFTPLUS = "softplus"  # log(1 + exp(x)) -> F.softplus(x) (diagnose/forms.py)
     LOG1MEXP = "log1mexp"  # log(1 - exp(x)) -> log(-expm1(x))
     ZERO_INFINITY = "zero_infinity"  # ctc_loss(..., zero_infinity=True), or filter infeasible samples
+    FINITE_FACTOR = "finite_factor"  # 0 * inf: the infinite factor (log p at p = 0) kept at finfo's range
     MASK_ROWS = "mask_rows"  # the remedy is in the data: leave out the rows where the quantity is undefined
     NONE = "none"

@@ -52,6 +52,10 @@ class FormModel(nn.Module):
     def xlog1py(self, h, k):  # a Beta policy's (beta - 1) * log(1 - a) at an action a of exactly 1, beta = 1
         return (h * torch.log1p(-k)).sum()  # CULPRIT: xlog1py
 
+    def zero_times_inf(self, h, k):  # an entropy over logits masked with -inf where k == 0: p = 0, log p = -inf
+        lp = torch.log_softmax(h.masked_fill(k == 0, float("-inf")), -1)
+        return -(torch.exp(lp) * lp).sum()  # CULPRIT: zero_times_inf
+
     def bce_with_logits(self, h, k):
         return -(k * torch.log(p := torch.sigmoid(h)) + (1 - k) * torch.log(1 - p)).mean()  # CULPRIT: bce_with_logits
 
@@ -80,6 +84,7 @@ ROWS = {
     "log1mexp": (([-1e-9, -1.0, -2.0, -0.5], [1.0] * 4), ([-0.1, -1.0, -2.0, -0.5], [1.0] * 4)),
     "xlogy": (([0.0, 1.0, 2.0, 0.5], [0.0, 0.5, 0.2, 0.1]), ([0.3, 1.0, 2.0, 0.5], [0.1, 0.5, 0.2, 0.1])),
     "xlog1py": (([0.0, 1.0, 2.0, 0.5], [1.0, 0.5, 0.2, 0.1]), ([0.3, 1.0, 2.0, 0.5], [0.9, 0.5, 0.2, 0.1])),
+    "zero_times_inf": (([1.0, 2.0, 3.0, 0.5], [1.0, 1.0, 0.0, 1.0]), ([1.0, 2.0, 3.0, 0.5], [1.0] * 4)),
     "bce_with_logits": (([40.0, 1.0, -2.0, 0.5], [0.0, 1.0, 0.0, 1.0]), ([4.0, 1.0, -2.0, 0.5], [0.0, 1.0, 0.0, 1.0])),
     "segment_softmax": (([100.0, 1.0, 2.0, 0.5], [1.0, 2.0, 3.0, 4.0]), ([3.0, 1.0, 2.0, 0.5], [1.0, 2.0, 3.0, 4.0])),
     "finite_mask": (([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 0.0, 0.0]), ([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 0.0])),

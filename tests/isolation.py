@@ -106,3 +106,43 @@ def train_then_analyze(root: Path, training: str, kinds, analyze_script: str) ->
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout)
     return {k: (paths[k], out[paths[k]]) for k in kinds}
+
+
+def apply_and_train(folder: Path, training: str, script: str, kind: str, fix: dict, *, bad: int, env: dict,
+                    coarse: bool = False) -> None:
+    """Judge a fix by applying it: put the shown `after` in place of `before` in a copy of the training file
+    (`training`, run as `script`.py: `--plain KIND` trains it plainly and prints {kind: [(loss, grad norm)...]},
+    `--f64 KIND` the same in float64); the fixed run is finite at every step, the original is not at step `bad`,
+    and the healthy steps before it are the original's — or, where the original computes in a coarse dtype
+    (`coarse`: bfloat16), at least as close as the original's to the same loop in float64."""
+    import math
+
+    from tolerance import close
+
+    src = training.splitlines()
+    before, after = fix["before"].splitlines(), fix["after"].splitlines()
+    at = next(i for i in range(len(src)) if all(src[i + j].strip().startswith(b.strip().split("  #")[0])
+                                                 for j, b in enumerate(before)))
+    indent = src[at][:len(src[at]) - len(src[at].lstrip())]
+    src[at:at + len(before)] = [indent + a for a in after]
+    folder.mkdir()
+    (folder / f"{script}.py").write_text("\n".join(src) + "\n")
+    (folder / "original.py").write_text(training)
+    got = {}
+    for name, mode in ((script, "--plain"), ("original", "--plain"), ("original", "--f64"))[:3 if coarse else 2]:
+        res = subprocess.run([sys.executable, f"{name}.py", mode, kind], cwd=folder, capture_output=True,
+                             text=True, timeout=300, env=env)
+        assert res.returncode == 0, res.stderr[-3000:]
+        got[name + mode] = json.loads(res.stdout)[kind]
+    fixed, orig = got[f"{script}--plain"], got["original--plain"]
+    assert len(fixed) == len(orig), (fixed, orig)
+    assert all(math.isfinite(v) for st in fixed for v in st), fixed
+    assert not all(math.isfinite(v) for v in orig[bad]), orig  # the original does fail at that step
+    for k in range(bad):  # the healthy steps before it: the same loss and gradient norm
+        if coarse:
+            ref = got["original--f64"][k]
+            assert all(abs(a - r) <= abs(b - r) * 1.01 + 1e-6 * abs(r) for a, b, r in zip(fixed[k], orig[k], ref,
+                                                                                          strict=True)), \
+                (k, fixed[k], orig[k], ref)
+        else:
+            assert close(fixed[k][0], orig[k][0]) and close(fixed[k][1], orig[k][1]), (k, fixed[k], orig[k])

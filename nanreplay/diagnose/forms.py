@@ -66,6 +66,14 @@ TABLE: dict[str, Form] = {
         "x * log1p(y) with x = 0 where y = -1", "torch.special.xlog1py(x, y)", FixKind.XLOGY, "xlogy_at_zero",
         ("x * torch.log1p(y)", "x * torch.log1p(-a)  # a Beta policy's (b - 1) * log(1 - a) at a = 1"),
         "xlog1py(x, y) = x*log1p(y) with 0 where x == 0"),
+    "zero_times_inf": Form(
+        "p * log p with log p = -inf where p = 0 (an entropy over masked logits)",
+        "p * logp.clamp_min(torch.finfo(logp.dtype).min)", FixKind.FINITE_FACTOR, "zero_times_inf",
+        ("(torch.exp(logp) * logp).sum(-1)", "(p * torch.log_softmax(masked_logits, -1)).sum(-1)",
+         "logp.exp() * logp"),
+        "p * log p is 0 at p = 0 by definition; a finite log there (the dtype's most negative value) gives 0 and a "
+        "gradient of 0, and changes no other value. xlogy(p, p) and special.entr(p) give 0 too, but their gradient "
+        "at p = 0 is 0/0 or inf, which reaches the logits whenever p carries a gradient"),
     "bce_with_logits": Form(
         "-(y log sigmoid(z) + (1 - y) log(1 - sigmoid(z)))", "F.binary_cross_entropy_with_logits(z, y)",
         FixKind.BCE_WITH_LOGITS, "bce_saturated",

@@ -17,15 +17,11 @@ NaN at the step that failed or after it, and the healthy steps before it unchang
 
 from __future__ import annotations
 
-import json
-import math
 import subprocess
 import sys
 
 import pytest
-from isolation import ROOT, analyze_isolated, marker_line
-
-from tolerance import close
+from isolation import ROOT, analyze_isolated, apply_and_train, marker_line
 
 TRAINING = r'''
 import json
@@ -205,37 +201,9 @@ def runs(tmp_path_factory):
 
 
 def _apply_and_train(root, kind: str, fix: dict, coarse: bool = False) -> None:
-    """Put the shown `after` in place of `before` in a copy of the training file; train the loop plainly with the
-    original and with the copy: the fixed run is finite at every step, its healthy steps are the original's —
-    or, where the original computes in a coarse dtype (`coarse`: bfloat16), at least as close as the original's
-    to the same loop in float64."""
-    src = TRAINING.splitlines()
-    before, after = fix["before"].splitlines(), fix["after"].splitlines()
-    at = next(i for i in range(len(src)) if all(src[i + j].strip().startswith(b.strip().split("  #")[0])
-                                                 for j, b in enumerate(before)))
-    indent = src[at][:len(src[at]) - len(src[at].lstrip())]
-    src[at:at + len(before)] = [indent + a for a in after]
-    folder = root / f"fixed_{kind}"
-    folder.mkdir()
-    (folder / "realforms.py").write_text("\n".join(src) + "\n")
-    (folder / "original.py").write_text(TRAINING)
-    got = {}
-    for name, mode in (("realforms", "--plain"), ("original", "--plain"), ("original", "--f64"))[:3 if coarse else 2]:
-        res = subprocess.run([sys.executable, f"{name}.py", mode, kind], cwd=folder, capture_output=True,
-                             text=True, timeout=300, env=ENV)
-        assert res.returncode == 0, res.stderr[-3000:]
-        got[name + mode] = json.loads(res.stdout)[kind]
-    fixed, orig = got["realforms--plain"], got["original--plain"]
-    assert len(fixed) == 4 and all(math.isfinite(v) for st in fixed for v in st), fixed
-    assert not all(math.isfinite(v) for v in orig[2]), orig  # the original does fail at that step
-    for k in (0, 1):  # the healthy steps before it: the same loss and gradient norm
-        if coarse:
-            ref = got["original--f64"][k]
-            assert all(abs(a - r) <= abs(b - r) * 1.01 + 1e-6 * abs(r) for a, b, r in zip(fixed[k], orig[k], ref,
-                                                                                          strict=True)), \
-                (k, fixed[k], orig[k], ref)
-        else:
-            assert close(fixed[k][0], orig[k][0]) and close(fixed[k][1], orig[k][1]), (k, fixed[k], orig[k])
+    """The fix applied to a copy of the training file and trained on (isolation.apply_and_train): finite at every
+    step, the step that failed (2) included, the healthy steps before it unchanged."""
+    apply_and_train(root / f"fixed_{kind}", TRAINING, "realforms", kind, fix, bad=2, env=ENV, coarse=coarse)
 
 
 def test_mixture_density_loss_gets_logsumexp_not_an_epsilon(runs):

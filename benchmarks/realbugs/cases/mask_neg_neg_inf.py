@@ -19,8 +19,8 @@ class CausalAttn(nn.Module):
         dots = q @ k.transpose(-2, -1)
         t = x.shape[1]
         mask = torch.ones(t, t, dtype=torch.bool).triu(1)
-        dots = dots.masked_fill(mask, -float("-inf"))  # CULPRIT
-        return self.out(F.softmax(dots, -1) @ v)
+        dots = dots.masked_fill(mask, -float("-inf"))
+        return self.out(F.softmax(dots, -1) @ v)  # CULPRIT
 
 
 def build():

@@ -5,6 +5,7 @@ Dispatch order comes from the priorities alone (see diagnose/model.py), not from
 from __future__ import annotations
 
 from nanreplay.diagnose.rules import (
+    constants,
     division,
     domain,
     forms,
@@ -17,4 +18,5 @@ from nanreplay.diagnose.rules import (
     where,
 )
 
-__all__ = ["division", "domain", "forms", "generic", "logs", "optimizer", "precision", "roots_powers", "softmax", "where"]
+__all__ = ["constants", "division", "domain", "forms", "generic", "logs", "optimizer", "precision", "roots_powers",
+           "softmax", "where"]

@@ -356,18 +356,29 @@ def _zero_infinity_text(src, node) -> str | None:
 
 
 def _zero_infinity(func, args, kwargs):
-    if len(args) > 6:
-        args = (*args[:6], True, *args[7:])
-        return func(*args, **kwargs)
-    return func(*args, **{**kwargs, "zero_infinity": True})
+    """The call with zero_infinity=True. Called as aten._ctc_loss (a step program records F.ctc_loss as the op its
+    composite makes), the flag zeroes only the gradient: the zeroing of the loss is F.ctc_loss's own, done here."""
+    low = packet(str(func)) == "aten._ctc_loss"  # (log_probs, targets, lengths, lengths, blank, zero_infinity)
+    at = 5 if low else 6  # aten.ctc_loss and F.ctc_loss: a reduction before it
+    if len(args) > at:
+        args = (*args[:at], True, *args[at + 1:])
+        out = func(*args, **kwargs)
+    else:
+        out = func(*args, **{**kwargs, "zero_infinity": True})
+    if low and isinstance(out, tuple) and isinstance(out[0], torch.Tensor):
+        out = (torch.where(out[0] == math.inf, torch.zeros_like(out[0]), out[0]), *out[1:])
+    return out
 
 
 @rule("ctc_infeasible", aten._ctc_loss, aten.ctc_loss, priority=25)
 def _ctc(s: Site) -> Diagnosis | None:
-    if not (s.forward and s.event.kind == "inf" and s.call_is("ctc_loss")):
+    # F.ctc_loss runs as aten.ctc_loss, then aten._ctc_loss: a step program records the call as the latter
+    if not (s.forward and s.event.kind == "inf" and s.call_is("ctc_loss", "_ctc_loss")):
         return None
     row = TABLE["ctc_infeasible"]
     rw = s.rewrite(_zero_infinity_text)
+    if rw is None and s.source and not s.library:  # the call as the user spelled it, not as the program named it
+        rw = codefix.rewrite(s.source, s.source["line"], "ctc_loss", _zero_infinity_text)
     lib = f" (inside {s.library}: pass zero_infinity=True to nn.CTCLoss)" if s.library else ""
     return Diagnosis(
         "ctc_infeasible", "CTC loss of a target longer than its input",

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from nanreplay.diagnose import codefix
+from nanreplay.diagnose import codefix, exproot
 from nanreplay.diagnose.fixes import finite_mask, operand_fn, replace_arg
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.site import Site, packet
@@ -123,7 +123,10 @@ def _exp_overflow(s: Site) -> Diagnosis | None:
         return None
     x = s.inp(0)
     lim = math.floor(math.log(s.finfo.max)) - 1
-    fixes = []
+    # the value is exponentiated elsewhere too (a VAE's logvar: exp(0.5 * logvar) and logvar.exp()): clamp it where it
+    # is made, every exp at once, before the clamps of this exp alone. From lim // 2: a value several ops consume is
+    # squared somewhere (the gradient norm squares what exp(lim) feeds: 1e37 in float32's norm is inf)
+    fixes = exproot.root_clamps(s, list(dict.fromkeys((lim // 2, 20, 10, 5))))
     # exp(87) is finite, but what consumes it may not be (a sum, a square, a product): tighter bounds follow, each
     # verified like the first — and the no-op check rejects a bound that changes exps that were finite
     leaf = s.leaf(0)
@@ -193,13 +196,14 @@ def _is_neg_inf(node) -> bool:
         isinstance(node.args[0], ast.Constant) and str(node.args[0].value).lower() in ("-inf", "-infinity")
 
 
-def _finite_mask_text(src, node, dtype: str) -> str | None:
-    """s.masked_fill(m, float('-inf')) -> s.masked_fill(m, torch.finfo(s.dtype).min); the same for where()."""
+def _finite_mask_text(src, node, dtype: str, is_inf=_is_neg_inf) -> str | None:
+    """s.masked_fill(m, float('-inf')) -> s.masked_fill(m, torch.finfo(s.dtype).min); the same for where().
+    `is_inf`: which literal is the mask value (a +inf one for a mask written with the wrong sign)."""
     ast = codefix.ast
     if not isinstance(node, ast.Call):
         return None
     values = list(node.args) + [k.value for k in node.keywords]
-    lit = next((v for v in values if _is_neg_inf(v)), None)
+    lit = next((v for v in values if is_inf(v)), None)
     if lit is None:
         return None
     if not codefix._is_function_call(node):
