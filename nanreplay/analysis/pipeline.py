@@ -38,7 +38,6 @@ from nanreplay.differential import kernel as kernel_diff
 from nanreplay.differential import machine
 from nanreplay.enums import Verdict
 from nanreplay.errors import LimitError, NanReplayError, UsageError, first_line
-from nanreplay.formats import recorded
 from nanreplay.limits import format_size, release_memory
 from nanreplay.replay.records import Step
 from nanreplay.replay.subject import Subject, batch_tensors
@@ -133,8 +132,6 @@ def _analyze(path, *, model, loss, device, trust, verify, max_memory, source, on
             subject = formats.rebuild(snap, model=model, loss=loss, **limits)
     else:
         subject = formats.rebuild(snap, model=model, loss=loss, **limits)
-    if snap.format == "state_dict":  # the user's module, run eagerly: record its step as the guard would
-        subject, _eager = recorded.as_program(subject, snap, max_memory=max_memory)
     return analyze_subject(snap, subject, path=path, invocation=invocation, verify=verify, t0=t0,
                            t_load=time.perf_counter(), progress=progress)
 
