@@ -23,10 +23,11 @@ prints the median ratio with its spread (min-max).
            (nanreplay/confine/), this process rendering from its JSON; its CPU time and peak RSS include the
            child's (the OS's accounting of the finished process and the descendants it waited for).
 
-Targets printed with met / NOT met: `analyze()` in-process <= 2.5x the plain load + fwd + bwd at 124M (import
-costs excluded on both sides); the whole (confined) process <= 2.0x at every size; peak RSS <= 1.3x; time to
-the culprit (process start to the culprit known, against the whole plain process) <= 1.3x at 124M; the
-confinement (confined vs in-process whole process) <= 1.05x.
+Targets printed with met / NOT met at every size run (issue #40 sets them at 124M): `analyze()` in-process
+<= 2.0x the plain load + fwd + bwd (import costs excluded on both sides); the whole (confined) process <= 2.0x;
+peak RSS <= 1.3x; time to the culprit (process start to the culprit known, against the whole plain process)
+<= 1.2x; the confinement (confined vs in-process whole process) <= 1.05x. 124M takes ~2.5 minutes of CPU a
+round (more than 10 minutes of wall time on a loaded 2-core machine): `--sizes 10M,40M` when that does not fit.
 """
 
 from __future__ import annotations
@@ -264,10 +265,9 @@ def main() -> None:
         targets.append(f"  {name:5s} whole process {spread(whole)}  {verdict(whole, 2.0)}")
         targets.append(f"  {name:5s} peak RSS      {spread(rss)}  {verdict(rss, 1.3)}")
         targets.append(f"  {name:5s} confinement   {spread(confinement)}  {verdict(confinement, 1.05)}")
-        if name == "124M":
-            targets.append(f"  {name:5s} analyze()     {spread(inproc)}  {verdict(inproc, 2.5)}")
-            if ttc:
-                targets.append(f"  {name:5s} to culprit    {spread(ttc)}  {verdict(ttc, 1.3)}")
+        targets.append(f"  {name:5s} analyze()     {spread(inproc)}  {verdict(inproc, 2.0)}")
+        if ttc:
+            targets.append(f"  {name:5s} to culprit    {spread(ttc)}  {verdict(ttc, 1.2)}")
     print("\ntargets (CPU time, one thread, paired rounds)")
     print("\n".join(targets))
 

@@ -9,7 +9,8 @@ interleaved: the median of each round's ratio, with its spread. Targets: replay 
 NaN deep inside (every later op carries NaN, so its counts cost most), <= 1.10x healthy — with the fixed
 costs excluded (rounds after a warm-up) and included (the first plain step and the first replay of this
 process, one call each: the replay's first pays torch._dynamo's import, which torch makes on the first Python
-dispatch mode). Only the case that runs first can show the latter: `--first healthy` runs that one first.
+dispatch mode; target <= 1.2x, issue #40). Only the case that runs first can show the latter: `--first healthy`
+runs that one first; run the script several times for a spread of it (one process gives one such pair).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import transformer as tf  # noqa: E402
 from nanreplay import culprit, replay  # noqa: E402
+
+FIXED_TARGET = 1.2  # the first replay vs the first plain step of a process (fixed costs included)
 
 
 def plain(model, idx, y):
@@ -96,7 +99,7 @@ def main() -> None:
             print(f"\n{label}, fixed costs included: the first replay {time.process_time() - t1:.2f} s CPU, the first "
                   f"plain step {t1 - t0:.2f} s: {first:.2f}x")
             verdicts.append(f"  replay, {label}, fixed costs included (one call each): {first:.2f}x  target <= "
-                            f"{target:g}: {'met' if first <= target else 'NOT met'}")
+                            f"{FIXED_TARGET:g}: {'met' if first <= FIXED_TARGET else 'NOT met'}")
         found = step.events[c] if c is not None else None
         t, ratio = measure({"plain": lambda m=model: plain(m, idx, y),
                      "detect_anomaly": lambda m=model: anomaly(m, idx, y),

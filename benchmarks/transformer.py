@@ -86,3 +86,33 @@ def build_nan() -> nn.Module:
 def build() -> nn.Module:
     torch.manual_seed(0)
     return Transformer()
+
+
+class LogHead(Transformer):
+    """The seed's plain-dict case at the reference size: the head returns log(softmax(logits)), and its weights
+    have grown so that softmax underflows to exact 0 for most classes. With confident targets the loss stays finite;
+    backward through log at 0 makes the gradients NaN."""
+
+    def forward(self, idx):
+        return torch.log(torch.softmax(super().forward(idx), dim=-1))
+
+
+def build_log_head() -> nn.Module:
+    """Factory for `--model benchmarks.transformer:build_log_head` (the weights come from the snapshot)."""
+    torch.manual_seed(0)
+    return LogHead()
+
+
+def log_head_snapshot(batch_size: int = BATCH) -> dict:
+    """The plain dict the seed's "cheap NaN insurance" writes, {'x', 'y', 'state'}, for `build_log_head`."""
+    model = build_log_head()
+    with torch.no_grad():
+        model.head.weight.mul_(60)  # confident logits: softmax underflows to exact 0
+        idx, _ = batch(batch_size)
+        y = model(idx).argmax(-1)  # the confident classes: a finite loss
+    return {"x": idx, "y": y, "state": model.state_dict()}
+
+
+def nll(log_probs, target):
+    """`--loss benchmarks.transformer:nll`: the loss for `build_log_head`'s log-probabilities."""
+    return F.nll_loss(log_probs.flatten(0, 1), target.flatten())
