@@ -21,7 +21,7 @@ import linecache
 import re
 import textwrap
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # How an operator call is spelled in source: the name torch records for it -> the ast operator. `x / y`
 # reaches torch as Tensor.div (the very method `x.div(y)` calls), `x ** a` as Tensor.pow, `1 / x` as
@@ -39,6 +39,13 @@ class Rewrite:
     after: str  # the same statement with the fix applied
     line: int
     operand: str | None = None  # with_operand fixes: the new operand as an expression of `__x` (what is executed)
+    file: str | None = None  # the file as the analysis shows it (source["file"])
+    first: int | None = None  # the number of `before`'s first line (a statement may start above `line`)
+    extra: list[Rewrite] = field(default_factory=list)  # edits of other lines the fix needs (crossline.py)
+
+    def edit(self) -> dict:
+        """This rewrite as one entry of a fix's `edits`: {file, line, before, after}."""
+        return {"file": self.file, "line": self.first or self.line, "before": self.before, "after": self.after}
 
 
 # ------------------------------------------------------------------ reading source: one place
@@ -404,7 +411,8 @@ def rewrite(source: dict | None, line: int | None, call_name: str | None,
     before = "\n".join(text.splitlines()[first - 1:last])
     after = "\n".join(new_text.splitlines()[first - 1:last + delta])
     return Rewrite(before=_dedent(before), after=_dedent(after), line=line,
-                   operand=getattr(transform, "operand", None))
+                   operand=getattr(transform, "operand", None), file=source.get("file"),
+                   first=loc.parsed.first + first - 1)
 
 
 def _statement(tree: ast.AST, target: ast.AST) -> ast.stmt | None:

@@ -1,0 +1,111 @@
+"""Training loops whose fix is an edit the user can apply: of more than one line, or of a line a rule used to leave
+as advice (tests/diagnose/test_applied_edits.py). `python applytrain.py FOLDER KIND...` trains each under NanGuard
+until it breaks and prints `KIND path-of-its-snapshot`; `python applytrain.py --losses KIND` trains it without the
+guard and prints its losses and whether every step was finite: what the test compares once the fix's edits are
+applied to a copy of this file."""
+
+import json
+import math
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+IGNORE = -100
+STEPS, BAD = 5, 3
+
+
+class MixtureDensity(nn.Module):
+    def __init__(self, k=4):
+        super().__init__()
+        self.h = nn.Sequential(nn.Linear(3, 12), nn.Tanh())
+        self.pi, self.mu, self.sigma = nn.Linear(12, k), nn.Linear(12, k), nn.Linear(12, k)
+
+    def forward(self, x):
+        h = self.h(x)
+        return F.softmax(self.pi(h), -1), self.mu(h), F.softplus(self.sigma(h)) + 0.05
+
+
+def mdn_loss(out, y):
+    pi, mu, sigma = out
+    z = (y - mu) / sigma
+    dens = pi * torch.exp(-0.5 * z ** 2) / sigma
+    nll = -torch.log(dens.sum(-1))  # CULPRIT: mdn
+    return nll.mean()
+
+
+def mdn_batch(step):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(6, 3, generator=g), torch.randn(6, 1, generator=g)
+    if step == BAD:
+        y[2] = 60.0  # a target far from every component: every density underflows to 0
+    return x, y
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.out = nn.Linear(6, 11)
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.emb(ids)))
+
+
+def lm_loss(logits, labels):
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE)  # CULPRIT: ce
+
+
+def lm_batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, 11, (3, 4), generator=g)
+    labels = torch.roll(ids, -1, 1)
+    labels[:, :2] = IGNORE  # the prompt
+    if step == BAD:
+        labels[:] = IGNORE  # every answer truncated away
+    return ids, labels
+
+
+LOOPS = {"mdn": (MixtureDensity, mdn_loss, mdn_batch, 1e-2), "ce": (TinyLM, lm_loss, lm_batch, 1e-2)}
+
+
+def run(kind, folder=None):
+    make, loss_fn, batch, lr = LOOPS[kind]
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    guard = None
+    if folder is not None:
+        from nanreplay import NanGuard
+        guard = NanGuard(model, opt, loss_fn=loss_fn, folder=folder)
+    losses, finite = [], True
+    for step in range(STEPS):
+        x, y = batch(step)
+        if guard:
+            guard.begin(x, y, step=step)
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        losses.append(loss.item())
+        if guard and not guard.loss_ok(loss):
+            return guard
+        loss.backward()
+        grads_ok = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
+        if guard and not guard.grads_ok():
+            return guard
+        finite = finite and math.isfinite(float(loss)) and grads_ok
+        if not finite:
+            break
+        opt.step()
+    return {"losses": losses, "finite": finite}
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--losses":
+        print(json.dumps(run(sys.argv[2])))
+    else:
+        import pathlib
+        for kind in sys.argv[2:]:
+            folder = pathlib.Path(sys.argv[1]) / kind
+            run(kind, str(folder))
+            print(kind, *sorted(folder.glob("*.pt"))[:1])

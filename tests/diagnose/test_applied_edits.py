@@ -1,0 +1,107 @@
+"""Fixes as edits the user can apply (#38), judged by applying them: real training loops (applytrain.py) break under
+NanGuard, each snapshot is analyzed with no flags in a fresh python where the training code cannot be imported, the
+fix's `edits` are applied to a copy of the training file, and the copy trains on — every step finite, the healthy
+steps' losses unchanged."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from isolation import ROOT, analyze_isolated
+from tolerance import close
+
+HERE = Path(__file__).resolve().parent
+KINDS = ("mdn", "ce")
+ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+
+
+def marked(kind: str) -> int:
+    return next(i for i, ln in enumerate((HERE / "applytrain.py").read_text().splitlines(), 1)
+                if ln.rstrip().endswith(f"# CULPRIT: {kind}"))
+
+
+def apply(path: Path, edits: list[dict]) -> None:
+    """Each edit's `before` statement (its lines, indent removed) replaced by its `after`, indented where it was."""
+    for e in edits:
+        lines = path.read_text().splitlines(keepends=True)
+        want = [x.strip() for x in e["before"].splitlines()]
+        at = next(i for i in range(len(lines)) if [x.strip() for x in lines[i:i + len(want)]] == want)
+        indent = lines[at][:len(lines[at]) - len(lines[at].lstrip())]
+        lines[at:at + len(want)] = [indent + x + "\n" for x in e["after"].splitlines()]
+        path.write_text("".join(lines))
+
+
+def losses(folder: Path, kind: str) -> dict:
+    res = subprocess.run([sys.executable, "applytrain.py", "--losses", kind], cwd=folder, capture_output=True,
+                         text=True, timeout=300, env=ENV)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("apply")
+    proj = root / "proj"
+    proj.mkdir()
+    (proj / "applytrain.py").write_text((HERE / "applytrain.py").read_text())
+    res = subprocess.run([sys.executable, "applytrain.py", str(root / "snaps"), *KINDS], cwd=proj,
+                         capture_output=True, text=True, timeout=600, env=ENV)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = dict(ln.split()[:2] for ln in res.stdout.splitlines() if len(ln.split()) == 2 and ln.split()[0] in KINDS)
+    assert set(rows) == set(KINDS), res.stdout
+    out = analyze_isolated(list(rows.values()), root / "elsewhere", also_blocked=("applytrain",))
+    return root, {k: out[rows[k]] for k in KINDS}
+
+
+def _applied(root: Path, kind: str, fix: dict) -> tuple[dict, dict]:
+    """(the loop as written, the loop with the fix's edits applied): their losses."""
+    fixed = root / f"fixed_{kind}"
+    fixed.mkdir()
+    (fixed / "applytrain.py").write_text((HERE / "applytrain.py").read_text())
+    apply(fixed / "applytrain.py", fix["edits"])
+    return losses(root / "proj", kind), losses(fixed, kind)
+
+
+def _trains_on(before: dict, after: dict) -> None:
+    text = (HERE / "applytrain.py").read_text()
+    STEPS, BAD = (int(v) for v in text.split("STEPS, BAD = ", 1)[1].splitlines()[0].split(", "))  # noqa: N806
+    assert not before["finite"] and after["finite"] and len(after["losses"]) == STEPS, after
+    assert all(close(a, b) for a, b in zip(before["losses"][:BAD], after["losses"][:BAD])), (before, after)
+
+
+def test_a_log_of_a_sum_of_densities_made_on_the_line_above_is_fixed_on_both_lines(runs):
+    root, d = runs[0], runs[1]["mdn"]
+    assert d["culprit"]["source"]["line"] == marked("mdn") and d["diagnosis"]["cause"] == "logsumexp_underflow"
+    fix = d["diagnosis"]["fix"]
+    assert fix["verified"] is True and fix["tested_as"] == "line", fix["verification"]
+    first, second = fix["edits"]
+    assert (first["line"], second["line"]) == (marked("mdn") - 1, marked("mdn"))
+    assert first["before"].startswith("dens = ") and first["after"].startswith("log_dens = ")
+    assert "torch.exp" not in first["after"] and "torch.logsumexp(log_dens" in second["after"]
+    assert (fix["before"], fix["after"]) == (second["before"], second["after"])  # the culprit line's edit
+    assert all(e["after"] in fix["code"] for e in fix["edits"])
+    _trains_on(*_applied(root, "mdn", fix))
+
+
+def test_a_cross_entropy_whose_targets_are_all_ignored_gets_its_line_rewritten(runs):
+    root, d = runs[0], runs[1]["ce"]
+    assert d["culprit"]["source"]["line"] == marked("ce") and d["diagnosis"]["cause"] == "empty_reduction"
+    fix = d["diagnosis"]["fix"]
+    assert fix["verified"] is True and fix["tested_as"] == "line", fix["verification"]
+    (edit,) = fix["edits"]
+    assert "reduction='sum'" in edit["after"] and "!= IGNORE).sum().clamp_min(1)" in edit["after"]
+    _trains_on(*_applied(root, "ce", fix))
+
+
+def test_the_report_shows_a_fix_of_several_lines_as_one_diff_with_a_hunk_each(runs):
+    from nanreplay.report.markdown import markdown_summary
+    text = markdown_summary(runs[1]["mdn"])
+    fix = runs[1]["mdn"]["diagnosis"]["fix"]
+    for e in fix["edits"]:
+        assert f"@@ {e['file']}:{e['line']} @@" in text
+        assert f"- {e['before']}" in text and f"+ {e['after']}" in text
