@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from isolation import ROOT, analyze_isolated
+
 from tolerance import close
 
 HERE = Path(__file__).resolve().parent
@@ -71,7 +71,7 @@ def _trains_on(before: dict, after: dict) -> None:
     text = (HERE / "applytrain.py").read_text()
     STEPS, BAD = (int(v) for v in text.split("STEPS, BAD = ", 1)[1].splitlines()[0].split(", "))  # noqa: N806
     assert not before["finite"] and after["finite"] and len(after["losses"]) == STEPS, after
-    assert all(close(a, b) for a, b in zip(before["losses"][:BAD], after["losses"][:BAD])), (before, after)
+    assert all(close(a, b) for a, b in zip(before["losses"][:BAD], after["losses"][:BAD], strict=True)), (before, after)
 
 
 def test_a_log_of_a_sum_of_densities_made_on_the_line_above_is_fixed_on_both_lines(runs):
