@@ -12,9 +12,9 @@ the code the thread shows. For each case:
 3. localised: the culprit's source line is the line the case marks `# CULPRIT` (file and line);
 4. fix right: the first suggested fix, *applied* — every one of its `edits` (each `before` statement replaced
    by its `after`; a fix without `edits` is its one `before`/`after`) in a copy of the case — trains all the
-   case's steps with every loss and gradient finite and the steps before the bad batch giving the losses they gave unpatched (to a relative 1e-4: the fix changed nothing healthy). A fix
-   that is advice, not a line (an lr, a flag elsewhere), is counted as "advice" and checked by the case's own
-   `apply_advice` where it has one; `verified` is reported beside, never used to judge.
+   case's steps with every loss and gradient finite and the steps before the bad batch giving the losses they
+   gave unpatched (to a relative 1e-4: the fix changed nothing healthy). A fix that is advice, not a line (an
+   lr, a flag elsewhere), is counted as "advice"; `verified` is reported beside, never used to judge.
 """
 
 from __future__ import annotations
