@@ -93,4 +93,5 @@ class FixKind(StrEnum):
     LOG1MEXP = "log1mexp"  # log(1 - exp(x)) -> log(-expm1(x))
     ZERO_INFINITY = "zero_infinity"  # ctc_loss(..., zero_infinity=True), or filter infeasible samples
     MASK_ROWS = "mask_rows"  # the remedy is in the data: leave out the rows where the quantity is undefined
+    FLOAT32_SOFTMAX = "float32_softmax"  # a float16 product computed in float32 up to its softmax (diagnose/upcast.py)
     NONE = "none"

@@ -67,7 +67,35 @@ def lm_batch(step):
     return ids, labels
 
 
-LOOPS = {"mdn": (MixtureDensity, mdn_loss, mdn_batch, 1e-2), "ce": (TinyLM, lm_loss, lm_batch, 1e-2)}
+class HalfAttention(nn.Module):
+    def __init__(self, d=8, n=6):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.head = nn.Linear(d, 3)
+        self.register_buffer("causal", torch.tril(torch.ones(n, n, dtype=torch.bool)))
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        att = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5)  # CULPRIT: attn
+        att = att.masked_fill(~self.causal, float("-inf"))
+        w = att.softmax(-1)
+        return self.head((w @ v).mean(1)).float()
+
+
+def half_model():
+    return HalfAttention().half()  # the code's own cast: no autocast
+
+
+def attn_batch(step):
+    g = torch.Generator().manual_seed(200 + step)
+    x = torch.randn(2, 6, 8, generator=g)
+    if step == BAD:
+        x[0] *= 300.0  # an unnormalised feature
+    return x.half(), torch.randint(0, 3, (2,), generator=g)
+
+
+LOOPS = {"mdn": (MixtureDensity, mdn_loss, mdn_batch, 1e-2), "ce": (TinyLM, lm_loss, lm_batch, 1e-2),
+         "attn": (half_model, F.cross_entropy, attn_batch, 1e-2)}
 
 
 def run(kind, folder=None):

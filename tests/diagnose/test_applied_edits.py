@@ -16,7 +16,7 @@ from isolation import ROOT, analyze_isolated
 from tolerance import close
 
 HERE = Path(__file__).resolve().parent
-KINDS = ("mdn", "ce")
+KINDS = ("mdn", "ce", "attn")
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 
 
@@ -96,6 +96,18 @@ def test_a_cross_entropy_whose_targets_are_all_ignored_gets_its_line_rewritten(r
     (edit,) = fix["edits"]
     assert "reduction='sum'" in edit["after"] and "!= IGNORE).sum().clamp_min(1)" in edit["after"]
     _trains_on(*_applied(root, "ce", fix))
+
+
+def test_a_float16_attention_product_that_overflows_is_computed_in_float32_up_to_its_softmax(runs):
+    root, d = runs[0], runs[1]["attn"]
+    assert d["culprit"]["source"]["line"] == marked("attn") and d["diagnosis"]["cause"] == "fp16_overflow"
+    assert d["culprit"]["op"] == "aten.bmm.default"
+    fix = d["diagnosis"]["fix"]
+    assert fix["kind"] == "float32_softmax" and fix["verified"] is True and fix["tested_as"] == "line", fix
+    product, softmax = fix["edits"]
+    assert product["line"] == marked("attn") and "q.float() @ k.transpose(-2, -1).float()" in product["after"]
+    assert softmax["line"] == marked("attn") + 2 and softmax["after"] == "w = att.softmax(-1).to(torch.float16)"
+    _trains_on(*_applied(root, "attn", fix))
 
 
 def test_the_report_shows_a_fix_of_several_lines_as_one_diff_with_a_hunk_each(runs):
