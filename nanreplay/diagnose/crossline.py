@@ -85,14 +85,7 @@ class Definitions:
         if node is None or node.value is None or len(targets) != 1 or \
                 not (isinstance(targets[0], ast.Name) and targets[0].id == name):
             return None
-        data = parsed.text.encode()
-        starts, pos = [], 0
-        for ln in parsed.text.splitlines(keepends=True):
-            starts.append(pos)
-            pos += len(ln.encode())
-
-        def src(n: ast.AST) -> str:
-            return data[starts[n.lineno - 1] + n.col_offset:starts[n.end_lineno - 1] + n.end_col_offset].decode()
+        src = codefix.source_of_nodes(parsed)
         statement = "\n".join(parsed.text.splitlines()[node.lineno - 1:node.end_lineno])
         last = at + node.end_lineno - node.lineno
         return Definition(name, node.value, src, at, codefix._dedent(statement),

@@ -1,8 +1,8 @@
 """Training loops whose fix is an edit the user can apply: of more than one line, or of a line a rule used to leave
 as advice (tests/diagnose/test_applied_edits.py). `python applytrain.py FOLDER KIND...` trains each under NanGuard
-until it breaks and prints `KIND path-of-its-snapshot`; `python applytrain.py --losses KIND` trains it without the
-guard and prints its losses and whether every step was finite: what the test compares once the fix's edits are
-applied to a copy of this file."""
+until it breaks and prints `KIND path-of-its-snapshot`; `python applytrain.py --losses KIND...` trains each without
+the guard and prints their losses and whether every step was finite: what the test compares once the fixes' edits
+are applied to a copy of this file."""
 
 import json
 import math
@@ -94,8 +94,52 @@ def attn_batch(step):
     return x.half(), torch.randint(0, 3, (2,), generator=g)
 
 
+class Scorer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return torch.sigmoid(self.fc2(torch.relu(self.fc1(x))))  # the model returns probabilities
+
+
+def bce_on_probabilities(p, y):
+    return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()  # CULPRIT: bce
+
+
+class Logits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 1)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def bce_in_the_loss(z, y):
+    p = torch.sigmoid(z.squeeze(-1))
+    loss = -(y * torch.log(p) + (1 - y) * torch.log(1 - p))  # CULPRIT: bce_block
+    return loss.mean()
+
+
+def bce_batch(step):
+    g = torch.Generator().manual_seed(300 + step)
+    x = torch.randn(6, 5, generator=g)
+    y = (torch.rand(6, 1, generator=g) > 0.5).float()
+    if step == BAD:
+        x[1] *= 1e4  # a raw, unnormalised reading saturates the sigmoid: p is exactly 0 or 1, one log is log(0)
+    return x, y
+
+
+def bce_block_batch(step):
+    x, y = bce_batch(step)
+    return x, y.squeeze(-1)
+
+
 LOOPS = {"mdn": (MixtureDensity, mdn_loss, mdn_batch, 1e-2), "ce": (TinyLM, lm_loss, lm_batch, 1e-2),
-         "attn": (half_model, F.cross_entropy, attn_batch, 1e-2)}
+         "attn": (half_model, F.cross_entropy, attn_batch, 1e-2),
+         "bce": (Scorer, bce_on_probabilities, bce_batch, 1e-2),
+         "bce_block": (Logits, bce_in_the_loss, bce_block_batch, 1e-2)}
 
 
 def run(kind, folder=None):
@@ -130,7 +174,7 @@ def run(kind, folder=None):
 
 if __name__ == "__main__":
     if sys.argv[1] == "--losses":
-        print(json.dumps(run(sys.argv[2])))
+        print(json.dumps({kind: run(kind) for kind in sys.argv[2:]}))
     else:
         import pathlib
         for kind in sys.argv[2:]:
