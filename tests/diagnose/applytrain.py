@@ -136,10 +136,27 @@ def bce_block_batch(step):
     return x, y.squeeze(-1)
 
 
+class AutoEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc, self.dec = nn.Linear(8, 4), nn.Linear(4, 8)
+
+    def forward(self, x):
+        return self.dec(torch.relu(self.enc(x)))
+
+
+def ae_batch(step):
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(400 + step)) * 3
+    return x, x
+
+
+LR_TOO_HIGH = 3.0  # the run's learning rate: training climbs from the first update (the test sets the one advised)
+
 LOOPS = {"mdn": (MixtureDensity, mdn_loss, mdn_batch, 1e-2), "ce": (TinyLM, lm_loss, lm_batch, 1e-2),
          "attn": (half_model, F.cross_entropy, attn_batch, 1e-2),
          "bce": (Scorer, bce_on_probabilities, bce_batch, 1e-2),
-         "bce_block": (Logits, bce_in_the_loss, bce_block_batch, 1e-2)}
+         "bce_block": (Logits, bce_in_the_loss, bce_block_batch, 1e-2),
+         "lr": (AutoEncoder, F.mse_loss, ae_batch, LR_TOO_HIGH)}
 
 
 def run(kind, folder=None):
@@ -165,7 +182,7 @@ def run(kind, folder=None):
         grads_ok = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
         if guard and not guard.grads_ok():
             return guard
-        finite = finite and math.isfinite(float(loss)) and grads_ok
+        finite = finite and math.isfinite(loss.item()) and grads_ok
         if not finite:
             break
         opt.step()

@@ -6,6 +6,7 @@ steps' losses unchanged."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from isolation import ROOT, analyze_isolated
 from tolerance import close
 
 HERE = Path(__file__).resolve().parent
-KINDS = ("mdn", "ce", "attn", "bce", "bce_block")
+KINDS = ("mdn", "ce", "attn", "bce", "bce_block", "lr")
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 
 
@@ -62,6 +63,10 @@ def runs(tmp_path_factory):
     (fixed / "applytrain.py").write_text((HERE / "applytrain.py").read_text())
     for k in KINDS:
         apply(fixed / "applytrain.py", out[k]["diagnosis"]["fix"]["edits"])
+    advised = re.search(r"group\['lr'\] = ([0-9.e+-]+)", out["lr"]["diagnosis"]["fix"]["code"])
+    assert advised, out["lr"]["diagnosis"]["fix"]["code"]  # the lr is advice (its line is not in the snapshot): by hand
+    code = (fixed / "applytrain.py").read_text()
+    (fixed / "applytrain.py").write_text(code.replace("LR_TOO_HIGH = 3.0", f"LR_TOO_HIGH = {advised.group(1)}"))
     return out, losses(proj), losses(fixed)
 
 
@@ -130,6 +135,17 @@ def test_a_bce_on_a_sigmoid_made_a_line_above_gets_that_line_split_into_its_logi
     assert (made["line"], made["after"]) == (marked("bce_block") - 1, "logits = z.squeeze(-1)")
     assert "logsigmoid(logits)" in loss["after"] and "logsigmoid(-logits)" in loss["after"]
     _trains_on(runs, "bce_block")
+
+
+def test_a_run_whose_sgd_rate_is_too_high_is_told_a_rate_from_its_history_that_trains(runs):
+    d = runs[0]["lr"]
+    assert d["diagnosis"]["cause"] == "training_diverged"
+    fix = d["diagnosis"]["fix"]
+    assert fix["kind"] == "lower_lr_clip_grads" and fix["edits"] == [] and fix["before"] is None  # advice, honestly
+    assert "grew" in fix["code"] and "stable only below" in fix["code"]
+    before, after = runs[1]["lr"], runs[2]["lr"]
+    assert not before["finite"] and after["finite"] and after["losses"][-1] < after["losses"][0], (before, after)
+    assert after["losses"][0] == before["losses"][0]  # the same model and batch before any update
 
 
 def test_the_report_shows_a_fix_of_several_lines_as_one_diff_with_a_hunk_each(runs):
