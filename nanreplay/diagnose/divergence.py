@@ -252,19 +252,21 @@ def lr_clip_fix(d: Divergence | None, info: dict) -> Fix:
     if not typo:
         at = d.lr_at_onset if d else None
         bound = sgd_lr_bound(info, d)
+        if at is not None:
+            sched = f" ({at / base:.0%} of the configured {base:g} on the schedule)" if base and base != at else ""
+            tail = ("" if bound else f": keep the peak learning rate below that, e.g. {at / 10:.2g}, or warm up "
+                    "more slowly")
+            lines.append(f"the climb began at step {d.onset} with the learning rate at {at:.3g}{sched}{tail}")
         if bound is not None:
             top, r, s0, s1, at0 = bound
+            lam = (1 + r) / at0
             lines.append(f"at learning rate {at0:g} the gradient norm grew {r:.3g}× in one step ({s0} → {s1}): for SGD "
-                         f"that is a direction of curvature at least (1 + {r:.3g}) / {at0:g} = {(1 + r) / at0:.3g}, along "
-                         f"which SGD is stable only below 2 / {(1 + r) / at0:.3g} = {top:.2g}; set the rate below that,"
-                         f" e.g. {_below(top):g}:")
+                         f"that is a direction of curvature at least (1 + {r:.3g}) / {at0:g} = {lam:.3g}, along which "
+                         f"SGD is stable only below 2 / {lam:.3g} = {top:.2g}; set the rate below that, e.g. "
+                         f"{_below(top):g}:")
             lines.append(f"for group in optimizer.param_groups: group['lr'] = {_below(top):g}  # or lr={_below(top):g} "
                          "where the optimizer is made")
-        elif at is not None:
-            sched = f" ({at / base:.0%} of the configured {base:g} on the schedule)" if base and base != at else ""
-            lines.append(f"the climb began at step {d.onset} with the learning rate at {at:.3g}{sched}: keep the "
-                         f"peak learning rate below that, e.g. {at / 10:.2g}, or warm up more slowly")
-        else:
+        elif at is None:
             lr_text = f" (now {lr:g}), e.g. to {lr / 10:g}" if lr else ", e.g. 10× lower"
             warm = f" or warm it up over more than the {d.onset} steps it took to diverge" if d else " or warm it up"
             lines.append(f"lower the learning rate{lr_text},{warm}")
