@@ -155,3 +155,6 @@ def test_the_report_shows_a_fix_of_several_lines_as_one_diff_with_a_hunk_each(ru
     for e in fix["edits"]:
         assert f"@@ {e['file']}:{e['line']} @@" in text
         assert f"- {e['before']}" in text and f"+ {e['after']}" in text
+    from nanreplay.report.html import render_html
+    page = render_html(runs[0]["mdn"]).replace("<wbr>", "")
+    assert page.count('<div class="hunk">') == 2 and f"applytrain.py:{fix['edits'][0]['line']}</div>" in page
