@@ -120,11 +120,12 @@ def apply_and_train(folder: Path, training: str, script: str, kind: str, fix: di
     from tolerance import close
 
     src = training.splitlines()
-    before, after = fix["before"].splitlines(), fix["after"].splitlines()
-    at = next(i for i in range(len(src)) if all(src[i + j].strip().startswith(b.strip().split("  #")[0])
-                                                 for j, b in enumerate(before)))
-    indent = src[at][:len(src[at]) - len(src[at].lstrip())]
-    src[at:at + len(before)] = [indent + a for a in after]
+    for edit in fix.get("edits") or [fix]:  # every line the fix changes
+        before, after = edit["before"].splitlines(), edit["after"].splitlines()
+        at = next(i for i in range(len(src)) if all(src[i + j].strip().startswith(b.strip().split("  #")[0])
+                                                     for j, b in enumerate(before)))
+        indent = src[at][:len(src[at]) - len(src[at].lstrip())]
+        src[at:at + len(before)] = [indent + a for a in after]
     folder.mkdir()
     (folder / f"{script}.py").write_text("\n".join(src) + "\n")
     (folder / "original.py").write_text(training)

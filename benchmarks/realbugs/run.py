@@ -10,11 +10,11 @@ the code the thread shows. For each case:
 2. analyze the snapshot as a user would: the `nanreplay` CLI, from another, empty folder, no flags, the case's
    code not importable;
 3. localised: the culprit's source line is the line the case marks `# CULPRIT` (file and line);
-4. fix right: the first suggested fix, *applied* — its `before` line replaced by its `after` line in a copy of
-   the case — trains all the case's steps with every loss and gradient finite and the steps before the bad
-   batch giving the losses they gave unpatched (to a relative 1e-4: the fix changed nothing healthy). A fix
-   that is advice, not a line (an lr, a flag elsewhere), is counted as "advice" and checked by the case's own
-   `apply_advice` where it has one; `verified` is reported beside, never used to judge.
+4. fix right: the first suggested fix, *applied* — every one of its `edits` (each `before` statement replaced
+   by its `after`; a fix without `edits` is its one `before`/`after`) in a copy of the case — trains all the
+   case's steps with every loss and gradient finite and the steps before the bad batch giving the losses they
+   gave unpatched (to a relative 1e-4: the fix changed nothing healthy). A fix that is advice, not a line (an
+   lr, a flag elsewhere), is counted as "advice"; `verified` is reported beside, never used to judge.
 """
 
 from __future__ import annotations
@@ -154,11 +154,16 @@ def judge(name: str, keep: bool = False) -> dict:
             (row["file"] == f"{name}.py" and row["line"] == marked_line(case_file))
         fix = (a.get("diagnosis") or {}).get("fix") or {}
         row.update(fix_kind=fix.get("kind"), verified=fix.get("verified"), fix_code=fix.get("code"))
-        if fix.get("before") and fix.get("after"):
+        edits = fix.get("edits") or ([{"before": fix["before"], "after": fix["after"]}]
+                                     if fix.get("before") and fix.get("after") else [])
+        row["edits"] = len(edits)
+        if edits:
             patched = code / f"{name}.py"
-            if not apply_fix(patched, fix["before"], fix["after"]):
-                row["fix"] = "before-line not found in the user's code"
-                return row
+            for e in edits:  # each is matched by its text, so the order they are applied in does not matter
+                if Path(str(e.get("file") or patched)).name != patched.name or \
+                        not apply_fix(patched, e["before"], e["after"]):
+                    row["fix"] = "before-line not found in the user's code"
+                    return row
             (tmp / "snaps2").mkdir()
             fixed = run_train(patched, tmp / "snaps2", tmp / "losses2.json", code)
             broke_at = len(run["losses"]) - 1 if run["stop"] else len(run["losses"])  # its last loss is the failure

@@ -21,7 +21,7 @@ import linecache
 import re
 import textwrap
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # How an operator call is spelled in source: the name torch records for it -> the ast operator. `x / y`
 # reaches torch as Tensor.div (the very method `x.div(y)` calls), `x ** a` as Tensor.pow, `1 / x` as
@@ -39,6 +39,13 @@ class Rewrite:
     after: str  # the same statement with the fix applied
     line: int
     operand: str | None = None  # with_operand fixes: the new operand as an expression of `__x` (what is executed)
+    file: str | None = None  # the file as the analysis shows it (source["file"])
+    first: int | None = None  # the number of `before`'s first line (a statement may start above `line`)
+    extra: list[Rewrite] = field(default_factory=list)  # edits of other lines the fix needs (crossline.py)
+
+    def edit(self) -> dict:
+        """This rewrite as one entry of a fix's `edits`: {file, line, before, after}."""
+        return {"file": self.file, "line": self.first or self.line, "before": self.before, "after": self.after}
 
 
 # ------------------------------------------------------------------ reading source: one place
@@ -379,32 +386,50 @@ def rewrite(source: dict | None, line: int | None, call_name: str | None,
     loc = locate(source, line, call_name, ordinal=ordinal, scalars=scalars)
     if loc is None:
         return None
-    node, text = loc.node, loc.parsed.text
-    data = text.encode()
+    src = source_of_nodes(loc.parsed)
+    try:
+        new = transform(src, loc.node)
+    except (AttributeError, IndexError, TypeError):
+        return None
+    if new is None:
+        return None
+    rw = splice(source, loc, [(loc.node, new)], line)
+    rw.operand = getattr(transform, "operand", None)
+    return rw
+
+
+def source_of_nodes(parsed: _Parsed) -> Callable[[ast.AST], str]:
+    """`src(node)`: the source text of any node of a parsed window."""
+    data = parsed.text.encode()
     starts, pos = [], 0
-    for ln in text.splitlines(keepends=True):
+    for ln in parsed.text.splitlines(keepends=True):
         starts.append(pos)
         pos += len(ln.encode())
 
     def src(n: ast.AST) -> str:
         return data[starts[n.lineno - 1] + n.col_offset:starts[n.end_lineno - 1] + n.end_col_offset].decode()
+    src.starts = starts
+    return src
 
-    try:
-        new = transform(src, node)
-    except (AttributeError, IndexError, TypeError):
-        return None
-    if new is None:
-        return None
-    a = starts[node.lineno - 1] + node.col_offset
-    b = starts[node.end_lineno - 1] + node.end_col_offset
-    new_text = (data[:a] + new.encode() + data[b:]).decode()
-    stmt = _statement(loc.parsed.tree, node) or node
+
+def splice(source: dict, loc: Located, parts: list[tuple[ast.AST, str]], line: int) -> Rewrite:
+    """The statement holding `loc.node` with each (node, new text) of `parts` put in its node's place (the nodes
+    of one statement, none inside another)."""
+    text = loc.parsed.text
+    data = text.encode()
+    starts = source_of_nodes(loc.parsed).starts
+    stmt = _statement(loc.parsed.tree, loc.node) or loc.node
     first, last = stmt.lineno, stmt.end_lineno
-    delta = new.count("\n") - src(node).count("\n")
+    delta = 0
+    for node, new in sorted(parts, key=lambda p: (p[0].lineno, p[0].col_offset), reverse=True):
+        a = starts[node.lineno - 1] + node.col_offset
+        b = starts[node.end_lineno - 1] + node.end_col_offset
+        delta += new.count("\n") - data[a:b].decode().count("\n")
+        data = data[:a] + new.encode() + data[b:]
     before = "\n".join(text.splitlines()[first - 1:last])
-    after = "\n".join(new_text.splitlines()[first - 1:last + delta])
-    return Rewrite(before=_dedent(before), after=_dedent(after), line=line,
-                   operand=getattr(transform, "operand", None))
+    after = "\n".join(data.decode().splitlines()[first - 1:last + delta])
+    return Rewrite(before=_dedent(before), after=_dedent(after), line=line, file=source.get("file"),
+                   first=loc.parsed.first + first - 1)
 
 
 def _statement(tree: ast.AST, target: ast.AST) -> ast.stmt | None:

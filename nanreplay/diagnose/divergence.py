@@ -8,6 +8,7 @@ climb started at says how long a warmup (or how early a checkpoint) is needed.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -187,6 +188,30 @@ def remedy(d: Divergence) -> str:
     return "lower the learning rate (or warm it up), clip gradients"
 
 
+def sgd_lr_bound(info: dict, d: Divergence | None) -> tuple[float, float, int, int, float] | None:
+    """(the largest stable rate, the growth, its two steps, the rate) for plain SGD, from the history's first climb.
+
+    Gradient descent multiplies the gradient along a direction of curvature λ by |1 - lr·λ| each step: a norm that
+    grew r× in one step at rate lr has some λ ≥ (1 + r) / lr, and SGD is stable along it only for lr < 2 / λ — so at
+    most 2·lr / (1 + r). Momentum only widens that bound, so it stays safe; Adam normalises the step (no bound)."""
+    opt = info.get("optimizer") if isinstance(info.get("optimizer"), dict) else {}
+    if d is None or d.jump is not None or opt.get("class") != "SGD":
+        return None
+    rows = history_rows(info)
+    pts = [(r.get("step", i), finite_float(r.get("grad_norm")), finite_float(r.get("lr"))) for i, r in enumerate(rows)]
+    for (s0, g0, lr0), (s1, g1, lr1) in zip(pts, pts[1:], strict=False):
+        if s1 == d.onset and s0 == s1 - 1 and g0 and g1 and lr0 and lr0 == lr1 and g1 > 2 * g0:
+            r = g1 / g0  # a clear growth, not one batch's noise
+            return 2 * lr0 / (1 + r), r, s0, s1, lr0
+    return None
+
+
+def _below(x: float) -> float:
+    """Half of `x`, rounded down to one significant digit: a rate with margin below a bound."""
+    e = 10.0 ** math.floor(math.log10(x / 2))
+    return float(f"{math.floor(x / 2 / e) * e:.1g}")
+
+
 def lr_clip_fix(d: Divergence | None, info: dict) -> Fix:
     """Lower the learning rate / warm up / clip gradients, with the numbers the history gives: the learning rate
     where the climb began (configured and scheduled), a configured one that is a typo, the clip already in force."""
@@ -226,11 +251,22 @@ def lr_clip_fix(d: Divergence | None, info: dict) -> Fix:
                          f"{'it reached ' + format(d.grad_norm[1][1], '.3g') if d.grad_norm else 'then it climbed'})")
     if not typo:
         at = d.lr_at_onset if d else None
+        bound = sgd_lr_bound(info, d)
         if at is not None:
             sched = f" ({at / base:.0%} of the configured {base:g} on the schedule)" if base and base != at else ""
-            lines.append(f"the climb began at step {d.onset} with the learning rate at {at:.3g}{sched}: keep the "
-                         f"peak learning rate below that, e.g. {at / 10:.2g}, or warm up more slowly")
-        else:
+            tail = ("" if bound else f": keep the peak learning rate below that, e.g. {at / 10:.2g}, or warm up "
+                    "more slowly")
+            lines.append(f"the climb began at step {d.onset} with the learning rate at {at:.3g}{sched}{tail}")
+        if bound is not None:
+            top, r, s0, s1, at0 = bound
+            lam = (1 + r) / at0
+            lines.append(f"at learning rate {at0:g} the gradient norm grew {r:.3g}× in one step ({s0} → {s1}): for SGD "
+                         f"that is a direction of curvature at least (1 + {r:.3g}) / {at0:g} = {lam:.3g}, along which "
+                         f"SGD is stable only below 2 / {lam:.3g} = {top:.2g}; set the rate below that, e.g. "
+                         f"{_below(top):g}:")
+            lines.append(f"for group in optimizer.param_groups: group['lr'] = {_below(top):g}  # or lr={_below(top):g} "
+                         "where the optimizer is made")
+        elif at is None:
             lr_text = f" (now {lr:g}), e.g. to {lr / 10:g}" if lr else ", e.g. 10× lower"
             warm = f" or warm it up over more than the {d.onset} steps it took to diverge" if d else " or warm it up"
             lines.append(f"lower the learning rate{lr_text},{warm}")

@@ -229,11 +229,13 @@ def _judge(fix: Fix, o: verify.Outcome, subject, same: plausible.SameStep, ref: 
     ok, why = plausible.judge_same_step(o.loss, same, probe_loss, fix.epsilon if probe_loss is not None else None)
     if ok is None:
         ok, why = plausible.judge(o.loss, o.grad_norm, o.grad_norms, history)
-        if ok is False and fix.variant and o.loss is not None:  # a wider dtype computes what the step meant: the
+        wider = fix.variant or fix.kind == FixKind.FLOAT32_SOFTMAX  # float32 where float16 overflowed, the rest kept
+        if ok is False and wider and o.loss is not None:  # a wider dtype computes what the step meant: the
             if "float64" not in probes:                          # same step in float64 says so, not the history
                 probes["float64"] = plausible.float64_loss(subject)
             f64 = probes["float64"]
-            dt = fix.variant.get("dtype") or (fix.variant.get("autocast") or {}).get("dtype")
+            dt = (fix.variant.get("dtype") or (fix.variant.get("autocast") or {}).get("dtype")) if fix.variant \
+                else torch.float16
             tol = max(plausible.SAME_RTOL, 8 * torch.finfo(dt).eps) if isinstance(dt, torch.dtype) else \
                 plausible.SAME_RTOL
             if f64 is not None and abs(abs(o.loss) - f64) <= tol * f64 + plausible.SAME_ATOL:

@@ -47,6 +47,8 @@ class Fix:
                                          # at the patched calls themselves (exp(x - max) differs from exp(x))
     noop_exempt: str | None = None  # why the no-op check does not apply (the original's finite values are noise)
     patched_ops: list[str] = field(default_factory=list)  # the ops (calls) the patch applied to in its replay
+    edits: list[dict] = field(default_factory=list)  # every line the fix changes, in source order: {file, line,
+                                                     # before, after}; before/after above is the culprit line's
     rewrite: InitVar[codefix.Rewrite | None] = None  # the user's line rewritten: becomes code/before/after
 
     def __post_init__(self, rewrite: codefix.Rewrite | None) -> None:
@@ -56,6 +58,10 @@ class Fix:
             raise ValueError(f"unknown fix kind {self.kind!r}") from None
         if rewrite is not None:
             self.code, self.before, self.after = rewrite.after, rewrite.before, rewrite.after
+            every = sorted([rewrite, *rewrite.extra], key=lambda r: (str(r.file), r.first or r.line))
+            self.edits = [r.edit() for r in every]
+            if rewrite.extra:  # several lines: each after, with where it goes
+                self.code = "\n".join(f"# {e['file']}:{e['line']}\n{e['after']}" for e in self.edits)
         elif self.guidance:
             self.code = "\n".join(f"# {ln}" if ln else "#" for ln in self.guidance.splitlines())
         if self.tested_as is None and self.variant:
@@ -66,7 +72,7 @@ class Fix:
     def to_json(self) -> dict:
         return {"kind": self.kind.value, "code": self.code, "epsilon": self.epsilon, "verified": self.verified,
                 "verification": self.verification, "reasoning": self.reasoning, "before": self.before,
-                "after": self.after, "replay": self.replay, "tested_as": self.tested_as,
+                "after": self.after, "edits": [dict(e) for e in self.edits], "replay": self.replay, "tested_as": self.tested_as,
                 "patched_calls": sorted(self.patch) if self.patch else [], "patched_ops": list(self.patched_ops),
                 "alternatives": [{"code": a, "tested": False, "label": "untested"} for a in self.alternatives]}
 

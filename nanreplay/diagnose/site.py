@@ -211,12 +211,21 @@ class Site:
     def source_of(self, call: int) -> dict | None:
         return frame_json(self._call_frames.get(call))
 
+    def spelled(self, call: int) -> str:
+        """The call's name as the line spells it: the recorded name, or where the line holds no call of that name
+        (a step program records aten ops: `nll_loss_forward` ran inside `F.cross_entropy`) the user's call."""
+        name, user = self.name_of(call), self.step.user_call(call)
+        src = self.source_of(call)
+        if user and user != name and src and not codefix.count_calls(src, src["line"], name):
+            return user
+        return name
+
     def line_calls(self, call: int) -> list[int]:
         """The calls the same expression made in every execution of its line (each transformer block, each
         loop iteration), where the line's source tells how many such expressions it holds; else just `call`."""
         src = self.source_of(call)
         k, n = self.ordinal(call)
-        m = codefix.count_calls(src, src["line"], self.name_of(call)) if src else 0
+        m = codefix.count_calls(src, src["line"], self.spelled(call)) if src else 0
         if not m or n % m:
             return [call]
         calls = self.same_site(call)
@@ -238,7 +247,7 @@ class Site:
             return None  # library code (site-packages, torch) is not the user's to edit: an op-level patch instead
         if scalars is None and call == self.call and self.forward:
             scalars = [v for v in self.event.scalars or [] if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        return codefix.rewrite(src, src["line"], self.name_of(call), transform, ordinal=self.ordinal(call),
+        return codefix.rewrite(src, src["line"], self.spelled(call), transform, ordinal=self.ordinal(call),
                                scalars=scalars)
 
 

@@ -138,6 +138,7 @@ FIX_LABELS = {
     "restore_parameters": "restore the weights", "guard_empty_reduction": "guard the empty reduction", "none": "no fix",
     "compiler": "change the compiled region", "softplus": "use softplus", "log1mexp": "use log(-expm1(x))",
     "zero_infinity": "CTC zero_infinity (or filter)", "mask_rows": "mask the rows (in the data)",
+    "float32_softmax": "scores and softmax in float32",
 }
 
 

@@ -85,7 +85,8 @@ def _fix_lines(b: Banner) -> list[str]:
     badge = f.badge.text
     out = [f"**Fix** ({escape(f.label)}), {escape(badge)}:"]
     if f.diff:
-        out.append(block("\n".join(f"{'-' if dl.sign == '-' else '+'} {dl.text}" for dl in f.diff), "diff"))
+        out.append(block("\n".join(f"@@ {dl.text} @@" if dl.sign == "@" else f"{'-' if dl.sign == '-' else '+'} {dl.text}"
+                                   for dl in f.diff), "diff"))
     elif f.code:
         out.append(block(wrap_comments(f.code), "python"))
     if f.badge.tone != "ok" and f.verification:

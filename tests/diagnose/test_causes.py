@@ -128,12 +128,14 @@ def test_bce_fix_is_the_logits_form(run_case):
     with torch.no_grad():
         expected = F.binary_cross_entropy_with_logits(model.fc(b["x"]).squeeze(-1), b["y"]).item()
     assert _replayed_loss(fix) == pytest.approx(expected, rel=1e-5)
-    # the fix spans the model and the loss: guidance, in words and the user's own calls, not made-up code
-    assert fix["code"].startswith("# ") and "binary_cross_entropy_with_logits(" in fix["code"]
-    assert fix["tested_as"] == "op" and "op-level patch" in fix["verification"]
+    # the fix spans the model and the loss: two edits, the model's sigmoid removed (it returns the logits) and
+    # the loss's logs made logsigmoid of them, replayed as written
     sigmoid_line = next(i for i, t in enumerate(Path(causes.__file__).read_text().splitlines(), 1)
                         if "torch.sigmoid(self.fc(x)).squeeze(-1)" in t)
-    assert f"causes.py:{sigmoid_line}," in fix["code"]  # where to return the logits instead
+    model_edit, loss_edit = fix["edits"]
+    assert model_edit["line"] == sigmoid_line and model_edit["after"].endswith("self.fc(x).squeeze(-1)")
+    assert "logsigmoid(p)" in loss_edit["after"] and "logsigmoid(-p)" in loss_edit["after"]
+    assert fix["tested_as"] == "line" and "holds the logits" in fix["reasoning"]
 
 
 def test_logsumexp_fix_keeps_the_value(run_case):

@@ -41,7 +41,13 @@ def _names(code: str) -> set[str]:
 def test_a_fix_uses_only_the_users_names_or_is_guidance(run_case, module, name):
     d = run_case(name, module=module)[0].to_json()
     for fix in [d["diagnosis"]["fix"], *d["diagnosis"]["candidates"]]:
-        if fix["after"]:
+        if fix["after"] and len(fix["edits"]) > 1:  # several lines: each shown, new names only those it assigns
+            befores = set().union(*(_names(e["before"]) for e in fix["edits"]))
+            made = {n.id for e in fix["edits"] for s in ast.parse(e["after"]).body if isinstance(s, ast.Assign)
+                    for n in s.targets if isinstance(n, ast.Name)}
+            for e in fix["edits"]:
+                assert e["after"] in fix["code"] and _names(e["after"]) <= befores | made | KNOWN, e
+        elif fix["after"]:
             assert fix["code"] == fix["after"]
             assert _names(fix["after"]) <= _names(fix["before"]) | KNOWN, (fix["before"], fix["after"])
         elif fix["tested_as"] == "step":  # a whole-step change (the autocast dtype): code with torch's names only

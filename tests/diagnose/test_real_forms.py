@@ -215,8 +215,13 @@ def test_mixture_density_loss_gets_logsumexp_not_an_epsilon(runs):
     fix = diag["fix"]
     assert diag["candidates"][0]["kind"] == fix["kind"] == "max_subtraction" and fix["epsilon"] is None
     assert fix["verified"] is True, fix["verification"]
-    # the log-densities live on another line: an op-level patch, said as guidance naming logsumexp
-    assert fix["tested_as"] == "op" and "torch.logsumexp(a + torch.log(w), dim)" in fix["code"]
+    # the densities are made on the line above: that line makes their log instead, and the log of their sum is a
+    # logsumexp of it — two edits, replayed as written (applied and trained on in test_applied_edits.py: here the
+    # outlier, y = 1e3, keeps its exact gradient of ~1e5, and the next update overflows this loop's sigma = exp(ls))
+    made, log = fix["edits"]
+    assert fix["tested_as"] == "line" and made["line"] == marker_line(TRAINING, "densities")
+    assert made["after"].startswith("log_dens = ") and "torch.exp" not in made["after"]
+    assert log["line"] == marker_line(TRAINING, "mdn log") and "torch.logsumexp(log_dens, -1)" in log["after"]
     assert "cap that sample's loss" in diag["explanation"]
 
 

@@ -217,7 +217,8 @@ def _guarded_ce_text(src, node, ignore: int) -> str | None:
             or len(node.args) > 2:
         return None
     parts = [src(a) for a in node.args] + [f"{k.arg}={src(k.value)}" for k in node.keywords] + ["reduction='sum'"]
-    return f"{src(node.func)}({', '.join(parts)}) / ({src(target)} != {ignore}).sum().clamp_min(1)"
+    named = next((src(k.value) for k in node.keywords if k.arg == "ignore_index"), None)  # as the user spelled it
+    return f"{src(node.func)}({', '.join(parts)}) / ({src(target)} != {named or ignore}).sum().clamp_min(1)"
 
 
 _NORMS = ("aten.linalg_vector_norm", "aten.norm", "aten.sqrt", "aten.std", "aten.var", "aten.abs")

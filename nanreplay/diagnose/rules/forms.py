@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from nanreplay.diagnose import codefix
+from nanreplay.diagnose import codefix, crossline
 from nanreplay.diagnose.forms import TABLE
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.prose import count
@@ -29,6 +29,11 @@ ast = codefix.ast
 def _name(node) -> str:
     f = node.func if isinstance(node, ast.Call) else None
     return (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")) if f is not None else ""
+
+
+def _line(rec: OpRecord) -> int | None:
+    fr = frame_json(rec.frame)
+    return fr["line"] if fr else None
 
 
 def _at(rec: OpRecord) -> str:
@@ -286,35 +291,47 @@ def _lse_patch(s: Site, e: OpRecord, steps: list[OpRecord], sm: OpRecord, line: 
     return patch
 
 
-def _lse_text(src, node) -> str | None:
-    """torch.log((w * torch.exp(a)).sum(d)) -> torch.logsumexp(a + torch.log(w), d) (numbers: math.log)."""
+def _lse_text(src, node, defs: crossline.Definitions | None = None) -> str | None:
+    """torch.log((w * torch.exp(a)).sum(d)) -> torch.logsumexp(a + torch.log(w), d) (numbers: math.log). With
+    `defs`, a name the line reads that an earlier line made as such a product (`dens = torch.exp(a) / b`) is
+    followed there: that line becomes `log_dens = a - torch.log(b)` (a second edit)."""
     inner = codefix.operand(node, "input")
     if not (isinstance(inner, ast.Call) and _name(inner) == "sum" and _name(node) == "log"):
         return None
     rest = [src(a) for a in codefix.arguments(inner)] + [f"{k.arg}={src(k.value)}" for k in inner.keywords]
     if not rest:
         return None  # a full reduction: logsumexp needs the dims spelled out
-
-    def log_of(n) -> str:
-        number = isinstance(n, ast.Constant) or (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-                                                 and getattr(n.func.value, "id", "") == "math")
-        return f"{'math' if number else 'torch'}.log({src(n)})"
-
-    def z(n) -> str | None:
-        x = _exp_arg(n)
-        if x is not None:
-            return src(x)
-        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult):
-            for a, b in ((n.left, n.right), (n.right, n.left)):
-                t = z(a)
-                if t is not None:
-                    return codefix.plus(t, log_of(b))
-        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div):
-            t = z(n.left)
-            return codefix.plus(t, log_of(n.right), "-") if t is not None else None
-        return None
-    body = z(codefix.operand(inner, "input"))
+    body = _lse_body(codefix.operand(inner, "input"), src, defs)
     return f"torch.logsumexp({body}, {', '.join(rest)})" if body is not None else None
+
+
+def _lse_body(n, src, defs: crossline.Definitions | None, depth: int = 0) -> str | None:
+    """The log of a product/quotient of one exp and weights, as text: exp(a) * w / v -> a + log(w) - log(v)."""
+    def log_of(m) -> str:
+        number = isinstance(m, ast.Constant) or (isinstance(m, ast.Call) and isinstance(m.func, ast.Attribute)
+                                                 and getattr(m.func.value, "id", "") == "math")
+        return f"{'math' if number else 'torch'}.log({src(m)})"
+
+    x = _exp_arg(n)
+    if x is not None:
+        return src(x)
+    if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult):
+        for a, b in ((n.left, n.right), (n.right, n.left)):
+            t = _lse_body(a, src, defs, depth)
+            if t is not None:
+                return codefix.plus(t, log_of(b))
+    if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div):
+        t = _lse_body(n.left, src, defs, depth)
+        return codefix.plus(t, log_of(n.right), "-") if t is not None else None
+    if isinstance(n, ast.Name) and defs is not None and depth < 3:
+        d = defs.find(n.id)
+        t = _lse_body(d.value, d.src, defs, depth + 1) if d is not None else None
+        if t is None:
+            return None
+        new = defs.fresh(f"log_{n.id}")
+        defs.replace(d, [f"{new} = {t}"] + ([f"{n.id} = torch.exp({new})"] if d.reused else []))
+        return new
+    return None
 
 
 @rule("logsumexp_underflow", aten.log, priority=185)
@@ -330,7 +347,10 @@ def _logsumexp_underflow(s: Site) -> Diagnosis | None:
         return None
     e, steps = got
     row = TABLE["logsumexp"]
-    rw = s.rewrite(_lse_text)
+    defs = crossline.Definitions(s.source, (s.source or {}).get("line"))
+    rw = defs.attach(s.rewrite(lambda src, node: _lse_text(src, node, defs)))
+    if rw is not None and rw.extra and not crossline.covers(rw, [_line(r) for r in (e, *steps, sm)]):
+        rw = None  # the exps and weights it follows are not (all) on the lines it would change
     patch = _lse_patch(s, e, steps, sm, rw is not None)
     weighted = " weighted" if steps else ""
     return Diagnosis(

@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from nanreplay.diagnose import codefix
+from nanreplay.diagnose import bcefix, codefix
 from nanreplay.diagnose.fixes import (
     choose_eps,
     clamp_eps,
@@ -127,9 +127,12 @@ def _handwritten_bce(s: Site) -> Diagnosis | None:
     direct, of_complement, complements = _sigmoid_logs(s, sg)
     if not of_complement:
         return None  # log(sigmoid(z)) alone: the logsigmoid rule
-    patch = stable_log_patch(sg, direct + of_complement, lambda a, k: F.logsigmoid(a[0]), complements)
+    rw, note = bcefix.edits(s, sg, direct + of_complement, complements)
+    patch = stable_log_patch(sg, direct + of_complement, lambda a, k: F.logsigmoid(a[0]), complements,
+                             every=s.line_calls if rw else None)
     Fn = codefix.functional(s.source)
-    guide = (f"at {_frame_at(sg)}, return the logits (what goes into the sigmoid) instead of the sigmoid's output,\n"
+    at = _frame_at(sg) if sg.frame is not None else f"the model's module {sg.module!r} (its line is not yours)"
+    guide = (f"at {at}, return the logits (what goes into the sigmoid) instead of the sigmoid's output,\n"
              f"and compute the loss from them with {Fn}.binary_cross_entropy_with_logits(logits, target)\n"
              f"(by hand: log(p) becomes {Fn}.logsigmoid(logits), log(1 - p) becomes {Fn}.logsigmoid(-logits))")
     which = "1, so log(1 - p) = log(0)" if s.origin(0) is not sg else "0, so log(p) = log(0)"
@@ -138,8 +141,9 @@ def _handwritten_bce(s: Site) -> Diagnosis | None:
         f"p = sigmoid(z) rounded to exactly {which} = -inf at {s.where}: in {s.dtype}, sigmoid(z) is exactly 1 "
         f"for z above about {_sigmoid_one(s.finfo):.0f} and exactly 0 below about {_sigmoid_zero(s.finfo):.0f}. "
         "Computing binary cross-entropy from probabilities loses everything beyond float precision; "
-        f"compute it from the logits (sigmoid at {_frame_at(sg)}).",
-        [Fix(FORMS["bce_with_logits"].kind, "", guidance=guide, patch=patch, reasoning=FORMS["bce_with_logits"].why)])
+        f"compute it from the logits (sigmoid at {at}).",
+        [Fix(FORMS["bce_with_logits"].kind, "", rewrite=rw, guidance=guide, patch=patch,
+             reasoning=FORMS["bce_with_logits"].why + note)])
 
 
 @rule("logsigmoid", *_LOGS, priority=220)

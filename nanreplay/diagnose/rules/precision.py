@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from nanreplay.diagnose import magnitude, plausible
+from nanreplay.diagnose import magnitude, plausible, upcast
 from nanreplay.diagnose.divergence import divergence, lr_clip_fix, remedy
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.site import Site, finite_float, packet
@@ -179,6 +179,7 @@ def _fp16(s: Site) -> Diagnosis | None:
             "step on overflow.")
     fixes = [Fix(FixKind.BF16_OR_GRAD_SCALER, code, variant=variant, alternatives=alternatives,
                  reasoning="bfloat16 trades mantissa bits for float32's exponent range")]
+    fixes[:0] = [f for f in (upcast.float32_scores(s),) if f is not None]  # the edit that matches the code, first
     raw = _raw_batch_input(s)
     if raw is not None:  # the values that overflow are the batch itself: its range is the cause
         name, absmax = raw

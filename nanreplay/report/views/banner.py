@@ -32,7 +32,7 @@ from nanreplay.report.views.elements import Badge, Fact
 
 @dataclass
 class DiffLine:
-    sign: str  # "-" or "+"
+    sign: str  # "-" or "+"; "@" heads one edit of several (its text: file:line)
     text: str
 
 
@@ -103,9 +103,14 @@ def fix_view(fix: dict) -> FixView | None:
     if fix.get("epsilon") is not None:
         label += f", ε = {fix['epsilon']:g}" if isinstance(fix["epsilon"], (int, float)) else f", ε = {fix['epsilon']}"
     diff: list[DiffLine] = []
-    if fix.get("before") and fix.get("after"):
-        diff = [DiffLine("-", ln) for ln in str(fix["before"]).splitlines()]
-        diff += [DiffLine("+", ln) for ln in str(fix["after"]).splitlines()]
+    edits = [e for e in fix.get("edits") or [] if isinstance(e, dict) and e.get("before") and e.get("after")]
+    if len(edits) < 2:
+        edits = [fix] if fix.get("before") and fix.get("after") else []
+    for e in edits:  # a fix that changes several lines: one hunk each, headed by where it goes
+        if len(edits) > 1:
+            diff.append(DiffLine("@", f"{e.get('file')}:{e.get('line')}"))
+        diff += [DiffLine("-", ln) for ln in str(e["before"]).splitlines()]
+        diff += [DiffLine("+", ln) for ln in str(e["after"]).splitlines()]
     verification = fix.get("verification") or ""
     if not verification and fix.get("verified") is None:
         verification = "not replayed: fix verification was skipped (--no-verify)"
