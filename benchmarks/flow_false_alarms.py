@@ -73,7 +73,10 @@ def run_one(arch, folder: str, steps: int) -> tuple[str, list[str], int]:
         for p in guard.flow_snapshots:
             d = torch.load(p, weights_only=True)
             names += [f"{r['name']} ({r['gradient']})" for r in d["gradient_flow"]["dead"]]
-        return ("ALARM" if guard.flow_snapshots else "quiet"), names, checks[0]
+        flow = guard._flow
+        warned = [f"{n} (inert: warned)" for n in (flow.inert if flow is not None else ())]
+        status = "ALARM" if guard.flow_snapshots else "warned" if warned else "quiet"
+        return status, names + warned, checks[0]
     except zoo_archs.Skipped as e:
         return f"skipped: {e}", [], 0
     except _Timeout:
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     logging.getLogger("nanreplay").setLevel(logging.ERROR)
     chosen = zoo_archs.select(zoo_archs.all_archs(), args.archs, args.limit)
-    ran = alarms = checked = 0
+    ran = alarms = warned = checked = 0
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         for i, arch in enumerate(chosen):
@@ -103,10 +106,12 @@ def main(argv: list[str] | None = None) -> int:
             if not status.startswith("skipped"):
                 ran += 1
                 alarms += status == "ALARM"
+                warned += status == "warned"
                 checked += checks
             print(f"{status[:60]:60s} {arch.name:45s} checks {checks}  {', '.join(names[:6])}", flush=True)
-    print(f"\nfalse alarms {alarms} of {ran} architectures ({args.steps} steps each); steps that needed the "
-          f"expensive check: {checked}; {time.perf_counter() - t0:.0f}s")
+    print(f"\nfalse alarms {alarms} of {ran} architectures ({args.steps} steps each); inert parameters warned of "
+          f"(no snapshot) in {warned}; steps that needed the expensive check: {checked}; "
+          f"{time.perf_counter() - t0:.0f}s")
     return 0
 
 

@@ -55,6 +55,7 @@ class Trigger(StrEnum):
     UPDATE = "update"  # optimizer.step() made the weights NaN/Inf
     NO_GRADIENT = "no_gradient"  # a trained parameter's value reaches the loss, its gradient never came (None/zero)
     GRADIENT_DIED = "gradient_died"  # the same for a parameter that had gradients on earlier steps
+    GRADIENT_VANISHED = "gradient_vanished"  # a module's share of the gradient norm collapsed (not to zero)
 
 
 class FixKind(StrEnum):
