@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanreplay import NanGuard
+from nanreplay.analysis import analyze
 
 
 class Siamese(nn.Module):
@@ -184,6 +185,10 @@ def test_a_deep_sigmoid_mlp_saturated_by_an_lr_jump_fires_gradient_vanished_for_
     names = [v["module"] for v in gf["vanished"]]
     assert "0" in names and "12" not in names  # the first layer vanished; the output layer carries the norm
     assert all(v["share"] < v["median_share"] / 1e4 for v in gf["vanished"])
+    d = analyze(path).to_json()
+    assert d["verdict"] == "gradient_vanished" and d["gradient_flow"]["reproduced"] is True
+    assert {"0.weight", "0.bias"} <= set(d["gradient_flow"]["parameters"])
+    assert "jumped from 0.1 to 300 at step 16" in d["diagnosis"]["explanation"]
 
 
 def test_the_same_mlp_without_the_jump_and_with_vanish_off_write_nothing(tmp_path):
