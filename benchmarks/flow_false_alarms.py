@@ -1,12 +1,13 @@
-"""False alarms of the dead-gradient triggers (no_gradient / gradient_died) on healthy runs of the zoo.
+"""False alarms of the gradient-flow triggers (no_gradient, gradient_died, gradient_vanished) on the zoo's healthy runs.
 
     python benchmarks/flow_false_alarms.py --limit 40 --steps 4
 
 Each architecture of the capture sweep (benchmarks/archs.py) trains a few steps with Adam under NanGuard as the
-README shows (begin, loss_ok, backward, grads_ok, step); a snapshot with either trigger is a false alarm (these
+README shows (begin, loss_ok, backward, grads_ok, step); a snapshot with any of them is a false alarm (these
 runs are healthy: every parameter learns, or is unused by design). Prints each alarm with the parameters it named,
-and `false alarms N of M architectures`. Target: none. Also counts the steps that needed the expensive check
-(a trained parameter with no or a zero gradient seen: the step recorded to ask whether its value reaches the loss).
+and `false alarms N of M architectures` (inert zeros are warnings: `warned`). Target: none. Also counts the steps
+that needed the expensive check (a trained parameter with no or a zero gradient seen: the step recorded to ask
+whether its value reaches the loss). The vanishing trigger needs history: give it `--steps 24` or more.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def run_one(arch, folder: str, steps: int) -> tuple[str, list[str], int]:
         for p in guard.flow_snapshots:
             d = torch.load(p, weights_only=True)
             names += [f"{r['name']} ({r['gradient']})" for r in d["gradient_flow"]["dead"]]
+            names += [f"{v['module']} (vanished)" for v in d["gradient_flow"].get("vanished") or []]
         flow = guard._flow
         warned = [f"{n} (inert: warned)" for n in (flow.inert if flow is not None else ())]
         status = "ALARM" if guard.flow_snapshots else "warned" if warned else "quiet"
