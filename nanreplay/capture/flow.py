@@ -262,6 +262,7 @@ def inert_of(fw: FlowWatch, guard: Any, suspects: list[torch.Tensor]) -> set[int
     inert. A moved gradient that is not exactly zero but small (rounding in a cancelling normalisation: first-order
     loss change below BAND of the loss) is confirmed by a forward with that suspect put back to its own values (the
     others fresh): inert if the loss moves by less than REL of itself."""
+    suspects = [p for p in suspects if id(p) in fw._names]  # (a parameter outside the model cannot be swapped)
     gen = torch.Generator().manual_seed(0)  # its own generator: the training's RNG is never drawn from
     moved, deltas = {}, []
     for p in suspects:
@@ -271,16 +272,20 @@ def inert_of(fw: FlowWatch, guard: Any, suspects: list[torch.Tensor]) -> set[int
         fresh = (torch.randn(d.shape, generator=gen) * scale).to(d.device, d.dtype)  # out of any saturation
         deltas.append(fresh - d)
         moved[fw.name(p)] = fresh.requires_grad_()
+    if not suspects:
+        return set()
     value = _loss_with(guard, moved)
-    if not isinstance(value, torch.Tensor) or not value.requires_grad:  # nothing left depends on the suspects
-        return {id(p) for p in suspects}
+    if not isinstance(value, torch.Tensor) or not value.requires_grad:  # the swap did not take (a cached reference)
+        return set()
     grads = torch.autograd.grad(value.float().sum(), list(moved.values()), allow_unused=True)
     scale = abs(float(value.detach().float().sum()))
     if scale != scale or scale == float("inf"):  # moved too far to tell: not called inert
         return set()
     out, unsure = set(), []
     for p, g, delta in zip(suspects, grads, deltas, strict=True):
-        if g is None or not bool(g.any()):
+        if g is None:  # the moved copy was not used: the swap did not reach this use; cannot tell
+            continue
+        if not bool(g.any()):
             out.add(id(p))
         elif float((g.float() * delta.float()).abs().sum()) <= BAND * scale:
             unsure.append(p)
