@@ -1,6 +1,6 @@
 """Vanishing gradients: a module whose gradient norm collapses relative to the rest of the model (docs/flow.md).
 
-The guard's one fused norm per step gives every parameter's gradient norm (capture/flow.py). On every other step
+The guard's one fused norm per step gives every parameter's gradient norm (capture/flow.py). On every fourth step
 (`EVERY`) they are summed per module (the module that owns the parameter) and each module's *share* of the total
 norm (squared) goes into a ring of the last `window` samples, on the gradients' device. A module vanishes when its
 share falls `factor` times (1e4 by default) below its own median share over that window, on `patience` samples in
@@ -8,9 +8,8 @@ a row, with a non-zero norm (an exact zero is the dead-gradient trigger's). Shar
 zero (a fit, a converged run, a batch with small advantages) shrinks every module's norm together and leaves the
 shares alone; a saturated or dead stretch of layers shrinks the norms of the modules behind it and not the others'.
 
-Cost on a sampled step: about ten small tensor ops on the per-parameter norms and one more number in the guard's
-one host sync (the count of collapsed modules); none on the other steps. The median is refreshed every second
-sample.
+Cost on a sampled step: eight small tensor ops on the per-parameter norms and one more number in the guard's one
+host sync (the count of collapsed modules); none on the other steps. The median is refreshed every second sample.
 This module imports only torch.
 """
 
@@ -24,7 +23,7 @@ import torch
 FACTOR = 1e4  # a module's share of the norm falling this many times below its median share
 WINDOW = 32  # samples of history the median is taken over
 WARM = 6  # samples before anything can fire
-EVERY = 2  # steps between samples (a vanished gradient stays vanished: a sample every other step sees it)
+EVERY = 4  # steps between samples (a vanished gradient stays vanished: a sample every fourth step sees it)
 
 
 class VanishWatch:
@@ -58,8 +57,8 @@ class VanishWatch:
         if key != self._key:
             self._columns(params, key, names(), norms.device)
         sq = torch.zeros(len(self.modules), device=norms.device).index_add_(0, self._index, norms * norms)
-        tt = total * total
-        self._ring[self._rows % self.window].copy_(sq / tt)
+        share = sq / (total * total)
+        self._ring[self._rows % self.window].copy_(share)
         self._rows += 1
         if self._rows < WARM:
             return None
@@ -67,7 +66,7 @@ class VanishWatch:
             ring = self._ring[:min(self._rows, self.window)]
             med = torch.nanmedian(ring.masked_fill(ring <= 0, float("nan")), dim=0).values
             self._limit = torch.nan_to_num(med, nan=0.0) / self.factor2
-        self._sq, self._hit = sq, (sq < self._limit * tt) & (sq > 0)
+        self._sq, self._hit = sq, share < self._limit  # (an exact zero counts here; seen() leaves it out)
         return self._hit.sum(dtype=torch.float32)
 
     def seen(self, count: int, total: float) -> None:
@@ -79,10 +78,15 @@ class VanishWatch:
         if self._run < self.patience or self._hit is None:
             return
         out = []
-        for c, (hit, sq, limit) in enumerate(zip(self._hit.tolist(), self._sq.tolist(), self._limit.tolist(),
-                                                 strict=True)):
+        hits = [(c, sq, limit) for c, (hit, sq, limit) in enumerate(zip(self._hit.tolist(), self._sq.tolist(),
+                                                                          self._limit.tolist(), strict=True))
+                if hit and sq > 0]  # an exact zero is the dead-gradient trigger's
+        if not hits:
+            self._run = 0
+            return
+        for c, sq, limit in hits:
             name = self.modules[c]
-            if not hit or name in self.fired:
+            if name in self.fired:
                 continue
             self.fired.add(name)
             out.append({"module": name, "norm": math.sqrt(sq), "share": math.sqrt(sq) / total if total else None,
