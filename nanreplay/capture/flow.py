@@ -196,7 +196,7 @@ class FlowWatch:
                 if reached is None or id(p) not in reached or id(p) in inert:
                     # unused (or no program to tell), or inert: the loss does not depend on its value
                     self._excuse(p, step)
-                    if id(p) in inert:
+                    if id(p) in inert and not pending.get("all_zero"):  # (an all-zero step is the batch's)
                         self.inert.setdefault(self.name(p), step)
                     continue
                 self._fired.add(id(p))

@@ -144,6 +144,7 @@ def test_groups_whose_rewards_are_all_equal_are_counted_and_named_once_never_a_s
     with caplog.at_level(logging.WARNING, logger="nanreplay"):
         guard = _grpo(tmp_path, equal)
     assert guard.flow_snapshots == [] and guard.flow_watch.all_zero_count == sum(equal)
+    assert guard.flow_watch.inert == {}  # the batch's property, not the parameters'
     said = [r.getMessage() for r in caplog.records if "every gradient was exactly zero" in r.getMessage()]
     assert len(said) == 1 and "zero advantage" in said[0] and "all_zero_steps" in said[0]
 
