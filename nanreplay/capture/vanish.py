@@ -1,6 +1,6 @@
 """Vanishing gradients: a module whose gradient norm collapses relative to the rest of the model (docs/flow.md).
 
-The guard's one fused norm per step gives every parameter's gradient norm (capture/flow.py). On every fourth step
+The guard's one fused norm per step gives every parameter's gradient norm (capture/flow.py). On every eighth step
 (`EVERY`) they are summed per module (the module that owns the parameter) and each module's *share* of the total
 norm (squared) goes into a ring of the last `window` samples, on the gradients' device. A module vanishes when its
 share falls `factor` times (1e4 by default) below its own median share over that window, on `patience` samples in
@@ -22,8 +22,8 @@ import torch
 
 FACTOR = 1e4  # a module's share of the norm falling this many times below its median share
 WINDOW = 32  # samples of history the median is taken over
-WARM = 6  # samples before anything can fire
-EVERY = 4  # steps between samples (a vanished gradient stays vanished: a sample every fourth step sees it)
+WARM = 4  # samples before anything can fire
+EVERY = 8  # steps between samples (a vanished gradient stays vanished: a sample every eighth step sees it)
 
 
 class VanishWatch:

@@ -158,7 +158,7 @@ def test_all_zero_steps_makes_a_run_of_them_write_a_snapshot(tmp_path):
 # ------------------------------------------------------------------ vanishing
 
 
-def _deep_sigmoid(tmp_path, jump: int | None, steps: int = 40, check_flow=True):
+def _deep_sigmoid(tmp_path, jump: int | None, steps: int = 64, check_flow=True):
     torch.manual_seed(0)
     layers = [m for _ in range(6) for m in (nn.Linear(16, 16), nn.Sigmoid())]
     model = nn.Sequential(*layers, nn.Linear(16, 1))
@@ -167,7 +167,7 @@ def _deep_sigmoid(tmp_path, jump: int | None, steps: int = 40, check_flow=True):
     for step in range(steps):
         x, y = torch.randn(32, 16), torch.randn(32, 1)
         for g in opt.param_groups:
-            g["lr"] = 300.0 if step == jump else 0.1  # one step at lr 300 saturates the sigmoids
+            g["lr"] = 1000.0 if step == jump else 0.1  # one step at lr 1000 saturates the sigmoids
         guard.begin(x, y, step=step)
         opt.zero_grad()
         loss = F.mse_loss(model(x), y)
@@ -179,7 +179,7 @@ def _deep_sigmoid(tmp_path, jump: int | None, steps: int = 40, check_flow=True):
 
 
 def test_a_deep_sigmoid_mlp_saturated_by_an_lr_jump_fires_gradient_vanished_for_the_layers_behind(tmp_path):
-    guard = _deep_sigmoid(tmp_path, jump=24)
+    guard = _deep_sigmoid(tmp_path, jump=33)
     (path,) = guard.flow_snapshots
     assert "gradient_vanished" in path
     gf = torch.load(path, weights_only=True)["gradient_flow"]
@@ -189,12 +189,12 @@ def test_a_deep_sigmoid_mlp_saturated_by_an_lr_jump_fires_gradient_vanished_for_
     d = analyze(path).to_json()
     assert d["verdict"] == "gradient_vanished" and d["gradient_flow"]["reproduced"] is True
     assert {"0.weight", "0.bias"} <= set(d["gradient_flow"]["parameters"])
-    assert "jumped from 0.1 to 300 at step 24" in d["diagnosis"]["explanation"]
+    assert "jumped from 0.1 to 1e+03 at step 33" in d["diagnosis"]["explanation"]
 
 
 def test_the_same_mlp_without_the_jump_and_with_vanish_off_write_nothing(tmp_path):
     assert _deep_sigmoid(tmp_path / "healthy", jump=None).flow_snapshots == []
-    assert _deep_sigmoid(tmp_path / "off", jump=24, check_flow={"vanish": None}).flow_snapshots == []
+    assert _deep_sigmoid(tmp_path / "off", jump=33, check_flow={"vanish": None}).flow_snapshots == []
 
 
 def test_a_loss_fitted_to_zero_shrinks_every_module_together_and_is_not_vanishing(tmp_path):
