@@ -32,6 +32,7 @@ from nanreplay import NanGuard  # noqa: E402
 from nanreplay.replay.subject import call_model, compute_loss  # noqa: E402
 
 SECONDS = 60
+CLOSEST = [float("inf")]  # the lowest module share / its median share seen in a run (vanishing fires at 1e-4)
 
 
 class _Timeout(Exception):
@@ -59,6 +60,19 @@ def run_one(arch, folder: str, steps: int) -> tuple[str, list[str], int]:
                 checks[0] += 1
             real(norm)
         guard._flow_check = counted
+        vw = guard._flow.vanish if guard._flow is not None else None
+        if vw is not None:  # how close a healthy module's share came to the vanishing threshold (lowest share/median)
+            seen = vw.observe
+
+            def observed(*a, **k):
+                out = seen(*a, **k)
+                if out is not None and vw._sq is not None:
+                    ratio = (vw._ring[(vw._rows - 1) % vw.window] / (vw._limit * vw.factor2)).sqrt()
+                    ratio = ratio[(vw._limit > 0) & (vw._sq > 0)]
+                    if ratio.numel():
+                        CLOSEST[0] = min(CLOSEST[0], float(ratio.min()))
+                return out
+            vw.observe = observed
         for step in range(steps):
             inputs, target = built.batch(step)
             guard.begin(inputs, target, step=step)
@@ -100,11 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("nanreplay").setLevel(logging.ERROR)
     chosen = zoo_archs.select(zoo_archs.all_archs(), args.archs, args.limit)
     ran = alarms = warned = checked = 0
+    closest = (float("inf"), "")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         for i, arch in enumerate(chosen):
             sub = f"{folder}/{i}"
+            CLOSEST[0] = float("inf")
             status, names, checks = run_one(arch, sub, args.steps)
+            if CLOSEST[0] < float("inf"):
+                closest = min(closest, (CLOSEST[0], arch.name))
+                names = [*names, f"lowest share/median {CLOSEST[0]:.2g}"]
             if not status.startswith("skipped"):
                 ran += 1
                 alarms += status == "ALARM"
@@ -114,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nfalse alarms {alarms} of {ran} architectures ({args.steps} steps each); inert parameters warned of "
           f"(no snapshot) in {warned}; steps that needed the expensive check: {checked}; "
           f"{time.perf_counter() - t0:.0f}s")
+    if closest[1]:
+        print(f"closest to the vanishing threshold (1e-4): share/median {closest[0]:.2g} ({closest[1]})")
     return 0
 
 
