@@ -1,4 +1,4 @@
-"""Gradients that stop flowing: the guard's triggers `no_gradient` and `gradient_died` (docs/flow.md).
+"""Gradients that stop flowing: the guard's triggers `no_gradient`, `gradient_died`, `gradient_vanished` (docs/flow.md).
 
 On a healthy step the check costs what the guard's norm already cost: the per-parameter norms of one fused
 `_foreach_norm` give the total norm *and* the count of exactly-zero gradients, read back in the same host sync;
@@ -13,9 +13,13 @@ Policy, so that routine zeros do not fire:
 * no gradient (None) on a parameter whose value reaches the loss: fires at once (`no_gradient` when it never
   had one, `gradient_died` when it had): the path from it to the loss is cut, which no later step repairs;
 * an exactly-zero gradient: fires after `patience` consecutive steps of it (a zero-initialised gate, LoRA's
-  B = 0 or adaLN-zero give exact zeros on the first step only);
-* a step whose every gradient is exactly zero (a GRPO group whose rewards are all equal has zero advantage)
-  is counted, not fired on, until `all_zero_steps` of them come in a row;
+  B = 0 or adaLN-zero give exact zeros on the first step only) unless it is *inert* (`inert_of`: the loss does
+  not depend on its value — a softmax over one element, a cancelling subtraction or normalisation, a weight on a
+  zero state): then one warning line, no snapshot (`inert=True` makes it one);
+* a step whose every gradient is exactly zero is counted (`all_zero_count`); a run of them is tested like any
+  zero: inert (a GRPO group whose rewards are all equal has zero advantage) is one warning for the run, not
+  inert (a saturated output) fires; `all_zero_steps=N` makes N of them in a row fire regardless;
+* a module whose share of the gradient norm collapses (capture/vanish.py): `gradient_vanished`;
 * a frozen parameter (requires_grad=False) fires only when it is tied to a trained parameter's module: it is
   shared under two names and a module holding it trains its other parameters (a tied decoder weight frozen by
   freezing the embedding). Other frozen parameters next to trained ones are listed in the snapshot, no more.
