@@ -205,3 +205,24 @@ def test_a_loss_fitted_to_zero_shrinks_every_module_together_and_is_not_vanishin
                    batch=lambda: (x, y), sgd=0.3)
     assert guard.history[-1]["grad_norm"] < guard.history[5]["grad_norm"] / 1e3
     assert guard.flow_snapshots == []
+
+
+class SiameseDropBN(Siamese):
+    """The siamese model with dropout (the RNG) and a BatchNorm (buffers) on the way: the inert re-run must touch
+    neither."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 4))
+
+
+def test_the_inert_re_run_leaves_the_training_bitwise_unchanged(tmp_path):
+    runs = []
+    for check_flow in (True, False):
+        torch.manual_seed(0)
+        model = SiameseDropBN()
+        guard = _train(tmp_path / str(check_flow), model, steps=5, batch=_pairs, check_flow=check_flow)
+        runs.append(({k: v.clone() for k, v in model.state_dict().items()}, torch.get_rng_state(), guard))
+    (on, rng_on, guard), (off, rng_off, _) = runs
+    assert list(guard.flow_watch.inert) == ["enc.4.bias"]  # the re-run happened on this run
+    assert on.keys() == off.keys() and all(torch.equal(on[k], off[k]) for k in on) and torch.equal(rng_on, rng_off)
