@@ -43,6 +43,7 @@ class Verdict(StrEnum):
     NOT_REPRODUCED = "not_reproduced"
     GRADIENT_CUT = "gradient_cut"  # no backward path from the loss to a parameter whose value reaches it
     GRADIENT_ZERO = "gradient_zero"  # a backward node turns a non-zero gradient into exact zeros
+    GRADIENT_VANISHED = "gradient_vanished"  # a module's share of the gradient norm collapsed (not to zero)
 
 
 class Trigger(StrEnum):
@@ -55,6 +56,7 @@ class Trigger(StrEnum):
     UPDATE = "update"  # optimizer.step() made the weights NaN/Inf
     NO_GRADIENT = "no_gradient"  # a trained parameter's value reaches the loss, its gradient never came (None/zero)
     GRADIENT_DIED = "gradient_died"  # the same for a parameter that had gradients on earlier steps
+    GRADIENT_VANISHED = "gradient_vanished"  # a module's share of the gradient norm collapsed (not to zero)
 
 
 class FixKind(StrEnum):

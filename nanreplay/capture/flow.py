@@ -1,4 +1,4 @@
-"""Gradients that stop flowing: the guard's triggers `no_gradient` and `gradient_died` (docs/flow.md).
+"""Gradients that stop flowing: the guard's triggers `no_gradient`, `gradient_died`, `gradient_vanished` (docs/flow.md).
 
 On a healthy step the check costs what the guard's norm already cost: the per-parameter norms of one fused
 `_foreach_norm` give the total norm *and* the count of exactly-zero gradients, read back in the same host sync;
@@ -13,9 +13,13 @@ Policy, so that routine zeros do not fire:
 * no gradient (None) on a parameter whose value reaches the loss: fires at once (`no_gradient` when it never
   had one, `gradient_died` when it had): the path from it to the loss is cut, which no later step repairs;
 * an exactly-zero gradient: fires after `patience` consecutive steps of it (a zero-initialised gate, LoRA's
-  B = 0 or adaLN-zero give exact zeros on the first step only);
-* a step whose every gradient is exactly zero (a GRPO group whose rewards are all equal has zero advantage)
-  is counted, not fired on, until `all_zero_steps` of them come in a row;
+  B = 0 or adaLN-zero give exact zeros on the first step only) unless it is *inert* (`inert_of`: the loss does
+  not depend on its value — a softmax over one element, a cancelling subtraction or normalisation, a weight on a
+  zero state): then one warning line, no snapshot (`inert=True` makes it one);
+* a step whose every gradient is exactly zero is counted (`all_zero_count`); a run of them is tested like any
+  zero: inert (a GRPO group whose rewards are all equal has zero advantage) is one warning for the run, not
+  inert (a saturated output) fires; `all_zero_steps=N` makes N of them in a row fire regardless;
+* a module whose share of the gradient norm collapses (capture/vanish.py): `gradient_vanished`;
 * a frozen parameter (requires_grad=False) fires only when it is tied to a trained parameter's module: it is
   shared under two names and a module holding it trains its other parameters (a tied decoder weight frozen by
   freezing the embedding). Other frozen parameters next to trained ones are listed in the snapshot, no more.
@@ -32,20 +36,24 @@ import torch.nn as nn
 
 from nanreplay import torch_internals as ti
 from nanreplay.capture import snapshot
+from nanreplay.capture import vanish as vanish_mod
 from nanreplay.enums import Trigger
 from nanreplay.replay.frames import user_frames_from
 
 log = logging.getLogger("nanreplay")
 
 PATIENCE = 3  # consecutive steps of an exactly-zero gradient before it fires
-ALL_ZERO_STEPS = 20  # consecutive steps on which every gradient is exactly zero before they fire
 
 
 class FlowWatch:
     """The guard's memory of which trained parameters had gradients, and the checks on each step."""
 
-    def __init__(self, patience: int = PATIENCE, all_zero_steps: int = ALL_ZERO_STEPS, ignore: tuple | list = ()):
-        self.patience, self.all_zero_steps = max(1, int(patience)), max(1, int(all_zero_steps))
+    def __init__(self, patience: int = PATIENCE, all_zero_steps: int | None = None, ignore: tuple | list = (),
+                 inert: bool = False, vanish: float | None = vanish_mod.FACTOR, vanish_window: int = vanish_mod.WINDOW):
+        self.patience = max(1, int(patience))
+        self.vanish = vanish_mod.VanishWatch(vanish, vanish_window) if vanish else None  # None: no vanishing trigger
+        self.all_zero_steps = max(1, int(all_zero_steps)) if all_zero_steps else None  # None: never a snapshot
+        self.fire_inert = bool(inert)  # True: inert parameters write snapshots too (they never learn)
         self.ignore = tuple(str(i) for i in ignore)  # parameter names containing one of these are never reported
         self._names: dict[int, str] = {}
         self._alive: set[int] = set()  # params that ever had a non-zero gradient
@@ -55,6 +63,8 @@ class FlowWatch:
         self._excused: dict[int, tuple[int, int]] = {}  # id -> (checked again at this step, times found unused)
         self._fired: set[int] = set()
         self._frozen_checked = False
+        self.all_zero_count = 0  # steps on which every gradient was exactly zero
+        self.inert: dict[str, int] = {}  # parameter -> the step its zero gradient was found inert (warned once)
         self.pending: dict | None = None  # what the last measure() found worth the expensive check
 
     # ------------------------------------------------------------------ the cheap part, every step
@@ -77,12 +87,16 @@ class FlowWatch:
         if not with_grad:
             return 0.0 if want_norm else None
         norms = torch.stack([n.float() for n in ti.foreach_norm([p.grad.detach() for p in with_grad])])
-        zeros = (norms == 0).sum()
-        if want_norm:
-            total, nz = torch.stack([torch.linalg.vector_norm(norms), zeros.float()]).tolist()  # one host sync
-        else:
-            total, nz = None, float(zeros)
-        nz = int(nz)
+        total_t = torch.linalg.vector_norm(norms)
+        read = [total_t, (norms == 0).sum().float()]
+        if self.vanish is not None:
+            collapsed = self.vanish.observe(with_grad, norms, total_t, lambda: self._note_names(model) or self._names)
+            if collapsed is not None:
+                read.append(collapsed.float())
+        got = torch.stack(read).tolist()  # one host sync: the total, the zero count, the collapsed-module count
+        total, nz = (got[0] if want_norm else None), int(got[1])
+        if len(got) > 2 and nz < len(with_grad):
+            self.vanish.seen(int(got[2]), got[0])
         if nz == 0:
             if self._zero_run:
                 self._zero_run.clear()
@@ -93,15 +107,18 @@ class FlowWatch:
         if nz == 0 and not missing:
             return total
         self._note_names(model)
-        if nz and nz == len(with_grad):  # every gradient exactly zero: a routine zero step, until it is not
+        all_zero = bool(nz) and nz == len(with_grad)  # every gradient exactly zero (zero advantage, or all dead)
+        if all_zero:
+            self.all_zero_count += 1
             self._all_zero_run += 1
-            if self._all_zero_run >= self.all_zero_steps:
+            if self.all_zero_steps and self._all_zero_run >= self.all_zero_steps:  # asked for: fires as it is
                 self._all_zero_run = 0
                 dead = [p for p in with_grad if id(p) not in self._fired and id(p) in trained]
                 if dead:
-                    self.pending = {"zero": dead, "none": [], "all_zero": True}
-            return total
-        self._all_zero_run = 0
+                    self.pending = {"zero": dead, "none": [], "all_zero": True, "forced": True}
+                    return total
+        else:
+            self._all_zero_run = 0
         zero: list[torch.Tensor] = []
         if nz:
             flags = (norms == 0).tolist()
@@ -116,7 +133,7 @@ class FlowWatch:
         none = [p for p in missing if self._due(p, step)]
         zero = [p for p in zero if self._due(p, step)]
         if zero or none:
-            self.pending = {"zero": zero, "none": none, "all_zero": False}
+            self.pending = {"zero": zero, "none": none, "all_zero": all_zero}
         return total
 
     def _due(self, p: torch.Tensor, step: int) -> bool:
@@ -124,6 +141,11 @@ class FlowWatch:
             return False
         ex = self._excused.get(id(p))
         return ex is None or step >= ex[0]
+
+    def _excuse(self, p: torch.Tensor, step: int) -> None:
+        """Not reported now; checked again after 2, 4, 8, ... (at most 1024) steps."""
+        _, times = self._excused.get(id(p), (0, 0))
+        self._excused[id(p)] = (step + 2 ** min(times + 1, 10), times + 1)
 
     def _note_names(self, model: nn.Module) -> None:
         if len(self._names) < sum(1 for _ in model.parameters()):
@@ -171,14 +193,16 @@ class FlowWatch:
         mask = watch.of.get(id(loss), 0)
         return {id(p) for i, p in enumerate(suspects) if mask >> i & 1}
 
-    def settle(self, pending: dict, reached: set[int] | None, step: int) -> list[dict]:
-        """The dead parameters to report (marked fired), the unused ones excused for a while."""
+    def settle(self, pending: dict, reached: set[int] | None, step: int, inert: set[int] = frozenset()) -> list[dict]:
+        """The dead parameters to report (marked fired); the unused and the inert ones excused for a while."""
         dead = []
         for state in ("none", "zero"):
             for p in pending[state]:
-                if reached is None or id(p) not in reached:  # unused (or no program to tell): excused a while
-                    _, times = self._excused.get(id(p), (0, 0))
-                    self._excused[id(p)] = (step + 2 ** min(times + 1, 10), times + 1)
+                if reached is None or id(p) not in reached or id(p) in inert:
+                    # unused (or no program to tell), or inert: the loss does not depend on its value
+                    self._excuse(p, step)
+                    if id(p) in inert and not pending.get("all_zero"):  # (an all-zero step is the batch's)
+                        self.inert.setdefault(self.name(p), step)
                     continue
                 self._fired.add(id(p))
                 dead.append({"name": self.name(p), "gradient": state, "had_gradient": id(p) in self._alive,
@@ -191,6 +215,11 @@ def check(fw: FlowWatch, guard: Any) -> tuple[Trigger, dict] | None:
     pending, fw.pending = fw.pending, None
     tied, beside = fw.frozen(guard.model)
     if not pending and not tied:
+        vanished = fw.vanish.pending if fw.vanish is not None else None
+        if vanished:
+            fw.vanish.pending = None
+            return Trigger.GRADIENT_VANISHED, {"dead": [], "vanished": vanished, "frozen": beside, "all_zero": False,
+                                               "reentrant_checkpoint": False}
         return None
     suspects = (pending["none"] + pending["zero"]) if pending else []
     reached: set[int] | None = set()
@@ -208,13 +237,110 @@ def check(fw: FlowWatch, guard: Any) -> tuple[Trigger, dict] | None:
         reached = fw.reaching(watch, seen.pop("loss", None), suspects)
         reentrant, ckpt = watch.reentrant, watch.checkpoint_call
         del watch, seen
-    dead = fw.settle(pending, reached, guard.step_index) if pending else []
+    inert: set[int] = set()
+    zero = [p for p in (pending or {}).get("zero", ()) if reached is not None and id(p) in reached]
+    if zero and not pending.get("forced") and not fw.fire_inert:
+        inert = inert_of(fw, guard, zero)
+        _warn_inert(fw, guard, [p for p in zero if id(p) in inert], pending)
+    dead = fw.settle(pending, reached, guard.step_index, inert) if pending else []
     dead += [{"name": n, "gradient": "frozen", "had_gradient": False, "zero_steps": None} for n in tied]
     if not dead:
         return None
     trigger = Trigger.GRADIENT_DIED if any(d["had_gradient"] for d in dead) else Trigger.NO_GRADIENT
     return trigger, {"dead": dead, "frozen": beside, "all_zero": bool(pending and pending.get("all_zero")),
                      "reentrant_checkpoint": reentrant, **(ckpt or {})}
+
+
+BAND = 1e-3  # a moved gradient whose first-order loss change is below this share of the loss may be rounding
+REL = 1e-5  # ... and is when putting that suspect back changes the loss by less than this share of it
+CONFIRM = 16  # at most this many such suspects confirmed one by one (a forward each); the rest are not inert
+
+
+def inert_of(fw: FlowWatch, guard: Any, suspects: list[torch.Tensor]) -> set[int]:
+    """The ids of the suspects (exactly-zero gradients, values reaching the loss) whose gradient stays zero when the
+    step is run again with fresh random values in their place (normal, at their own scale up to 1: small enough to
+    leave any saturation or dead region their values are in): the loss does not depend on them on
+    this batch (a softmax over one element, a bias that a subtraction or a normalisation cancels, a weight that
+    multiplies a zero state, a batch whose advantages are all zero). One forward and backward, on state the guard
+    owns; the suspects are replaced by moved copies for the call (`torch.func.functional_call`), never written.
+    A suspect that is zero only at its values (a dead ReLU, a saturated sigmoid: the move revives it) is not
+    inert. A moved gradient that is not exactly zero but small (rounding in a cancelling normalisation: first-order
+    loss change below BAND of the loss) is confirmed by a forward with that suspect put back to its own values (the
+    others fresh): inert if the loss moves by less than REL of itself."""
+    suspects = [p for p in suspects if id(p) in fw._names]  # (a parameter outside the model cannot be swapped)
+    gen = torch.Generator().manual_seed(0)  # its own generator: the training's RNG is never drawn from
+    moved, deltas = {}, []
+    for p in suspects:
+        d = p.detach()
+        scale = float(d.float().pow(2).mean().sqrt()) if d.numel() else 0.0
+        scale = min(scale, 1.0) if 0.0 < scale < float("inf") else 1.0
+        fresh = (torch.randn(d.shape, generator=gen) * scale).to(d.device, d.dtype)  # out of any saturation
+        deltas.append(fresh - d)
+        moved[fw.name(p)] = fresh.requires_grad_()
+    if not suspects:
+        return set()
+    value = _loss_with(guard, moved)
+    if not isinstance(value, torch.Tensor) or not value.requires_grad:  # the swap did not take (a cached reference)
+        return set()
+    grads = torch.autograd.grad(value.float().sum(), list(moved.values()), allow_unused=True)
+    scale = abs(float(value.detach().float().sum()))
+    if scale != scale or scale == float("inf"):  # moved too far to tell: not called inert
+        return set()
+    out, unsure = set(), []
+    for p, g, delta in zip(suspects, grads, deltas, strict=True):
+        if g is None:  # the moved copy was not used: the swap did not reach this use; cannot tell
+            continue
+        if not bool(g.any()):
+            out.add(id(p))
+        elif float((g.float() * delta.float()).abs().sum()) <= BAND * scale:
+            unsure.append(p)
+    if unsure:
+        fresh = {n: t.detach() for n, t in moved.items()}
+        with torch.no_grad():
+            for p in unsure[:CONFIRM]:
+                back = float(_loss_with(guard, {**fresh, fw.name(p): p.detach()}).float().sum())
+                if abs(back - scale) <= REL * scale:
+                    out.add(id(p))
+    return out
+
+
+def _loss_with(guard: Any, params: dict[str, torch.Tensor]) -> Any:
+    """The step's loss run again from its begin() state (guard-owned state, a fresh copy of the batch) with these
+    parameters in place of the model's own for the call."""
+    st = snapshot.rerun_copy(guard._as_called(guard._states[-1]))
+    forward, loss = guard._forward_loss(st)
+    step = _Step(guard.model, lambda: loss(forward()))
+    with guard._calls_paused(), snapshot.from_begin_state(guard.model, st, guard._autocast or None):
+        return torch.func.functional_call(step, {f"model.{n}": t for n, t in params.items()}, (), strict=False)
+
+
+class _Step(nn.Module):
+    """The step as a module whose only child is the model, for `functional_call` with moved parameters."""
+
+    def __init__(self, model: nn.Module, run: Any):
+        super().__init__()
+        self.model = model
+        self._run = run
+
+    def forward(self) -> Any:
+        return self._run()
+
+
+def _warn_inert(fw: FlowWatch, guard: Any, params: list[torch.Tensor], pending: dict) -> None:
+    new = [fw.name(p) for p in params if fw.name(p) not in fw.inert]
+    if pending.get("all_zero") and len(params) == len(pending["zero"]):
+        guard._warn_once("flow-all-zero", f"every gradient was exactly zero on {fw.all_zero_count} step(s) "
+                                          f"so far (step {guard.step_index}): the loss does not depend on the "
+                                          "parameters on those batches (a GRPO group whose rewards are all equal has "
+                                          "zero advantage); no snapshot. check_flow={'all_zero_steps': N} makes N "
+                                          "such steps in a row write one")
+    elif new:
+        shown = ", ".join(new[:6]) + (f" and {len(new) - 6} more" if len(new) > 6 else "")
+        guard._warn_once(f"flow-inert:{new[0]}", f"gradient exactly zero at step {guard.step_index} and the loss does "
+                                                 f"not depend on the value of {shown} (a softmax over one element, a "
+                                                 "cancelling subtraction or normalisation, a zero state): it cannot "
+                                                 "learn; no snapshot. check_flow={'inert': True} writes one, "
+                                                 "{'ignore': [name]} silences this")
 
 
 SHAPE_ONLY = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty",

@@ -63,7 +63,8 @@ _SAID = {Trigger.LOSS: "non-finite loss", Trigger.GRADIENT: "non-finite gradient
          Trigger.NO_GRADIENT: "parameter(s) whose value reaches the loss but get no gradient",
          Trigger.GRADIENT_DIED: "parameter(s) whose gradient died (None or exactly zero while their value reaches "
                                 "the loss)"}
-_SIDE = (Trigger.GRAD_SPIKE, Trigger.NO_GRADIENT, Trigger.GRADIENT_DIED)  # written, and the step goes on
+_SAID[Trigger.GRADIENT_VANISHED] = "module(s) whose share of the gradient norm collapsed (capture/vanish.py)"
+_SIDE = (Trigger.GRAD_SPIKE, Trigger.NO_GRADIENT, Trigger.GRADIENT_DIED, Trigger.GRADIENT_VANISHED)  # the step goes on
 
 
 class NanGuard:
@@ -109,9 +110,10 @@ class NanGuard:
             NaN/Inf replaced by stated stand-ins. A non-finite learning rate is always copied exactly.
         scheduler: the LR scheduler, if any: its class and last learning rates go into update snapshots.
         check_flow: also snapshot trained parameters whose value reaches the loss but whose gradient is None or
-            exactly zero (triggers "no_gradient" / "gradient_died"; capture/flow.py says when each fires, docs/flow.md).
-            A dict sets its patience and what never to report: {"patience": 3, "all_zero_steps": 20,
-            "ignore": ["weight_hh"]} (name substrings). False silences it.
+            exactly zero ("no_gradient" / "gradient_died"), and modules whose share of the gradient norm collapses
+            ("gradient_vanished"); a zero the loss does not depend on is a warning (docs/flow.md). A dict tunes it:
+            {"patience": 3, "ignore": ["weight_hh"] (name substrings), "inert": True (snapshot those too),
+            "all_zero_steps": N (N all-zero steps in a row write one), "vanish": 1e4 (None: off)}. False: off.
         identity: {"host", "device", "device_name", "run"} (each optional): this machine as your fleet names it,
             for triage's per-device count of transient failures (default: the hostname, the model's device, the
             run id of torchelastic/SLURM or of this process; capture/rerun.py `identity`).
@@ -197,6 +199,11 @@ class NanGuard:
         if self._calls is not None:
             self._calls.close()
             self._calls = None
+
+    @property
+    def flow_watch(self) -> flow.FlowWatch | None:
+        """check_flow's state: `all_zero_count` (all-zero steps), `inert` (parameter -> the step it was warned of)."""
+        return self._flow
 
     def __enter__(self) -> NanGuard:
         return self

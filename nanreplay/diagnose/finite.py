@@ -20,7 +20,7 @@ import torch
 
 from nanreplay import replay, stats
 from nanreplay import torch_internals as ti
-from nanreplay.diagnose import flow_prose
+from nanreplay.diagnose import flow_prose, vanish_prose
 from nanreplay.diagnose.divergence import clip_value, divergence, lr_clip_fix, remedy
 from nanreplay.diagnose.model import Fix
 from nanreplay.diagnose.plausible import history_rows, norm_squared
@@ -52,6 +52,8 @@ def diagnose_finite(result, subject, step: replay.Step | None, info: dict, *, ve
         return _spike(result, subject, step, info)
     if trigger in flow_prose.FLOW_TRIGGERS:
         return flow_prose.diagnose_flow(result, subject, info, verify=verify_fixes)
+    if trigger == "gradient_vanished":
+        return vanish_prose.diagnose_vanished(result, step, info)
     machine = ((getattr(result, "differential", None) or {}).get("machine") or {})
     if machine.get("verdict") == "transient" and trigger in ("loss", *GRADIENT_TRIGGERS):
         return _transient(result, info, env, machine)  # the guard's own re-run decides it, on the training device

@@ -29,8 +29,8 @@ class PairNet(nn.Module):
 
     def __init__(self):
         super().__init__()
-        # no bias in the last layer: it would cancel in enc(a) - enc(b), its gradient exactly zero on every step,
-        # which the guard rightly reports as a parameter that cannot learn (no_gradient, docs/flow.md)
+        # no bias in the last layer: it would cancel in enc(a) - enc(b), its gradient exactly zero on every step
+        # (the guard would warn once that the loss does not depend on it: inert, docs/flow.md)
         self.enc = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4, bias=False))
 
     def forward(self, x):
