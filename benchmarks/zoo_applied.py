@@ -286,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nanreplay", default=str(ROOT), help="the checkout whose nanreplay guards and analyzes")
     ap.add_argument("--label", default="after", help="before | after: where the run goes in zoo_applied.json")
     ap.add_argument("--what", default="this branch", help="what the label's tool is (a commit)")
+    ap.add_argument("--merge", action="store_true", help="replace only the label's rows of the kinds run now")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--render", action="store_true", help="only rewrite zoo_applied.md from zoo_applied.json")
     args = ap.parse_args(argv)
@@ -314,7 +315,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         import torch
         import transformers
+        d = json.loads(store.read_text()) if store.exists() else {"runs": {}}  # another label may have landed
         d["versions"] = f"torch {torch.__version__}, transformers {transformers.__version__}"
+        old = d["runs"].get(args.label) if args.merge else None
+        if old:  # re-judged kinds replace theirs; the rest of the label's rows stay
+            rows = [r for r in old["rows"] if r["kind"] not in {r2["kind"] for r2 in rows}] + rows
+            order = list(zf.KINDS)
+            rows.sort(key=lambda r: order.index(r["kind"]))
+            s = summary(rows)
         d["runs"][args.label] = {"what": args.what, "summary": s, "rows": rows, "seconds": round(time.time() - t0)}
         store.write_text(json.dumps(d, indent=1) + "\n")
         (HERE / "zoo_applied.md").write_text(markdown(d))
