@@ -228,13 +228,13 @@ def subset(kinds: list[str], archs: tuple[str, ...], per_kind: int) -> list[tupl
     """(kind, architectures in the order to try, precision) for each run: the kinds over the architectures in
     rotation, each kind's runs over its precisions in turn."""
     import zoo_faults as zf
-    out, turn = [], 0
+    out = []
     for kind in kinds:
         precs = zf.KINDS[kind].precisions
         for j in range(per_kind):
+            turn = list(zf.KINDS).index(kind) * per_kind + j  # the same pairs whichever kinds are run
             order = [archs[(turn + i) % len(archs)] for i in range(len(archs))]
             out.append((kind, order, precs[j % len(precs)]))
-            turn += 1
     return out
 
 
@@ -265,7 +265,8 @@ def markdown(d: dict) -> str:
         for r in d["runs"][k]["rows"]:
             if r.get("status") in ("not_eligible", "no_failure"):
                 continue
-            out.append(f"| {r['kind']} | {r['arch']} | {r['precision']} | {'yes' if r.get('localised') else 'NO'} | "
+            out.append(f"| {r['kind']}{' (carried)' if r.get('carried') else ''} | {r['arch']} | {r['precision']} | "
+                       f"{'yes' if r.get('localised') else 'NO'} | "
                        f"{r.get('line', '')} ({r.get('truth_line', '—')}) | {r.get('cause')} | {r.get('fix_kind')} | "
                        f"{r.get('fix')} |")
         skipped = [r for r in d["runs"][k]["rows"] if r.get("status") in ("not_eligible", "no_failure")]
@@ -274,6 +275,10 @@ def markdown(d: dict) -> str:
                     "architecture): " + "; ".join(f"{r['kind']} on {r['arch']} ({r['reason'][:70]})" for r in skipped)]
         out.append("")
     return "\n".join(out)
+
+
+def _first(rows: list[dict], kind: str) -> int:
+    return next((i for i, r in enumerate(rows) if r["kind"] == kind), len(rows))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default="after", help="before | after: where the run goes in zoo_applied.json")
     ap.add_argument("--what", default="this branch", help="what the label's tool is (a commit)")
     ap.add_argument("--merge", action="store_true", help="replace only the label's rows of the kinds run now")
+    ap.add_argument("--base", help="carry this label's rows for the kinds not run now (their code unchanged)")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--render", action="store_true", help="only rewrite zoo_applied.md from zoo_applied.json")
     args = ap.parse_args(argv)
@@ -298,6 +304,14 @@ def main(argv: list[str] | None = None) -> int:
     store = HERE / "zoo_applied.json"
     d = json.loads(store.read_text()) if store.exists() else {"runs": {}}
     if args.render:
+        if args.base:  # --label L --base B --render: L = L_rerun's rows, B's for the kinds L_rerun did not run
+            rerun = d["runs"].pop(f"{args.label}_rerun")
+            kinds = {r["kind"] for r in rerun["rows"]}
+            rows = [dict(r, carried=args.base) for r in d["runs"][args.base]["rows"] if r["kind"] not in kinds]
+            rows = sorted(rows + rerun["rows"], key=lambda r: _first(d["runs"][args.base]["rows"], r["kind"]))
+            d["runs"][args.label] = {"what": f"{rerun['what']}: {', '.join(sorted(kinds))} re-run, the other kinds "
+                                             f"carried from {args.base}", "summary": summary(rows), "rows": rows}
+            store.write_text(json.dumps(d, indent=1) + "\n")
         (HERE / "zoo_applied.md").write_text(markdown(d))
         return 0
     import zoo_faults as zf
@@ -317,9 +331,10 @@ def main(argv: list[str] | None = None) -> int:
         import transformers
         d = json.loads(store.read_text()) if store.exists() else {"runs": {}}  # another label may have landed
         d["versions"] = f"torch {torch.__version__}, transformers {transformers.__version__}"
-        old = d["runs"].get(args.label) if args.merge else None
-        if old:  # re-judged kinds replace theirs; the rest of the label's rows stay
-            rows = [r for r in old["rows"] if r["kind"] not in {r2["kind"] for r2 in rows}] + rows
+        old = d["runs"].get(args.base or args.label) if (args.merge or args.base) else None
+        if old:  # re-judged kinds replace theirs; the rest of the (base) label's rows stay, marked as carried
+            run_now = {r2["kind"] for r2 in rows}
+            rows = [dict(r, carried=args.base or True) for r in old["rows"] if r["kind"] not in run_now] + rows
             order = list(zf.KINDS)
             rows.sort(key=lambda r: order.index(r["kind"]))
             s = summary(rows)
