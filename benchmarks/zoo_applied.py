@@ -192,6 +192,9 @@ class Judge:
             row["truth_line"] = f"{tr['line'][0]}:{tr['line'][1]}"
         row["checks"] = checks
         row["localised"] = all(checks.values())
+        if kind.how == "weight":
+            row["truth_module"] = tr.get("module")
+        rejudge(row)
 
     def _fix(self, row, a, tr, code, orig, tmp, arch, kind, prec) -> None:
         fix = (a.get("diagnosis") or {}).get("fix") or {}
@@ -222,6 +225,19 @@ class Judge:
             ("healthy values changed" if trained else f"still breaks ({fixed.get('stop') or fixed.get('trigger')})")
 
 
+LOOP_FILES = ("subject.py", "zoo.py")  # the loop's own `model(x)` (nanreplay.replay.subject.call_model in zoo.py)
+
+
+def rejudge(row: dict) -> None:
+    """A scaled weight in a layer the loop calls directly (a torch.nn stack: every frame in between is torch's) has
+    no line of model code to show: there the culprit's module must be the faulty layer instead of a line."""
+    if row.get("checks") and (row.get("truth_line") or "").split(":")[0] in LOOP_FILES:
+        row["checks"].pop("line", None)
+        truth = row.get("truth_module") or str(row.get("site") or "").split(".weight")[0]
+        row["checks"]["module"] = row.get("module") == truth
+        row["localised"] = all(row["checks"].values())
+
+
 # ---------------------------------------------------------------- the subset and the tables
 
 def subset(kinds: list[str], archs: tuple[str, ...], per_kind: int) -> list[tuple[str, list[str], str]]:
@@ -245,6 +261,10 @@ def summary(rows: list[dict]) -> dict:
     right = sum(r.get("fix") == "right" for r in counted)
     return {"runs": n, "localised": loc, "fix_right": right,
             "localised_percent": round(100 * loc / max(n, 1), 1), "fix_right_percent": round(100 * right / max(n, 1), 1)}
+
+
+def _why(r: dict) -> str:
+    return (r.get("reason") or "no step went non-finite")[:70]
 
 
 def markdown(d: dict) -> str:
@@ -272,7 +292,7 @@ def markdown(d: dict) -> str:
         skipped = [r for r in d["runs"][k]["rows"] if r.get("status") in ("not_eligible", "no_failure")]
         if skipped:
             out += ["", "Not counted (the fault not eligible there; the kind's turn passed to the next "
-                    "architecture): " + "; ".join(f"{r['kind']} on {r['arch']} ({r['reason'][:70]})" for r in skipped)]
+                    "architecture): " + "; ".join(f"{r['kind']} on {r['arch']} ({_why(r)})" for r in skipped)]
         out.append("")
     return "\n".join(out)
 
@@ -303,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE))
     store = HERE / "zoo_applied.json"
     d = json.loads(store.read_text()) if store.exists() else {"runs": {}}
+    for run in d["runs"].values():
+        for r in run["rows"]:
+            rejudge(r)
+        run["summary"] = summary(run["rows"])
     if args.render:
         if args.base:  # --label L --base B --render: L = L_rerun's rows, B's for the kinds L_rerun did not run
             rerun = d["runs"].pop(f"{args.label}_rerun")
@@ -311,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = sorted(rows + rerun["rows"], key=lambda r: _first(d["runs"][args.base]["rows"], r["kind"]))
             d["runs"][args.label] = {"what": f"{rerun['what']}: {', '.join(sorted(kinds))} re-run, the other kinds "
                                              f"carried from {args.base}", "summary": summary(rows), "rows": rows}
-            store.write_text(json.dumps(d, indent=1) + "\n")
+        store.write_text(json.dumps(d, indent=1) + "\n")
         (HERE / "zoo_applied.md").write_text(markdown(d))
         return 0
     import zoo_faults as zf
