@@ -41,6 +41,7 @@ from nanreplay.analysis import analyze  # noqa: E402
 from nanreplay.replay.subject import call_model, compute_loss  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+_TORCH_DIR = os.path.dirname(torch.__file__)
 FAULT_STEP, STEPS = 2, 5
 # The default zoo: one architecture per family and kind of model code, ≥ 30 (benchmarks/capture_sweep.md has all).
 DEFAULT_ARCHS = (  # interleaved, so that a run cut short (the table is written after each architecture) is diverse
@@ -162,21 +163,34 @@ def _forward_once(built, handles: list) -> None:
             h.remove()
 
 
-def run_one(arch, kind: zf.Kind, precision: str, seed: int, folder: str) -> Result:
-    res = Result(arch.name, arch.family, kind.name, precision, "not_eligible")
+@dataclass
+class Trained:
+    """One faulty training run: what was built, the fault's plan (its truth), the guard, the losses, an error."""
+
+    built: object
+    plan: object
+    guard: NanGuard
+    losses: list = field(default_factory=list)
+    stop: str | None = None  # loss | grads | update: where the guard stopped the loop (None: every step ran)
+    raised: str = ""  # "Type: message" when the loop raised
+
+
+def train_faulty(arch, kind: zf.Kind, precision: str, seed: int, folder: str, res: Result) -> Trained | None:
+    """Build the architecture and train it with the fault under NanGuard as the README shows (the loop stops
+    where the guard says so). None when the fault is not eligible here (res.reason says why)."""
     rng = random.Random(f"{seed}:{arch.name}:{kind.name}:{precision}")
     try:
         built = arch.make()
     except Exception as e:  # noqa: BLE001
         res.reason = f"not built: {type(e).__name__}: {str(e)[:120]}"
-        return res
+        return None
     model, loss_fn = built.model, built.loss_fn
     try:
         _trains_in(built, precision)
         plan = _plan(built, kind, precision, rng, res)
     except _NotEligible as e:
         res.reason = str(e)
-        return res
+        return None
     lr = 1e-3
     if kind.how == "optimizer":
         model.half()
@@ -188,6 +202,7 @@ def run_one(arch, kind: zf.Kind, precision: str, seed: int, folder: str) -> Resu
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: float("inf") if s >= FAULT_STEP else 1.0)
     run_dir = os.path.join(folder, f"{len(os.listdir(folder))}")
     guard = NanGuard(model, opt, loss_fn=loss_fn, folder=run_dir, scheduler=sched)
+    t = Trained(built, plan, guard)
     try:
         with guard:
             for step in range(STEPS + (3 if kind.how == "lr" else 0)):
@@ -202,21 +217,36 @@ def run_one(arch, kind: zf.Kind, precision: str, seed: int, folder: str) -> Resu
                 opt.zero_grad()
                 with _autocast(precision):
                     loss = compute_loss(call_model(model, x), y, loss_fn)
+                t.losses.append(float(loss.detach()))
                 if not guard.loss_ok(loss):
+                    t.stop = "loss"
                     break
                 loss.backward()
                 if not guard.grads_ok():
+                    t.stop = "grads"
                     break
                 opt.step()
                 if sched is not None:
                     sched.step()
                 if not guard.update_ok():
+                    t.stop = "update"
                     break
-    except Exception as e:  # noqa: BLE001 - the fault made the model's own code raise (not a NaN): not counted
-        res.status, res.reason = "not_eligible", f"the faulty step raised {type(e).__name__}: {str(e)[:150]}"
-        return res
+    except Exception as e:  # noqa: BLE001 - the caller decides what a raise counts as
+        t.raised = f"{type(e).__name__}: {str(e)[:150]}"
     finally:
         plan.off()
+    return t
+
+
+def run_one(arch, kind: zf.Kind, precision: str, seed: int, folder: str) -> Result:
+    res = Result(arch.name, arch.family, kind.name, precision, "not_eligible")
+    t = train_faulty(arch, kind, precision, seed, folder, res)
+    if t is None:
+        return res
+    if t.raised:  # the fault made the model's own code raise (not a NaN): not counted here
+        res.status, res.reason = "not_eligible", f"the faulty step raised {t.raised}"
+        return res
+    built, plan, guard = t.built, t.plan, t.guard
     path = guard.last_snapshot
     res.trigger = str(guard.last_trigger or "")
     if path is None:
@@ -280,7 +310,17 @@ class _Plan:
         self.module = ""  # the truth: the module the culprit op runs in
         self.line: int | None = None  # the line in zoo_faults.py a user would change
         self.sample: int | None = None
+        self.call_site: tuple[str, int] | None = None  # (file, line) of the model's line calling the faulty module
         self.undo = []
+
+    def record_call_site(self, module, args):
+        """A forward pre-hook: the innermost frame outside torch is the model's line that calls the module."""
+        if self.call_site is None:
+            f = sys._getframe(1)
+            while f is not None and (f.f_code.co_filename.startswith(_TORCH_DIR) or f.f_code.co_filename == __file__):
+                f = f.f_back
+            if f is not None:
+                self.call_site = (f.f_code.co_filename, f.f_lineno)
 
     def on(self, opt):
         pass
@@ -316,6 +356,7 @@ def _plan(built, kind: zf.Kind, precision: str, rng: random.Random, res: Result)
             w = mod.weight
             scale = 3e4 / float(w.detach().abs().max())
             plan.module, res.site = name, f"{name}.weight x{scale:.0f}"
+            plan.undo.append(mod.register_forward_pre_hook(plan.record_call_site).remove)
 
             def on(opt, w=w, scale=scale):
                 with torch.no_grad():

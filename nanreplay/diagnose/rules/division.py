@@ -231,9 +231,20 @@ _MASKS = ("aten.eq", "aten.ne", "aten.gt", "aten.lt", "aten.ge", "aten.le", "ate
           "aten.logical_or", "aten.bitwise_not", "aten.bitwise_and", "aten.bitwise_or")
 
 
-def _is_mask(s: Site, rec, i: int) -> bool:
-    """The i-th input of `rec` is a mask: a comparison (cast or not) or a tensor of the batch (a leaf)."""
-    return s.src(i, rec) is None or s.origin_packet(i, rec) in _MASKS
+# a mask the code builds by filling, then writing into: `keep = torch.ones(n); keep[pad] = 0`
+_FILLED_MASKS = ("aten.ones", "aten.zeros", "aten.ones_like", "aten.zeros_like", "aten.new_ones", "aten.new_zeros")
+_MASK_WRITES = ("aten.index_put", "aten.masked_fill", "aten.index_fill", "aten.fill")
+
+
+def _is_mask(s: Site, rec, i: int, depth: int = 0) -> bool:
+    """The i-th input of `rec` is a mask: a comparison (cast or not), a tensor of the batch (a leaf), or a tensor
+    filled with ones or zeros (written into where positions are dropped: the write's own record, or the filled
+    one where a view took it)."""
+    if s.src(i, rec) is None or s.origin_packet(i, rec) in _MASKS + _FILLED_MASKS:
+        return True
+    r = s.origin(i, rec)
+    return depth < 4 and r is not None and packet(str(r.op)) in _MASK_WRITES and _is_mask(s, r, 0, depth + 1) \
+        and s.src(0, r) is not None  # the written tensor is made here, not a batch tensor changed in place
 
 
 _COUNT_NAMES = ("num_items", "num_tokens", "n_tokens", "ntokens", "num_pos", "n_pos", "count", "num_valid",
