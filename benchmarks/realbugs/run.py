@@ -165,7 +165,11 @@ def judge(name: str, keep: bool = False) -> dict:
                     row["fix"] = "before-line not found in the user's code"
                     return row
             (tmp / "snaps2").mkdir()
-            fixed = run_train(patched, tmp / "snaps2", tmp / "losses2.json", code)
+            try:
+                fixed = run_train(patched, tmp / "snaps2", tmp / "losses2.json", code)
+            except CaseError as e:  # the fix as shown does not run: a wrong fix, not a case that failed
+                row["fix"] = "the fixed loop " + str(e)[len("the training loop "):]
+                return row
             broke_at = len(run["losses"]) - 1 if run["stop"] else len(run["losses"])  # its last loss is the failure
             healthy = range(min(case.BAD_STEP, broke_at, len(fixed["losses"])))
             # unchanged within float32 noise: an epsilon or an exact form may move the last bits of a healthy value
