@@ -96,7 +96,10 @@ def _support_edge(s: Site) -> Diagnosis | None:
                 f"clamp {where_val} at {s.where} away from the support's edge: value.clamp_min(eps)")
     reasoning = ("one rounding step of the dtype inside the support: every value already inside is unchanged, "
                  "the edge value gets the density one step in (finite, with a finite gradient in the "
-                 "distribution's parameters); or leave out the samples at the edge (the remedy in the data)")
+                 "distribution's parameters). That value's log-density is then about c * log(eps) (c * -15.9 in "
+                 "float32): finite, but set by eps, so a loss far from the history's can follow; where that "
+                 "matters, leave out the samples at the edge (the remedy in the data)")
     return Diagnosis(
         "log_prob_at_support_edge", "a log-density evaluated at the edge of its support", explanation,
-        [Fix(FixKind.CLAMP, "", rewrite=rw, patch=patch, reasoning=reasoning, guidance=guidance)])
+        [Fix(FixKind.CLAMP, "", rewrite=rw, patch=patch, reasoning=reasoning, guidance=guidance,
+             alternatives=["leave the samples whose value is at the support's edge out of the batch"])])
