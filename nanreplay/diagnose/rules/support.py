@@ -49,7 +49,7 @@ def _log_prob_rewrite(s: Site, unit: bool):
                 return None
             whole, t = text(node), text(v)
             start = codefix._rel(node, v, whole, text)
-            return whole[:start] + _clamp_text(t, unit) + whole[start + len(t):]
+            return whole[:start] + _clamp_text(t, unit and base == "log_prob") + whole[start + len(t):]
         rw = codefix.rewrite(src, src["line"], name if base != "log_prob" else "log_prob", transform)
         if rw is not None:
             return rw, base
@@ -67,9 +67,10 @@ def _support_edge(s: Site) -> Diagnosis | None:
     edge = -1.0 if log1p else 0.0
     if y.get("min") is None or y.get("max") is None or y["min"] > edge or y.get("negatives", 0) and not log1p:
         return None  # a negative y is outside the support (log of a negative): another cause
-    unit = (not log1p) and y["max"] <= 1.0  # a unit interval or simplex (Beta, Dirichlet): both edges
-    got = _log_prob_rewrite(s, unit)
+    unit = (not log1p) and y["max"] <= 1.0  # a log_prob on (0, 1) or the simplex (Beta, Dirichlet): both edges
+    got = None if log1p else _log_prob_rewrite(s, unit)  # xlog1py's edge is -1: an op-level patch and guidance
     rw, spelled = got if got else (None, "")
+    unit = unit and spelled in ("log_prob", "")  # a raw xlogy of the user's: only y's lower edge is known
 
     def clamp(func, args, kwargs):
         args = list(args)
@@ -93,7 +94,8 @@ def _support_edge(s: Site) -> Diagnosis | None:
         f"No stable form gives it a finite value; keep {where_val} inside the open support {support}.")
     guidance = (f"clamp {where_val} at {s.where} into the open support {support}: value.clamp(eps, 1 - eps) with "
                 f"eps = torch.finfo(value.dtype).eps" if unit else
-                f"clamp {where_val} at {s.where} away from the support's edge: value.clamp_min(eps)")
+                f"clamp {where_val} at {s.where} away from the support's edge: "
+                f"{'y.clamp_min(-1 + eps)' if log1p else 'value.clamp_min(eps)'}")
     reasoning = ("one rounding step of the dtype inside the support: every value already inside is unchanged, "
                  "the edge value gets the density one step in (finite, with a finite gradient in the "
                  "distribution's parameters). That value's log-density is then about c * log(eps) (c * -15.9 in "
