@@ -25,6 +25,7 @@ DISPATCH_ORDER = [
     "where_trap",
     "logsumexp_underflow",
     "log_of_zero",
+    "log_prob_at_support_edge",
     "log_of_negative",
     "sqrt_cancellation",
     "sqrt_of_negative",

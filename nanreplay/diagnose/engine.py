@@ -156,6 +156,13 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | N
     # none verified: advice the rule put first for a cause outside the step (the data) wins over a replayed patch
     if diag.fixes and diag.fixes[0].kind in _ADVICE_FIRST:
         return diag.fixes[0], tried
+    # a remedy in the data the rule offered after its code changes wins where none of those verified
+    data = next((f for f in diag.fixes[1:] if f.kind == FixKind.MASK_ROWS), None)
+    if data is not None:
+        why = next((f.verification for f in code_fixes if f.verification), None)
+        if why:
+            data.verification = f"{data.verification}; the code changes did not verify ({why})"
+        return data, tried
     # else show the first that at least replayed finite (marked implausible), else the first tried
     finite_ones = [f for f in code_fixes if f.replay and f.replay.get("plausible") is False and f.replay.get("loss")
                    is not None and f.replay.get("why") != "the replay is not finite"]

@@ -15,8 +15,9 @@ from nanreplay.diagnose.rules import (
     precision,
     roots_powers,
     softmax,
+    support,
     where,
 )
 
 __all__ = ["constants", "division", "domain", "forms", "generic", "logs", "optimizer", "precision", "roots_powers",
-           "softmax", "where"]
+           "softmax", "support", "where"]

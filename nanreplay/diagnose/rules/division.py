@@ -419,8 +419,52 @@ def _normalize(s: Site) -> Diagnosis | None:
                      data_eps=d.get("absmin_nonzero"), root=True)
     what = ("(x - mean) / std with a constant feature or group (std = 0 and x - mean = 0)" if is_std
             else "x / x.norm() with an all-zero vector (norm = 0)")
+    rows = _data_rows(s, idx, label) if not is_std else None
+    if rows is not None:
+        fixes.append(rows)
     return Diagnosis("normalize_zero_norm", f"division by a zero {label}",
-                     f"{what}: {count_in(d['zeros'], 'zero denominator', d)} at {s.where}, giving 0/0 = NaN.", fixes)
+                     f"{what}: {count_in(d['zeros'], 'zero denominator', d)} at {s.where}, giving 0/0 = NaN."
+                     + (f" {rows.reasoning}" if rows is not None else ""), fixes)
+
+
+def _data_rows(s: Site, idx: int, label: str) -> Fix | None:
+    """Where the zero norm is the norm of a batch tensor (an all-zero reference clip), the quantity the line
+    computes (a projection on it, SI-SDR) is undefined for that row: no ε gives it a value, since whatever
+    follows (log10 of a zero target energy) stays infinite. Offered after the ε candidates: it is shown when none
+    of them verifies. Not replayed: the remedy is in the data (filter those rows out of the batch)."""
+    rec, leaf = s.rec, None
+    i = idx
+    for _ in range(4):  # the norm's input, through sum / pow / abs / mul, back to a batch tensor
+        leaf = s.leaf(i, rec)
+        if leaf is not None:
+            break
+        o = s.origin(i, rec)
+        if o is None or packet(str(o.op)) not in ("aten.sum", "aten.pow", "aten.abs", "aten.square", "aten.mul",
+                                                  "aten.linalg_vector_norm", "aten.norm", "aten.sqrt"):
+            return None
+        rec, i = o, 0
+    if leaf is None or leaf[0] == "parameter":
+        return None
+    name = leaf[1] if leaf[1].isidentifier() else "the target"
+    den = None
+    loc = codefix.locate(s.source, (s.source or {}).get("line"), s.spelled(s.call), ordinal=s.ordinal(s.call))
+    if loc is not None:
+        node = codefix.operand(loc.node, "other")
+        den = codefix.source_of_nodes(loc.parsed)(node) if node is not None else None
+    den = re.sub(r",\s*keepdim\s*=\s*True", "", den) if den else None  # one flag per row
+    keep = f"{den} > 0" if den else f"{name}'s {label} > 0"
+    return Fix(FixKind.MASK_ROWS, "", verification="not replayed: the remedy is in the data",
+               reasoning=(f"The {label} is that of the batch's own {name!r}: for a row where it is all zeros (a silent "
+                          "reference clip) the quantity is undefined, and an ε only moves the infinity to the next "
+                          "op (a projection on a zero vector is 0, and the log of a zero energy follows). The remedy "
+                          f"is in the data: leave those rows out of the batch, or out of this loss, before it is "
+                          f"computed."),
+               guidance=(f"the remedy is in the data: leave out of this loss the rows where {keep} is false, before "
+                         f"it is computed at {s.where} (keep = {keep}; index every per-row tensor of the loss with "
+                         "keep), or drop such samples from the dataset; masking the loss after it is computed "
+                         "is not enough: the NaN of a masked row still reaches the gradient (0 * NaN)"),
+               alternatives=[f"{label}.clamp_min(eps): finite here, but the row's loss is then set by eps (or the "
+                             "next op is infinite)"])
 
 
 @rule("division_by_zero", aten.div, aten.reciprocal, priority=70)

@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from nanreplay.diagnose import bcefix, codefix
+from nanreplay.diagnose import bcefix, codefix, lsmfix
 from nanreplay.diagnose.fixes import (
     choose_eps,
     clamp_eps,
@@ -168,6 +168,9 @@ def _log_of_softmax(s: Site) -> Diagnosis | None:
     if sm is None or packet(str(sm.op)) not in ("aten._softmax", "aten.softmax") or not _stable_log_candidate(s):
         return None
     rw = s.rewrite(lambda src, node: _wrapped_call_text(node, src, "softmax", "torch.log_softmax"))
+    note = ""
+    if rw is None:  # the softmax is made in another function (the model's forward): an edit of each line
+        rw, note = lsmfix.edits(s, sm)
     patch = stable_log_patch(sm, [s.rec], lambda a, k: torch.log_softmax(a[0], dim=_softmax_dim(a, k)),
                              every=s.line_calls if rw else None)
     guide = (f"replace log(softmax(...)) by torch.log_softmax(...) with the same arguments (the softmax is at "
@@ -178,7 +181,7 @@ def _log_of_softmax(s: Site) -> Diagnosis | None:
         f"and log(0) = -inf {'in forward' if s.forward else 'gave 0/0 = NaN in its backward (grad / p)'}. "
         f'This is the `log(softmax(x))` collapse of "Debugging Gradients That Misbehave", at {s.where}.',
         [Fix(FORMS["log_softmax"].kind, "", rewrite=rw, guidance=guide, patch=patch,
-             reasoning=FORMS["log_softmax"].why)])
+             reasoning=FORMS["log_softmax"].why + note)])
 
 
 @rule("zero_times_log_zero", *_LOGS, priority=200)
