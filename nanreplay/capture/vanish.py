@@ -72,8 +72,7 @@ class VanishWatch:
         if self._rows < WARM:
             return None
         if self._limit is None or self._rows % 2 == 0:
-            self._limit = [_lower_median([r[c] for r in self._ring if c < len(r)]) / self.factor2
-                           for c in range(len(self.modules))]
+            self._limit = [_lower_median(col) / self.factor2 for col in zip(*self._ring, strict=True)]
         self._sq, self._share = sq, share
         self._hit = [s < lim for s, lim in zip(share, self._limit, strict=True)]  # (an exact zero counts here)
         return sum(self._hit)
