@@ -66,11 +66,9 @@ def run_one(arch, folder: str, steps: int) -> tuple[str, list[str], int]:
 
             def observed(*a, **k):
                 out = seen(*a, **k)
-                if out is not None and vw._sq is not None:
-                    ratio = (vw._ring[(vw._rows - 1) % vw.window] / (vw._limit * vw.factor2)).sqrt()
-                    ratio = ratio[(vw._limit > 0) & (vw._sq > 0)]
-                    if ratio.numel():
-                        CLOSEST[0] = min(CLOSEST[0], float(ratio.min()))
+                ratio = vw.closest() if out is not None else None
+                if ratio is not None:
+                    CLOSEST[0] = min(CLOSEST[0], ratio)
                 return out
             vw.observe = observed
         for step in range(steps):

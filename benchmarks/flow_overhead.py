@@ -4,11 +4,11 @@
 
 On the reference transformer (benchmarks/transformer.py) and a small MLP, after one backward (real gradients):
 A = `total_norm` (the guard's norm without check_flow), B = `FlowWatch(vanish=None).measure` (the dead-gradient
-counts, last round's check), C = `FlowWatch().measure` (the same plus the vanishing watch). A, B and C alternate
-in every round (`inner` calls each), so the machine's load hits them alike; a plain training step is timed in the
-same rounds. Prints the medians and the quartiles over the rounds of (C - A) (paired within a round) over the
-median step. Times are the process's CPU time (`time.process_time`): on a shared machine the wall clock mostly
-measures the other processes. Target: <= 1%.
+counts), C = `FlowWatch().measure` (the same plus the vanishing watch). A, B and C alternate in every round
+(`inner` calls each; the order reversed every other round), so the machine's load hits them alike; a plain
+training step is timed in the same rounds. Prints the medians and the quartiles over the rounds of (C - A) (paired
+within a round) over the median step. Times are the process's CPU time (`time.process_time`): on a shared machine
+the wall clock mostly measures the other processes. Target: <= 1%.
 """
 
 from __future__ import annotations
@@ -54,11 +54,11 @@ def run(label: str, setup, rounds: int, inner: int) -> None:
         for _ in range(40):  # past the vanishing watch's warm-up
             fn()
     times: dict[str, list[float]] = {k: [] for k in [*calls, "step"]}
-    for _ in range(rounds):
+    for r in range(rounds):
         t0 = time.process_time()
         step()
         times["step"].append(time.process_time() - t0)
-        for k, fn in calls.items():
+        for k, fn in (list(calls.items()) if r % 2 else list(calls.items())[::-1]):  # (order alternates too)
             t0 = time.process_time()
             for _ in range(inner):
                 fn()

@@ -86,17 +86,16 @@ class FlowWatch:
         missing = [p for p in params if p.grad is None]
         if not with_grad:
             return 0.0 if want_norm else None
-        norms = torch.stack([n.float() for n in ti.foreach_norm([p.grad.detach() for p in with_grad])])
+        norms = torch.stack(ti.foreach_norm([p.grad.detach() for p in with_grad]))  # (float32)
         total_t = torch.linalg.vector_norm(norms)
-        read = [total_t, (norms == 0).sum().float()]
-        if self.vanish is not None:
-            collapsed = self.vanish.observe(with_grad, norms, total_t, lambda: self._note_names(model) or self._names)
-            if collapsed is not None:
-                read.append(collapsed.float())
-        got = torch.stack(read).tolist()  # one host sync: the total, the zero count, the collapsed-module count
-        total, nz = (got[0] if want_norm else None), int(got[1])
-        if len(got) > 2 and nz < len(with_grad):
-            self.vanish.seen(int(got[2]), got[0])
+        got = torch.cat([total_t.reshape(1), norms]).tolist()  # one host sync: the total and every norm
+        total_f, norm_list = got[0], got[1:]
+        total, nz = (total_f if want_norm else None), norm_list.count(0.0)
+        if self.vanish is not None:  # (host arithmetic on the numbers read back; no tensor op)
+            collapsed = self.vanish.observe(with_grad, norm_list, total_f,
+                                            lambda: self._note_names(model) or self._names)
+            if collapsed is not None and nz < len(with_grad):
+                self.vanish.seen(collapsed, total_f)
         if nz == 0:
             if self._zero_run:
                 self._zero_run.clear()
@@ -121,9 +120,8 @@ class FlowWatch:
             self._all_zero_run = 0
         zero: list[torch.Tensor] = []
         if nz:
-            flags = (norms == 0).tolist()
-            for p, z in zip(with_grad, flags, strict=True):
-                if z and id(p) in trained:
+            for p, n in zip(with_grad, norm_list, strict=True):
+                if n == 0 and id(p) in trained:
                     self._zero_run[id(p)] = self._zero_run.get(id(p), 0) + 1
                     if self._zero_run[id(p)] >= self.patience:
                         zero.append(p)

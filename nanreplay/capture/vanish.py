@@ -1,16 +1,17 @@
 """Vanishing gradients: a module whose gradient norm collapses relative to the rest of the model (docs/flow.md).
 
-The guard's one fused norm per step gives every parameter's gradient norm (capture/flow.py). On every eighth step
-(`EVERY`) they are summed per module (the module that owns the parameter) and each module's *share* of the total
-norm (squared) goes into a ring of the last `window` samples, on the gradients' device. A module vanishes when its
-share falls `factor` times (1e4 by default) below its own median share over that window, on `patience` samples in
-a row, with a non-zero norm (an exact zero is the dead-gradient trigger's). Shares, not norms: a loss that goes to
-zero (a fit, a converged run, a batch with small advantages) shrinks every module's norm together and leaves the
-shares alone; a saturated or dead stretch of layers shrinks the norms of the modules behind it and not the others'.
+The guard's one fused norm per step gives every parameter's gradient norm, read back with the total in the guard's
+one host sync (capture/flow.py). On every eighth step (`EVERY`) they are summed per module (the module that owns
+the parameter) and each module's *share* of the total norm (squared) goes into a ring of the last `window`
+samples. A module vanishes when its share falls `factor` times (1e4 by default) below its own median share over
+that window, on `patience` samples in a row, with a non-zero norm (an exact zero is the dead-gradient trigger's).
+Shares, not norms: a loss that goes to zero (a fit, a converged run, a batch with small advantages) shrinks every
+module's norm together and leaves the shares alone; a saturated or dead stretch of layers shrinks the norms of the
+modules behind it and not the others'.
 
-Cost on a sampled step: eight small tensor ops on the per-parameter norms and one more number in the guard's one
-host sync (the count of collapsed modules); none on the other steps. The median is refreshed every second sample.
-This module imports only torch.
+Cost: no tensor op at all. A sampled step does its arithmetic on the host, in Python floats, over the norms the
+guard read back anyway (a few microseconds on a small model; a per-module sort of `window` numbers when the median
+is refreshed, every second sample); the other steps only count. This module imports only torch.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ EVERY = 8  # steps between samples (a vanished gradient stays vanished: a sample
 
 class VanishWatch:
     """Each module's share of the gradient norm over the last `window` samples, and the modules whose share
-    collapsed. Shares are kept squared (norm^2 / total^2), 0 for a step without a gradient (left out of the median)."""
+    collapsed. Shares are kept squared (norm^2 / total^2); a share that is 0 or not a number (a step without a
+    gradient, a non-finite total) is left out of the median."""
 
     def __init__(self, factor: float = FACTOR, window: int = WINDOW, patience: int = 3):
         self.factor2 = float(factor) ** 2
@@ -36,50 +38,66 @@ class VanishWatch:
         self.modules: list[str] = []  # column -> module name
         self._col: dict[str, int] = {}
         self._key: tuple = ()
-        self._index: torch.Tensor | None = None  # this parameter set's column per parameter
-        self._ring: torch.Tensor | None = None  # [window, modules] squared shares
-        self._limit: torch.Tensor | None = None  # median squared share / factor^2 per module (0: cannot fire)
+        self._index: list[int] = []  # this parameter set's column per parameter
+        self._ring: list[list[float]] = []  # up to `window` rows of squared shares per module
+        self._limit: list[float] | None = None  # median squared share / factor^2 per module (0: cannot fire)
         self._steps = self._rows = self._run = 0
-        self._sq: torch.Tensor | None = None  # the last sample's squared module norms (read only when firing)
-        self._hit: torch.Tensor | None = None
+        self._sq: list[float] = []  # the last sample's squared module norms
+        self._share: list[float] = []  # ... and squared shares
+        self._hit: list[bool] = []
         self.fired: set[str] = set()
         self.pending: list[dict] | None = None
 
-    def observe(self, params: list[torch.Tensor], norms: torch.Tensor, total: torch.Tensor,
-                names: Callable[[], dict[int, str]]) -> torch.Tensor | None:
-        """On a sampled step, its count of collapsed modules (a 0-d tensor for the guard's one host sync); None on
-        the other steps and while the window fills. `names()`: parameter id -> its name (asked when the set of
-        gradients changes)."""
+    def observe(self, params: list[torch.Tensor], norms: list[float], total: float,
+                names: Callable[[], dict[int, str]]) -> int | None:
+        """On a sampled step, its count of collapsed modules; None on the other steps and while the window fills.
+        `norms`: each parameter's gradient norm, `total` the step's; `names()`: parameter id -> its name (asked
+        when the set of gradients changes)."""
         self._steps += 1
         if self._steps % EVERY:
             return None
         key = tuple(map(id, params))
         if key != self._key:
-            self._columns(params, key, names(), norms.device)
-        sq = torch.zeros(len(self.modules), device=norms.device).index_add_(0, self._index, norms * norms)
-        share = sq / (total * total)
-        self._ring[self._rows % self.window].copy_(share)
+            self._columns(params, key, names())
+        sq = [0.0] * len(self.modules)
+        for c, n in zip(self._index, norms, strict=True):
+            sq[c] += n * n
+        t2 = total * total
+        share = [s / t2 if t2 > 0 else math.nan for s in sq]  # (0/0 and inf/inf: left out, as a non-number)
+        if len(self._ring) < self.window:
+            self._ring.append(share)
+        else:
+            self._ring[self._rows % self.window] = share
         self._rows += 1
         if self._rows < WARM:
             return None
         if self._limit is None or self._rows % 2 == 0:
-            ring = self._ring[:min(self._rows, self.window)]
-            med = torch.nanmedian(ring.masked_fill(ring <= 0, float("nan")), dim=0).values
-            self._limit = torch.nan_to_num(med, nan=0.0) / self.factor2
-        self._sq, self._hit = sq, share < self._limit  # (an exact zero counts here; seen() leaves it out)
-        return self._hit.sum(dtype=torch.float32)
+            self._limit = [_lower_median(col) / self.factor2 for col in zip(*self._ring, strict=True)]
+        self._sq, self._share = sq, share
+        self._hit = [s < lim for s, lim in zip(share, self._limit, strict=True)]  # (an exact zero counts here)
+        return sum(self._hit)
+
+    def closest(self) -> float | None:
+        """The last sample's lowest share / median share (unsquared) over the modules that could fire and had a
+        gradient: how near a healthy run came to the threshold (benchmarks/flow_false_alarms.py)."""
+        if not self._limit or not self._share:
+            return None
+        ratios = [math.sqrt(s / (lim * self.factor2)) for s, q, lim in zip(self._share, self._sq, self._limit,
+                                                                             strict=False)
+                  if lim > 0 and q > 0 and s == s]
+        return min(ratios) if ratios else None
 
     def seen(self, count: int, total: float) -> None:
-        """The host's half, with the count read back: fire (`pending`) after `patience` samples in a row."""
+        """The host's half, with the count: fire (`pending`) after `patience` samples in a row."""
         if count <= 0:
             self._run = 0
             return
         self._run += 1
-        if self._run < self.patience or self._hit is None:
+        if self._run < self.patience or not self._hit:
             return
         out = []
-        hits = [(c, sq, limit) for c, (hit, sq, limit) in enumerate(zip(self._hit.tolist(), self._sq.tolist(),
-                                                                          self._limit.tolist(), strict=True))
+        hits = [(c, sq, limit) for c, (hit, sq, limit) in enumerate(zip(self._hit, self._sq, self._limit,
+                                                                          strict=True))
                 if hit and sq > 0]  # an exact zero is the dead-gradient trigger's
         if not hits:
             self._run = 0
@@ -95,7 +113,7 @@ class VanishWatch:
         if out:
             self.pending = out
 
-    def _columns(self, params: list[torch.Tensor], key: tuple, names: dict[int, str], device) -> None:
+    def _columns(self, params: list[torch.Tensor], key: tuple, names: dict[int, str]) -> None:
         cols = []
         for p in params:
             name = names.get(id(p), "")
@@ -105,12 +123,16 @@ class VanishWatch:
                 self.modules.append(mod)
             cols.append(self._col[mod])
         m = len(self.modules)
-        if self._ring is None or self._ring.shape[1] < m:
-            ring = torch.zeros((self.window, m), device=device)
-            if self._ring is not None:
-                ring[:, :self._ring.shape[1]] = self._ring
-                if self._limit is not None:
-                    self._limit = torch.cat([self._limit, torch.zeros(m - self._limit.numel(), device=device)])
-            self._ring = ring
-        self._index = torch.tensor(cols, device=device, dtype=torch.long)
+        for row in self._ring:  # a module new to the run: no history (0, left out of its median)
+            row.extend([0.0] * (m - len(row)))
+        if self._limit is not None:
+            self._limit.extend([0.0] * (m - len(self._limit)))
+        self._index = cols
         self._key = key
+
+
+def _lower_median(values: list[float]) -> float:
+    """The lower median of the positive numbers in `values` (torch.nanmedian's choice for an even count); 0 when
+    there are none."""
+    vals = sorted(v for v in values if v > 0)  # (a NaN is not > 0)
+    return vals[(len(vals) - 1) // 2] if vals else 0.0

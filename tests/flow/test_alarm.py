@@ -207,6 +207,35 @@ def test_a_loss_fitted_to_zero_shrinks_every_module_together_and_is_not_vanishin
     assert guard.flow_snapshots == []
 
 
+def test_the_vanishing_watch_adds_no_tensor_op_to_a_step_and_the_check_reads_back_once(tmp_path):
+    """The cost target (<= 1% of a 2 ms step, docs/flow.md): the zero count and the vanishing watch run on the host
+    over the norms the check reads back with the total, so a sampled step dispatches the same tensor ops as any
+    other and the check makes one host read."""
+    from torch.overrides import TorchFunctionMode
+
+    from nanreplay.capture import vanish
+    from nanreplay.capture.flow import FlowWatch
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            calls.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    F.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 1)).backward()
+    fw, per_step = FlowWatch(), []
+    for step in range(4 * vanish.EVERY):
+        calls: list[str] = []
+        with Count():
+            fw.measure(model, opt, step, True)
+        per_step.append(calls)
+    assert fw.vanish._rows >= vanish.WARM and fw.vanish._limit is not None  # the watch sampled and compared
+    assert all(c == per_step[0] for c in per_step)  # sampled steps (every EVERY-th) add nothing
+    assert per_step[0].count("tolist") == 1
+
+
 class SiameseDropBN(Siamese):
     """The siamese model with dropout (the RNG) and a BatchNorm (buffers) on the way: the inert re-run must touch
     neither."""
