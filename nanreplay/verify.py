@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from nanreplay import culprit as culprit_mod
-from nanreplay import replay, stats
+from nanreplay import replay, seeded, stats
 from nanreplay import torch_internals as ti
 from nanreplay.differential import reference
 from nanreplay.errors import raised
@@ -221,12 +221,7 @@ def plain_step(subject: Subject, *, forward_first: bool = False, stop_at: Culpri
                 with torch.no_grad(), replay.autocast_from(subject.run_autocast), watch("forward"):
                     loss = subject.loss(subject.forward())
             except _Stopped:
-                if failure == "gradient":
-                    return {"loss": None, "loss_finite": None, "grads_finite": False, "nonfinite_grads": None,
-                            "probe": "stopped after the culprit op, which makes NaN/Inf in this dtype too (in the "
-                                     "step as it ran, its value reached the gradients)"}
-                return {"loss": None, "loss_finite": False, "grads_finite": None,
-                        "probe": "stopped after the culprit op, which makes NaN/Inf in this dtype too"}
+                return forward_stopped(failure)
             if not stats.finite_fast(loss):
                 return _row(loss, None)
             if subject.prepare is not None:
@@ -249,6 +244,16 @@ def plain_step(subject: Subject, *, forward_first: bool = False, stop_at: Culpri
     return {**_row(loss, not bad), "nonfinite_grads": len(bad)}
 
 
+def forward_stopped(failure: str | None) -> dict:
+    """The row of a forward culprit that makes NaN/Inf in the probe's dtype too (the rest of the step not run)."""
+    if failure == "gradient":
+        return {"loss": None, "loss_finite": None, "grads_finite": False, "nonfinite_grads": None,
+                "probe": "stopped after the culprit op, which makes NaN/Inf in this dtype too (in the "
+                         "step as it ran, its value reached the gradients)"}
+    return {"loss": None, "loss_finite": False, "grads_finite": None,
+            "probe": "stopped after the culprit op, which makes NaN/Inf in this dtype too"}
+
+
 class Culprit(NamedTuple):
     """The culprit op as the probe finds it again: its phase, its aten name, and the forward op it is
     (forward) or whose gradient it computes (backward) as that op's name and call number among calls of
@@ -258,25 +263,31 @@ class Culprit(NamedTuple):
     op: str
     fwd_op: str
     nth: int
+    node: int | None = None  # a step program's node that ran the (forward) op: where seeded runs find it
 
     @classmethod
-    def of(cls, phase: str, fwd: int, op: str, forward_ops: list[str]) -> Culprit:
+    def of(cls, phase: str, fwd: int, op: str, forward_ops: list[str], node: int | None = None) -> Culprit:
         """From the Recorder's numbering: `fwd` is an index into the step's forward ops (`forward_ops`)."""
-        return cls(phase, op, forward_ops[fwd], sum(1 for o in forward_ops[:fwd] if o == forward_ops[fwd]))
+        return cls(phase, op, forward_ops[fwd], sum(1 for o in forward_ops[:fwd] if o == forward_ops[fwd]), node)
 
 
 class _Stopped(BaseException):  # noqa: N818 - not an error: the answer is known (BaseException: user code lets it pass)
     pass
 
 
+class _Tripped(BaseException):  # noqa: N818 - a forward culprit the seeded runs called finite is not, in the whole step
+    pass
+
+
 class _StopAt(ti.TorchDispatchMode):
-    """Finds the culprit op again and raises _Stopped right after it when its output is not finite: a forward
-    culprit by its call number, a backward one through the forward call that made its node. Where the
+    """Finds the culprit op again and raises _Stopped (or `stop`) right after it when its output is not finite: a
+    forward culprit by its call number, a backward one through the forward call that made its node. Where the
     count does not line up it never stops: only slower, never wrong."""
 
-    def __init__(self, culprit: Culprit):
+    def __init__(self, culprit: Culprit, stop: type[BaseException] | None = None):
         super().__init__()
         self.culprit = culprit
+        self.stop = stop or _Stopped
         self.calls: dict[str, int] = {}
         self.call_by_seq: dict[int, tuple[str, int]] = {}
 
@@ -300,7 +311,7 @@ class _StopAt(ti.TorchDispatchMode):
             outs = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)] \
                 if isinstance(out, (list, tuple)) else []
             if not all(stats.finite_fast(t) for t in outs if t.is_floating_point()):
-                raise _Stopped
+                raise self.stop
         return out
 
 
@@ -340,7 +351,7 @@ def precision_probe(subject: Subject, step_dtype: str | None, *, failure: str | 
 
 
 def _probe_one(subject: Subject, dtype, autocast, failure: str | None, culprit: Culprit | None, *,
-               lean: bool = True) -> dict:
+               lean: bool = True, seeded_ok: bool = True) -> dict:
     """One dtype of the probe. A gradient failure runs a whole step with grad on in the wider dtype — a
     float64 graph twice the step's — so a step program replays checkpointed (the same values, one more
     forward, a fraction of the memory); where that fails, plainly."""
@@ -349,21 +360,36 @@ def _probe_one(subject: Subject, dtype, autocast, failure: str | None, culprit: 
     # failure whose culprit is a forward op: if that op makes NaN/Inf in this dtype too, the answer is known
     # without the whole step (a float64 graph, or its checkpointed forward twice)
     forward_first = failure == "loss" or (failure == "gradient" and culprit is not None and culprit.phase == "forward")
-    checkpointed = getattr(variant.model, "checkpointed", None)  # a step program's StepModule
-    lean = lean and failure != "loss" and checkpointed is not None and checkpointed()
     # a kernel with no float64 kernel (oneDNN's LSTM layer) runs as its reference composition in float64
     mode = reference.Substituted(reference.NO_FLOAT64, getattr(variant.model, "current_output_shapes", None)) \
         if dtype == torch.float64 else None
+    # ... and where a step program kept its segments' boundaries, the culprit's segment answers that first
+    seg = seeded.forward_culprit(subject, variant, culprit, mode) if forward_first and seeded_ok else None
+    if seg is not None and seg[0] == seeded.FAILS:
+        row = forward_stopped(failure)
+        if seg[1]:  # started inside the step (at 0 it is the forward-alone pass itself)
+            row["derived"] = seeded.sentence(seg[1])
+        if mode is not None and mode.hits:
+            row["replaced"] = {op: reference.TABLE[op].reference for op in mode.hits}
+        del variant
+        release_memory()
+        return row
+    tripped, trip = False, seg is not None  # FINITE there: straight to the whole step, which must then agree
+    checkpointed = getattr(variant.model, "checkpointed", None)  # a step program's StepModule
+    lean = lean and failure != "loss" and checkpointed is not None and checkpointed()
     try:
-        with mode if mode is not None else contextlib.nullcontext():
-            row = plain_step(variant, forward_first=forward_first, stop_at=culprit, failure=failure)
+        with mode if mode is not None else contextlib.nullcontext(), \
+                _StopAt(culprit, _Tripped) if trip else contextlib.nullcontext():
+            row = plain_step(variant, forward_first=forward_first and not trip, stop_at=culprit, failure=failure)
         if mode is not None and mode.hits:
             row["replaced"] = {op: reference.TABLE[op].reference for op in mode.hits}
         return row
+    except _Tripped:  # the segment said finite, the whole step says otherwise: the probe as it was decides
+        tripped = True
     except Exception:  # noqa: BLE001 - retried without checkpointing, which raises what is real
         if not lean:
             raise
     finally:
         del variant
         release_memory()
-    return _probe_one(subject, dtype, autocast, failure, culprit, lean=False)
+    return _probe_one(subject, dtype, autocast, failure, culprit, lean=lean and tripped, seeded_ok=False)

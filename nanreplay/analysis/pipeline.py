@@ -160,6 +160,9 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
     snap.drop_optimizer_state()  # read only by the leaves' diagnosis above and by update analyses
     tell("loaded", result)
     if step is None:
+        keep = getattr(subject.model, "keep_boundaries", None) if subject.program and probe else None
+        if keep is not None:
+            keep()  # the values at each segment's start, for the precision probe (nanreplay/seeded.py)
         step = replay.run_subject(subject)
         subject.model.zero_grad(set_to_none=True)  # the gradient walk is in `step`; the tensors are not needed
     release_memory()  # each pass starts from what the analysis holds, not from the last pass's peak
@@ -205,7 +208,8 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
     tell("diagnosis", result)
     if probe and (c is not None or step.failure is not None):
         cev = step.events[c] if c is not None else None
-        where = verify_mod.Culprit.of(cev.phase, cev.fwd, str(cev.op), [str(o.op) for o in step.ops]) \
+        where = verify_mod.Culprit.of(cev.phase, cev.fwd, str(cev.op), [str(o.op) for o in step.ops],
+                                      step.ops[cev.fwd].node) \
             if cev is not None and cev.fwd is not None and cev.phase in ("forward", "backward") else None
         result.precision = verify_mod.precision_probe(subject, _step_dtype(subject), culprit=where,
                                                       failure=step.failure.what if step.failure else None)
@@ -218,6 +222,9 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
             result.diagnosis["explanation"] += " " + note
             result.diagnosis["precision"] = note
         tell("precision", result)
+    drop = getattr(subject.model, "drop_kept", None) if subject.program else None
+    if drop is not None:
+        drop()
     t_end = time.perf_counter()
     result.stats = {
         "ops_forward": len(step.ops),

@@ -43,6 +43,7 @@ def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any]
     for t, who in (leaf_names or []):
         rec.leaf_names[t] = who
     rec.call_label = getattr(model, "current_user_call", None)  # a step program knows the user's calls
+    rec.node_of = getattr(model, "current_node", None)  # ... and which of its nodes runs each op
     handles = rec.install_module_hooks() if site is None else []  # exported programs: the site knows
     node_handles: list = []
     model.zero_grad(set_to_none=True)

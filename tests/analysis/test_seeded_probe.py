@@ -1,0 +1,114 @@
+"""The precision probe's forward culprit asked of its segment first (nanreplay/seeded.py): the instrumented replay
+keeps the values live at each segment's start, and the float64 copy runs from the culprit's segment only.
+
+Whatever the segment says, each row must be the row the whole-step probe gives (a derived row adds `derived`
+and nothing else): a zero the segment makes itself (ReLU) fails in float64 too, and is answered without the
+step; a zero that came in through the boundary — an underflow upstream that float64 does not have, or a
+ReLU's exact zero that it does — is not, and the whole step decides.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanreplay import NanGuard, seeded, verify
+from nanreplay.analysis import analyze
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, fault: str | None = None):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.fault, self.on = fault, False
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        if self.on and self.fault == "relu_log":  # a zero made here: log(0) in any dtype
+            g = F.relu(h[:, :4])
+            h = h + (g * torch.log(g)).sum(-1, keepdim=True)
+        if self.on and self.fault == "softmax":  # hands over probabilities that underflow in float32 only
+            return torch.softmax(200 * h, -1)
+        if self.on and self.fault == "relu_out":  # hands over a ReLU's exact zeros
+            return F.relu(h)
+        if self.on and self.fault == "log_in":  # the log of what the block before handed over
+            return x + torch.log(x).mean(-1, keepdim=True)
+        return x + h
+
+
+class Net(nn.Module):
+    def __init__(self, faults: dict[int, str], d: int = 16, n: int = 4):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, faults.get(i)) for i in range(n))
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+CASES = {"relu_log": {2: "relu_log"}, "underflow": {1: "softmax", 2: "log_in"}, "relu_boundary": {1: "relu_out", 2: "log_in"}}
+
+
+def _snapshot(tmp_path, faults: dict[int, str]):
+    torch.manual_seed(0)
+    model = Net(faults)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = NanGuard(model, opt, loss_fn=F.cross_entropy, folder=tmp_path)
+    g = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(3):  # two healthy steps, then the faulty one
+            for b in model.blocks:
+                b.on = step == 2
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 3, (8,), generator=g)
+            guard.begin(x, y, step=step)
+            if not guard.step(F.cross_entropy(model(x), y)):
+                break
+    assert guard.last_snapshot is not None
+    return guard.last_snapshot
+
+
+def _analyze(path, monkeypatch, *, seeded_on: bool):
+    answers, calls = [], []
+    real, one = seeded.forward_culprit, verify._probe_one
+
+    def spy(*a, **k):
+        answers.append(real(*a, **k) if seeded_on else None)
+        return answers[-1]
+
+    def count(*a, **k):
+        calls.append(k.get("seeded_ok", True))
+        return one(*a, **k)
+    with monkeypatch.context() as m:
+        m.setattr(seeded, "forward_culprit", spy)
+        m.setattr(verify, "_probe_one", count)
+        d = analyze(path, verify=False).to_json()
+    return d, answers, calls
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_rows_as_the_whole_step_gives_them(tmp_path, monkeypatch, case):
+    path = _snapshot(tmp_path, CASES[case])
+    new, answers, calls = _analyze(path, monkeypatch, seeded_on=True)
+    old, _, _ = _analyze(path, monkeypatch, seeded_on=False)
+    assert new["culprit"]["op"] == old["culprit"]["op"] == "aten.log.default"
+    rows = [{k: v for k, v in r.items() if k != "derived"} for r in new["precision"]]
+    assert rows == old["precision"]
+    (answer,) = answers
+    if case == "relu_log":  # the segment makes its zero itself: float64 fails there too, no step replayed
+        assert answer is not None and answer[0] == seeded.FAILS and answer[1] > 0
+        assert "derived" in new["precision"][0] and len(calls) == 1
+        assert new["precision"][0]["loss_finite"] is False
+    elif case == "underflow":  # zeros at the boundary: moved, finite; the whole step agrees (float64: no underflow)
+        assert answer is not None and answer[0] == seeded.FINITE
+        assert new["precision"][0]["loss_finite"] is True and calls == [True]
+    else:  # a ReLU's zeros at the boundary: moved, finite; the whole step does not agree, and the probe as it was
+        assert answer is not None and answer[0] == seeded.FINITE  # decides (the tripwire)
+        assert calls == [True, False] and new["precision"][0]["loss_finite"] is False
+    assert "derived" not in old["precision"][0]
