@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from nanreplay import stats
+from nanreplay import torch_internals as ti
 from nanreplay.formats.program import node_outputs
 from nanreplay.formats.segments import first_leaf_write
 
@@ -29,43 +30,124 @@ MOVE = 2.0 ** -12  # each seeded value moved by this share of itself: ~2000 floa
 FAILS, FINITE = "fails", "finite"
 
 
-def forward_culprit(subject: Any, variant: Any, culprit: Any, mode: Any = None) -> tuple[str, int] | None:
-    """(FAILS or FINITE, the node the runs started at) for a forward culprit of a step program whose instrumented
-    replay kept its boundaries; None where this cannot answer (not such a step, nothing kept, a node before
-    the segment writes into a weight or buffer, seeded runs that disagree, a run that raises)."""
-    model, copy = subject.model, variant.model
+def culprit_answer(subject: Any, variant: Any, culprit: Any, mode: Any = None) -> tuple[str, int, Any] | None:
+    """(FAILS or FINITE, the node the runs started at, the loss from there where FAILS needs it) for the culprit
+    of a step program whose instrumented replay kept its boundaries; None where this cannot answer (not such a
+    step, nothing kept, a node before the segment writes into a weight or buffer, seeded runs that disagree, a
+    run that raises)."""
+    model = subject.model
     node = getattr(culprit, "node", None)
-    if not subject.program or node is None or culprit.phase != "forward" or not hasattr(model, "kept"):
+    if not subject.program or node is None or culprit.phase not in ("forward", "backward") \
+            or not hasattr(model, "kept"):
         return None
     prog = model.program
-    if not 0 <= node < len(prog.nodes) or prog.nodes[node].name != culprit.op:
+    want = culprit.op if culprit.phase == "forward" else culprit.fwd_op
+    if not 0 <= node < len(prog.nodes) or prog.nodes[node].name != want:
         return None
-    limit = min(node, first_leaf_write(prog))
+    write = first_leaf_write(prog)  # no replay may start after a node that writes into a leaf
+    try:
+        with mode if mode is not None else contextlib.nullcontext():
+            if culprit.phase == "forward":
+                return _forward(model, variant, node, min(node, write))
+            return _backward(model, variant, culprit, node, write)
+    except Exception:  # noqa: BLE001 - no answer here: the whole step is replayed as before
+        return None
+
+
+def _forward(model, variant, node: int, limit: int) -> tuple[str, int, Any] | None:
+    copy = variant.model
     start, seeded = 0, {}
-    for s in sorted(model.__dict__.get("_kept", {}), reverse=True):
+    for s in reversed(model.kept_starts()):
         got = model.kept(s) if s <= limit else None
         if got is not None:
             start, seeded = s, got
             break
-    made = _made_by(prog, seeded)
-    try:
-        with mode if mode is not None else contextlib.nullcontext():
-            for sign in (1.0, -1.0):  # does it fail wherever the wider dtype's upstream values could be?
-                moved = {r: _moved(_to(copy, t, made.get(r)), sign) for r, t in seeded.items()}
-                if not _fails(copy, variant, start, node, moved):
-                    # finite where upstream might have handed over these values: the whole step decides (and its
-                    # forward-alone pass is skipped); failing with them moved one way but not the other: no answer
-                    return (FINITE, start) if sign > 0 else None
-                if start == 0:  # nothing seeded: that run was the step's own forward up to the culprit
-                    break
-    except Exception:  # noqa: BLE001 - no answer here: the whole step is replayed as before
+    made = _made_by(model.program, seeded)
+    for sign in (1.0, -1.0):  # does it fail wherever the wider dtype's upstream values could be?
+        moved = {r: _moved(_to(copy, t, made.get(r)), sign) for r, t in seeded.items()}
+        with torch.no_grad():
+            _env, out = copy.run_from(start, node + 1, moved, variant.inputs, variant.target, watch=node)
+        if not _nonfinite(out):
+            # finite where upstream might have handed over these values: the whole step decides (and its
+            # forward-alone pass is skipped); failing with them moved one way but not the other: no answer
+            return (FINITE, start, None) if sign > 0 else None
+        if start == 0:  # nothing seeded: that run was the step's own forward up to the culprit
+            break
+    return FAILS, start, None
+
+
+def _backward(model, variant, culprit, node: int, write: int) -> tuple[str, int, Any] | None:
+    """A backward culprit: its forward op's segment, seeded, run forward and backward from the gradients that
+    reached the segment's outputs in the instrumented replay (moved as the values are); where the culprit's
+    backward op fails both ways, the loss comes from the rest of the forward, from the same seeds, without a
+    graph."""
+    copy = variant.model
+    seg = next((s for s in (model.segment_at(s) for s in [0, *model.kept_starts()]) if s is not None
+                and s.unit is not None and s.start <= min(node, write) and node < s.stop), None)
+    if seg is None:
         return None
-    return FAILS, start
-
-
-def _fails(copy, variant, start: int, node: int, seeded: dict) -> bool:
+    seeded = model.kept(seg.start) if seg.start else {}
+    grads = model.kept_grads(seg.start)
+    if seeded is None or not grads or not all(stats.finite_fast(g) for g in grads.values()):
+        return None
+    made = _made_by(model.program, {**seeded, **grads})
+    for sign in (1.0, -1.0):
+        moved = {r: _moved(_to(copy, t, made.get(r)), sign) for r, t in seeded.items()}
+        with torch.enable_grad():
+            env, out = copy.run_from(seg.start, seg.stop, moved, variant.inputs, variant.target, watch=node)
+        made_by_node = out if isinstance(out, torch.Tensor) else next(
+            (t for t in out if isinstance(t, torch.Tensor)), None) if isinstance(out, (list, tuple)) else None
+        fn = getattr(made_by_node, "grad_fn", None)
+        pairs = [(r, env[r]) for r in grads if isinstance(env.get(r), torch.Tensor) and env[r].requires_grad]
+        if fn is None or not pairs:
+            return None
+        hit = _Watch(ti.node_sequence_nr(fn), culprit.op)
+        try:
+            with hit:
+                torch.autograd.backward([t for _r, t in pairs],
+                                        [_moved(_to(copy, grads[r], made.get(r)), sign) for r, _t in pairs])
+        except _Hit:
+            pass
+        finally:
+            copy.zero_grad(set_to_none=True)
+        if not hit.fired:
+            return (FINITE, seg.start, None) if sign > 0 else None
+    # the loss: the forward from the last boundary kept on (its segments are the step's, its values as they ran)
+    last = max((s for s in model.kept_starts() if seg.start <= s <= write and model.kept(s) is not None),
+               default=seg.start)
+    at = model.kept(last) if last else {}
+    made = _made_by(model.program, at)
     with torch.no_grad():
-        out = copy.run_from(start, node + 1, seeded, variant.inputs, variant.target)
+        env, _out = copy.run_from(last, len(model.program.nodes), {r: _to(copy, t, made.get(r)) for r, t in
+                                                                     at.items()}, variant.inputs, variant.target)
+    loss = env.get(model.program.loss)
+    if not isinstance(loss, torch.Tensor) or not stats.finite_fast(loss):
+        return None  # a finite step's loss that is not finite here: the whole step says what that means
+    return FAILS, seg.start, (loss, last)
+
+
+class _Hit(BaseException):  # noqa: N818 - not an error: the culprit's backward op made NaN/Inf here too
+    pass
+
+
+class _Watch(ti.TorchDispatchMode):
+    """Raises _Hit right after the culprit's backward op (`op`, run by the autograd node numbered `seq`) when
+    its output is not finite, as the whole-step probe stops (verify._StopAt)."""
+
+    def __init__(self, seq: int, op: str):
+        super().__init__()
+        self.seq, self.op, self.fired = seq, op, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        node = ti.current_autograd_node()
+        if node is not None and str(func) == self.op and ti.node_sequence_nr(node) == self.seq and _nonfinite(out):
+            self.fired = True
+            raise _Hit
+        return out
+
+
+def _nonfinite(out) -> bool:
     outs = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)] \
         if isinstance(out, (list, tuple)) else []
     return not all(stats.finite_fast(t) for t in outs if t.is_floating_point())
@@ -99,8 +181,11 @@ def _moved(t: torch.Tensor, sign: float) -> torch.Tensor:
     return torch.where(t == 0, torch.full_like(t, sign * torch.finfo(torch.float32).tiny), out)
 
 
-def sentence(start: int) -> str:
+def sentence(start: int, phase: str, loss_from: int | None = None) -> str:
     """The `derived` field of a precision row answered here (the step itself not replayed in that dtype)."""
+    how = ("run forward and backward from the gradients that reached its outputs, makes NaN/Inf at the culprit "
+           f"op (the loss: this dtype's forward from node {loss_from} on, seeded the same way)"
+           if phase == "backward" else "makes NaN/Inf at the culprit op")
     return (f"not replayed as a whole step: the culprit's segment (from node {start}) in this dtype, seeded with the "
-            "values the instrumented replay had there, makes NaN/Inf at the culprit op, and so it does with each "
-            f"of those values moved by {MOVE:.2g} of itself either way (zeros to ±{torch.finfo(torch.float32).tiny:.2g})")
+            f"values the instrumented replay had there, {how}; it does so with each seeded value moved by "
+            f"{MOVE:.2g} of itself either way (zeros to ±{torch.finfo(torch.float32).tiny:.2g}) too")

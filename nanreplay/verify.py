@@ -238,10 +238,13 @@ def plain_step(subject: Subject, *, forward_first: bool = False, stop_at: Culpri
         except _Stopped:
             subject.model.zero_grad(set_to_none=True)
             return {**_row(loss, False), "nonfinite_grads": None,  # not counted: the rest of backward did not run
-                    "probe": "backward stopped after the culprit op, which makes NaN/Inf in this dtype too"}
+                    "probe": BACKWARD_STOPPED}
     bad = [n for n, p in subject.model.named_parameters() if p.grad is not None and not stats.finite_fast(p.grad)]
     subject.model.zero_grad(set_to_none=True)
     return {**_row(loss, not bad), "nonfinite_grads": len(bad)}
+
+
+BACKWARD_STOPPED = "backward stopped after the culprit op, which makes NaN/Inf in this dtype too"
 
 
 def forward_stopped(failure: str | None) -> dict:
@@ -363,18 +366,21 @@ def _probe_one(subject: Subject, dtype, autocast, failure: str | None, culprit: 
     # a kernel with no float64 kernel (oneDNN's LSTM layer) runs as its reference composition in float64
     mode = reference.Substituted(reference.NO_FLOAT64, getattr(variant.model, "current_output_shapes", None)) \
         if dtype == torch.float64 else None
-    # ... and where a step program kept its segments' boundaries, the culprit's segment answers that first
-    seg = seeded.forward_culprit(subject, variant, culprit, mode) if forward_first and seeded_ok else None
+    # ... and where a step program kept its segments' boundaries, the culprit's segment answers first
+    seg = seeded.culprit_answer(subject, variant, culprit, mode) \
+        if seeded_ok and culprit is not None and (forward_first or failure == "gradient") else None
     if seg is not None and seg[0] == seeded.FAILS:
-        row = forward_stopped(failure)
-        if seg[1]:  # started inside the step (at 0 it is the forward-alone pass itself)
-            row["derived"] = seeded.sentence(seg[1])
+        row = forward_stopped(failure) if culprit.phase == "forward" else \
+            {**_row(seg[2][0], False), "nonfinite_grads": None, "probe": BACKWARD_STOPPED}
+        if seg[1] or culprit.phase == "backward":  # (a forward run from node 0 is the forward-alone pass itself)
+            row["derived"] = seeded.sentence(seg[1], culprit.phase, seg[2][1] if seg[2] else None)
         if mode is not None and mode.hits:
             row["replaced"] = {op: reference.TABLE[op].reference for op in mode.hits}
-        del variant
+        del variant, seg
         release_memory()
         return row
-    tripped, trip = False, seg is not None  # FINITE there: straight to the whole step, which must then agree
+    # a forward culprit FINITE there: straight to the whole step, which must then agree
+    tripped, trip = False, seg is not None and culprit.phase == "forward" and forward_first
     checkpointed = getattr(variant.model, "checkpointed", None)  # a step program's StepModule
     lean = lean and failure != "loss" and checkpointed is not None and checkpointed()
     try:

@@ -24,10 +24,11 @@ from nanreplay import torch_internals as ti
 from nanreplay.confine import progress
 from nanreplay.errors import ReplayError, SnapshotError, op_of
 from nanreplay.formats import opchecks
+from nanreplay.formats.boundaries import Boundaries
 from nanreplay.formats.dryrun import arg_shapes, outside_storage, with_output_size
 from nanreplay.formats.ops import check_values
 from nanreplay.formats.program import DeviceLiteral, Node, Program, Ref, strided_index
-from nanreplay.formats.segments import Segment, checkpoint_plan, live_at
+from nanreplay.formats.segments import Segment, checkpoint_plan
 from nanreplay.replay.frames import RecordedFrame
 
 _FILL_ZERO = frozenset({"aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default",
@@ -67,7 +68,7 @@ def _container(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
     return mod, leaf
 
 
-class StepModule(nn.Module):
+class StepModule(Boundaries, nn.Module):
     """The recorded step as a module: parameters and buffers by name, forward = the program."""
 
     def __init__(self, program: Program, state: dict[str, torch.Tensor], parameters: list[str],
@@ -103,7 +104,8 @@ class StepModule(nn.Module):
             if k in ("_parameters", "_buffers", "_modules"):
                 continue
             new.__dict__[k] = v
-        new.__dict__["_keep"], new.__dict__["_kept"] = None, {}  # a copy's replays keep nothing of this one's
+        new.__dict__["_keep"], new.__dict__["_kept"] = None, ({}, {})  # a copy keeps nothing of this one's
+        new.__dict__["_watch"] = None
         new.__dict__["constants"] = {k: v.clone() for k, v in self.constants.items()}
         new._node = None
         for name, p in self._parameters.items():
@@ -183,9 +185,10 @@ class StepModule(nn.Module):
         dead = self.program.dead_after()
         total = len(self.program.nodes)
         keep = self.__dict__.get("_keep")
+        watch = self.__dict__.get("_watch")
         for i in range(a, b):
-            if keep and i in keep:
-                self._keep_live(i, keep[i], env)
+            if keep:
+                self._keep_at(i, env)
             node = self.program.nodes[i]
             self._node = i
             progress.at(progress.REPLAY, i, node.name, total)  # a crash in the kernel below is then named (confine/)
@@ -198,60 +201,14 @@ class StepModule(nn.Module):
             except Exception as e:
                 op_of(e, f"{node.name} at node {i}")  # "raised ... in aten.x": which recorded op could not run
                 raise
+            if watch is not None and i == watch[0]:
+                watch[1].append(out)
             with ti.function_modes_off():
                 self._bind(node, out, env, i)
             for r in dead[i]:  # no later node reads them: let autograd decide what stays alive
                 env.pop(r, None)
-
-    # ---- replaying from a segment's start (nanreplay/seeded.py: the precision probe)
-    def keep_boundaries(self) -> bool:
-        """The next forward keeps, at the start of each segment of the checkpoint plan, the values live there
-        (made before it and read at or after it; leaves aside, a replay makes those itself): references, not
-        copies, each with its version counter as it was there, so that a later replay can start at that segment
-        (`run_from`) instead of at the first node. False where the program has no such segments."""
-        segs = checkpoint_plan(self.program)
-        if not segs:
-            return False
-        self.__dict__["_keep"] = live_at(self.program, {seg.start for seg in segs if seg.start > 0})
-        self.__dict__["_kept"] = {}
-        return True
-
-    def _keep_live(self, i: int, refs: list[int], env: dict) -> None:
-        with ti.function_modes_off(), ti.dispatch_modes_off():  # unseen: the replay's numbering stays its own
-            self.__dict__["_kept"][i] = {r: (env[r].detach(), env[r]._version) for r in refs
-                                         if isinstance(env.get(r), torch.Tensor)}
-
-    def kept(self, i: int) -> dict[int, torch.Tensor] | None:
-        """The values live at node `i` as the kept forward made them, or None: not kept there, or one was
-        written in place after it (its version moved), so it no longer holds what node `i` read."""
-        got = self.__dict__.get("_kept", {}).get(i)
-        if got is None or any(t._version != v for t, v in got.values()):
-            return None
-        return {r: t for r, (t, _v) in got.items()}
-
-    def drop_kept(self) -> None:
-        self.__dict__["_kept"] = {}
-
-    def current_node(self) -> int | None:
-        """The index of the node running now (the Recorder files each op under it)."""
-        return self._node
-
-    def run_from(self, start: int, stop: int, seeded: dict[int, torch.Tensor], inputs: Any = None,
-                 target: Any = None) -> Any:
-        """Nodes [start, stop) on this copy's own leaves and `seeded` (the values live at `start`), under the
-        caller's grad mode; returns the raw output of node stop - 1 (before any later node could drop it)."""
-        env = self._leaves(inputs, target)
-        env.update(seeded)
-        grad_on = torch.is_grad_enabled()
-        try:
-            self._run_nodes(start, stop - 1, env, grad_on)
-            node = self.program.nodes[stop - 1]
-            self._node = stop - 1
-            torch.set_grad_enabled(node.grad and grad_on)
-            return self._run(node, env)
-        finally:
-            torch.set_grad_enabled(grad_on)
-            self._node = None
+        if keep and b == len(self.program.nodes):
+            self._keep_at(b, env)
 
     # ---- replaying in less memory
     def checkpointed(self) -> bool:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from nanreplay import NanGuard, seeded, verify
 from nanreplay.analysis import analyze
+from tests.tolerance import close
 
 
 class Block(nn.Module):
@@ -31,6 +32,12 @@ class Block(nn.Module):
         if self.on and self.fault == "relu_log":  # a zero made here: log(0) in any dtype
             g = F.relu(h[:, :4])
             h = h + (g * torch.log(g)).sum(-1, keepdim=True)
+        if self.on and self.fault == "dist":  # a distance of each row to itself: sqrt at an exact 0, backward 1/0
+            g = h[:, :4]
+            h = h + 1e-3 * ((g[:, None] - g[None]) ** 2).sum(-1).sqrt().mean(-1, keepdim=True)
+        if self.on and self.fault == "masked_log":  # log of probabilities that underflow in float32 only, masked
+            p = torch.softmax(200 * h, -1)          # in forward: backward divides by the zeros
+            h = h + torch.where(p > 0, torch.log(p), 0.0).mean(-1, keepdim=True)
         if self.on and self.fault == "softmax":  # hands over probabilities that underflow in float32 only
             return torch.softmax(200 * h, -1)
         if self.on and self.fault == "relu_out":  # hands over a ReLU's exact zeros
@@ -52,7 +59,8 @@ class Net(nn.Module):
         return self.head(x)
 
 
-CASES = {"relu_log": {2: "relu_log"}, "underflow": {1: "softmax", 2: "log_in"}, "relu_boundary": {1: "relu_out", 2: "log_in"}}
+CASES = {"relu_log": {2: "relu_log"}, "underflow": {1: "softmax", 2: "log_in"}, "relu_boundary": {1: "relu_out", 2: "log_in"},
+         "dist": {2: "dist"}, "masked_log": {2: "masked_log"}}
 
 
 def _snapshot(tmp_path, faults: dict[int, str]):
@@ -76,7 +84,7 @@ def _snapshot(tmp_path, faults: dict[int, str]):
 
 def _analyze(path, monkeypatch, *, seeded_on: bool):
     answers, calls = [], []
-    real, one = seeded.forward_culprit, verify._probe_one
+    real, one = seeded.culprit_answer, verify._probe_one
 
     def spy(*a, **k):
         answers.append(real(*a, **k) if seeded_on else None)
@@ -86,7 +94,7 @@ def _analyze(path, monkeypatch, *, seeded_on: bool):
         calls.append(k.get("seeded_ok", True))
         return one(*a, **k)
     with monkeypatch.context() as m:
-        m.setattr(seeded, "forward_culprit", spy)
+        m.setattr(seeded, "culprit_answer", spy)
         m.setattr(verify, "_probe_one", count)
         d = analyze(path, verify=False).to_json()
     return d, answers, calls
@@ -97,18 +105,20 @@ def test_rows_as_the_whole_step_gives_them(tmp_path, monkeypatch, case):
     path = _snapshot(tmp_path, CASES[case])
     new, answers, calls = _analyze(path, monkeypatch, seeded_on=True)
     old, _, _ = _analyze(path, monkeypatch, seeded_on=False)
-    assert new["culprit"]["op"] == old["culprit"]["op"] == "aten.log.default"
+    assert new["culprit"]["op"] == old["culprit"]["op"]
+    assert new["culprit"]["phase"] == ("backward" if case in ("dist", "masked_log") else "forward")
     rows = [{k: v for k, v in r.items() if k != "derived"} for r in new["precision"]]
+    if case == "dist":  # the loss comes from a forward seeded with the step's float32 values: close, not equal
+        assert close(rows[0].pop("loss"), old["precision"][0].pop("loss"), 1e-5)
     assert rows == old["precision"]
+    assert "derived" not in old["precision"][0]
     (answer,) = answers
-    if case == "relu_log":  # the segment makes its zero itself: float64 fails there too, no step replayed
+    if case in ("relu_log", "dist"):  # the segment makes its zero itself: float64 fails there too, no step replayed
         assert answer is not None and answer[0] == seeded.FAILS and answer[1] > 0
         assert "derived" in new["precision"][0] and len(calls) == 1
-        assert new["precision"][0]["loss_finite"] is False
-    elif case == "underflow":  # zeros at the boundary: moved, finite; the whole step agrees (float64: no underflow)
+    elif case in ("underflow", "masked_log"):  # float64 has no underflow: finite there, and the whole step agrees
         assert answer is not None and answer[0] == seeded.FINITE
-        assert new["precision"][0]["loss_finite"] is True and calls == [True]
+        assert new["precision"][0]["grads_finite"] is True and calls == [True]
     else:  # a ReLU's zeros at the boundary: moved, finite; the whole step does not agree, and the probe as it was
         assert answer is not None and answer[0] == seeded.FINITE  # decides (the tripwire)
         assert calls == [True, False] and new["precision"][0]["loss_finite"] is False
-    assert "derived" not in old["precision"][0]
