@@ -153,6 +153,34 @@ def _nonfinite(out) -> bool:
     return not all(stats.finite_fast(t) for t in outs if t.is_floating_point())
 
 
+def op_inputs(subject: Any, node: int | None, op: str) -> list[torch.Tensor] | None:
+    """The tensor inputs of forward node `node` of the analyzed step (a backward culprit's forward op: the report
+    shows them), from the last boundary kept before it: the same values the whole forward would give (the same
+    computation from the same values), for a fraction of it. None where that cannot be (replay/probe.py then
+    runs the forward from the start)."""
+    model = subject.model
+    if not subject.program or node is None or not hasattr(model, "kept") or not 0 <= node < len(model.program.nodes) \
+            or model.program.nodes[node].name != op:
+        return None
+    limit = min(node, first_leaf_write(model.program))
+    start = max((s for s in model.kept_starts() if s <= limit and model.kept(s) is not None), default=0)
+    seeded = {r: t.clone() for r, t in (model.kept(start) or {}).items()}  # never the kept tensors themselves
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        got = model.inputs_of(start, node, seeded, subject.inputs, subject.target)
+    except Exception:  # noqa: BLE001 - no answer here: the forward from the start gives it
+        return None
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+    if got is None:
+        return None
+    args, kwargs = got
+    return [t for a in list(args) + list(kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else (a,))
+            if isinstance(t, torch.Tensor)]
+
+
 def _made_by(prog, seeded: dict) -> dict[int, Any]:
     want, out = set(seeded), {}
     for n in prog.nodes:

@@ -75,8 +75,7 @@ class Boundaries:
                  target: Any = None, *, watch: int | None = None) -> tuple[dict, Any]:
         """Nodes [start, stop) on this copy's own leaves and `seeded` (the values live at `start`), under the
         caller's grad mode: (the values live after them, the raw output of node `watch` or None)."""
-        env = self._leaves(inputs, target)
-        env.update(seeded)
+        env = self._with(seeded, inputs, target)
         grad_on = torch.is_grad_enabled()
         seen: list = []
         self.__dict__["_watch"] = (watch, seen) if watch is not None else None
@@ -87,6 +86,34 @@ class Boundaries:
             self._node = None
             self.__dict__["_watch"] = None
         return env, seen[0] if seen else None
+
+
+    def inputs_of(self, start: int, node: int, seeded: dict[int, torch.Tensor], inputs: Any = None,
+                  target: Any = None) -> tuple[list, dict] | None:
+        """The arguments node `node` is called with, from nodes [start, node) run under no_grad on `seeded`;
+        None for a node that does not call its op with them (a random op's recorded value, dropout's mask,
+        zeros, a strided view)."""
+        n = self.program.nodes[node]
+        if n.random is not None or n.mask is not None or n.view is not None or n.name in _SPECIAL:
+            return None
+        with torch.no_grad():
+            env, _out = self.run_from(start, node, seeded, inputs, target) if node > start else \
+                (self._with(seeded, inputs, target), None)
+            self._node = node
+            try:
+                with ti.function_modes_off():
+                    return self._checked_args(n, env)
+            finally:
+                self._node = None
+
+    def _with(self, seeded: dict, inputs: Any, target: Any) -> dict:
+        env = self._leaves(inputs, target)
+        env.update(seeded)
+        return env
+
+
+_SPECIAL = frozenset({"aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default",
+                      "aten.empty_strided.default"})  # StepModule._FILL_ZERO: made as zeros, not by their op
 
 
 def _unchanged(got: dict | None) -> dict[int, torch.Tensor] | None:

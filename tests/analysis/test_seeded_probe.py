@@ -1,6 +1,7 @@
 """The precision probe's forward culprit asked of its segment first (nanreplay/seeded.py): the instrumented replay
 keeps the values live at each segment's start, and the float64 copy runs from the culprit's segment only.
 
+A backward culprit's forward inputs (the report shows them) come from the boundary kept before it too.
 Whatever the segment says, each row must be the row the whole-step probe gives (a derived row adds `derived`
 and nothing else): a zero the segment makes itself (ReLU) fails in float64 too, and is answered without the
 step; a zero that came in through the boundary — an underflow upstream that float64 does not have, or a
@@ -95,6 +96,8 @@ def _analyze(path, monkeypatch, *, seeded_on: bool):
         return one(*a, **k)
     with monkeypatch.context() as m:
         m.setattr(seeded, "culprit_answer", spy)
+        if not seeded_on:  # a backward culprit's forward inputs from the step's start, as before
+            m.setattr(seeded, "op_inputs", lambda *a, **k: None)
         m.setattr(verify, "_probe_one", count)
         d = analyze(path, verify=False).to_json()
     return d, answers, calls
@@ -105,7 +108,9 @@ def test_rows_as_the_whole_step_gives_them(tmp_path, monkeypatch, case):
     path = _snapshot(tmp_path, CASES[case])
     new, answers, calls = _analyze(path, monkeypatch, seeded_on=True)
     old, _, _ = _analyze(path, monkeypatch, seeded_on=False)
-    assert new["culprit"]["op"] == old["culprit"]["op"]
+    assert new["culprit"] == old["culprit"]  # (a backward culprit's forward inputs: from the kept boundary, the same)
+    if case == "dist":
+        assert new["culprit"]["forward_inputs"][0]["zeros"] > 0
     assert new["culprit"]["phase"] == ("backward" if case in ("dist", "masked_log") else "forward")
     rows = [{k: v for k, v in r.items() if k != "derived"} for r in new["precision"]]
     if case == "dist":  # the loss comes from a forward seeded with the step's float32 values: close, not equal
