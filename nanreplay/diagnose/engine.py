@@ -103,7 +103,7 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | N
         same.own = _finite_loss(step, subject)
     probes: dict = {}  # (kind, ε) -> the Outcome of an ε-probe replay: the next candidate (ε × 100) reuses it
     f64 = _reference(diag, subject, step)
-    for fix in diag.fixes:
+    for fix in replay_order(diag.fixes):
         label = "with the fix"
         if fix.patch:
             label = ("with the rewritten line, at every call it makes" if fix.tested_as == "line" else
@@ -159,6 +159,14 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | N
     finite_ones = [f for f in code_fixes if f.replay and f.replay.get("plausible") is False and f.replay.get("loss")
                    is not None and f.replay.get("why") != "the replay is not finite"]
     return (finite_ones[0] if finite_ones else code_fixes[0] if code_fixes else diag.fixes[0]), tried
+
+
+def replay_order(fixes: list[Fix]) -> list[Fix]:
+    """The order candidates are replayed in: the rule's, except that an exact reformulation (EXACT_KINDS) goes
+    first — it computes the step's own value, so its replay is the reference every ε after it is judged against
+    (`SameStep.exact`), and where it verifies no other candidate is replayed. The rule's first fix stays the
+    one shown when none verifies."""
+    return sorted(fixes, key=lambda f: f.kind not in EXACT_KINDS)
 
 
 def _reference(diag: Diagnosis, subject, step: Step | None) -> verify.Float64Reference:
