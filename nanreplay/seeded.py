@@ -1,17 +1,20 @@
-"""The precision probe's first question, asked of one segment: does the forward culprit op make NaN/Inf in the
+"""The precision probe's question asked of the culprit's segment first: does the culprit op make NaN/Inf in the
 wider dtype too? (docs/performance.md, "The precision probe")
 
 A step program's instrumented replay keeps the values live at the start of each segment of its checkpoint plan
-(`StepModule.keep_boundaries`: references, with their version counters). Here the probe's copy, in the wider
-dtype, runs only from the start of the culprit's segment to the culprit op, seeded with those values converted
-to that dtype, under no_grad: a fraction of a forward instead of the step's forward up to the culprit.
+and the gradients that reached each segment's outputs (formats/boundaries.py: references, with their version
+counters). Here the probe's copy, in the wider dtype, runs only the culprit's segment, seeded with those values
+converted to that dtype: up to a forward culprit under no_grad; forward and backward from those gradients for a
+backward culprit (whose row also needs the loss: the forward from the last boundary on, without a graph).
 
 Seeded values are the step's as it ran, not as the wider dtype would have computed them upstream. So an answer
-"it fails there too" counts only when it holds for seeded values moved by far more than their rounding
-(`MOVE` of each value, zeros to ±float32's smallest normal, both ways): a log of a zero that the segment makes
-itself (a ReLU's), a sqrt of a clearly negative value. A zero or a near-edge value that came in through the
-boundary (a softmax that underflowed upstream) moves, the answer changes, and the step is replayed whole as
-before. "It is finite there" only lets the probe skip its forward-alone pass: the whole step still gives the row.
+"it fails there too" counts only when it holds for seeded values moved by far more than their rounding (`move_of`
+each value, zeros to ±float32's smallest normal, both ways): a log of a zero that the segment makes itself (a
+ReLU's), a sqrt of a clearly negative value, a distance of a vector to itself. A zero or a near-edge value that
+came in through the boundary (a softmax that underflowed upstream) moves, the answer changes, and the step is
+replayed whole as before. "It is finite there" lets a forward culprit's probe skip its forward-alone pass (a
+tripwire in the whole step falls back to the probe as it was if the op fails there after all); the whole step
+still gives the row.
 """
 
 from __future__ import annotations
@@ -26,7 +29,13 @@ from nanreplay import torch_internals as ti
 from nanreplay.formats.program import node_outputs
 from nanreplay.formats.segments import first_leaf_write
 
-MOVE = 2.0 ** -12  # each seeded value moved by this share of itself: ~2000 float32 roundings, both ways
+MOVE = 2.0 ** -12  # each seeded value moved by this share of itself: ~2000 float32 roundings, both ways ...
+HALF_ULPS = 16  # ... or by 16 roundings of its own dtype where that is coarser (bf16: 12.5%, fp16: 1.6%)
+
+
+def move_of(dtype: torch.dtype) -> float:
+    """How far a seeded value of this dtype is moved: far beyond what its upstream, in a wider dtype, could differ by."""
+    return max(MOVE, HALF_ULPS * torch.finfo(dtype).eps) if dtype.is_floating_point else 0.0
 FAILS, FINITE = "fails", "finite"
 
 
@@ -41,6 +50,8 @@ def culprit_answer(subject: Any, variant: Any, culprit: Any, mode: Any = None) -
             or not hasattr(model, "kept"):
         return None
     prog = model.program
+    if len({p.dtype for p in model.parameters() if p.is_floating_point()}) > 1:
+        return None  # weights the code cast to another dtype beside the step's: which seeds go where is not known
     want = culprit.op if culprit.phase == "forward" else culprit.fwd_op
     if not 0 <= node < len(prog.nodes) or prog.nodes[node].name != want:
         return None
@@ -64,7 +75,7 @@ def _forward(model, variant, node: int, limit: int) -> tuple[str, int, Any] | No
             break
     made = _made_by(model.program, seeded)
     for sign in (1.0, -1.0):  # does it fail wherever the wider dtype's upstream values could be?
-        moved = {r: _moved(_to(copy, t, made.get(r)), sign) for r, t in seeded.items()}
+        moved = {r: _moved(_to(copy, t, made.get(r)), sign, t.dtype) for r, t in seeded.items()}
         with torch.no_grad():
             _env, out = copy.run_from(start, node + 1, moved, variant.inputs, variant.target, watch=node)
         if not _nonfinite(out):
@@ -92,7 +103,7 @@ def _backward(model, variant, culprit, node: int, write: int) -> tuple[str, int,
         return None
     made = _made_by(model.program, {**seeded, **grads})
     for sign in (1.0, -1.0):
-        moved = {r: _moved(_to(copy, t, made.get(r)), sign) for r, t in seeded.items()}
+        moved = {r: _moved(_to(copy, t, made.get(r)), sign, t.dtype) for r, t in seeded.items()}
         with torch.enable_grad():
             env, out = copy.run_from(seg.start, seg.stop, moved, variant.inputs, variant.target, watch=node)
         made_by_node = out if isinstance(out, torch.Tensor) else next(
@@ -105,17 +116,20 @@ def _backward(model, variant, culprit, node: int, write: int) -> tuple[str, int,
         try:
             with hit:
                 torch.autograd.backward([t for _r, t in pairs],
-                                        [_moved(_to(copy, grads[r], made.get(r)), sign) for r, _t in pairs])
+                                        [_moved(_to(copy, grads[r], made.get(r)), sign, grads[r].dtype) for r, _t in pairs])
         except _Hit:
             pass
         finally:
             copy.zero_grad(set_to_none=True)
         if not hit.fired:
             return (FINITE, seg.start, None) if sign > 0 else None
-    # the loss: the forward from the last boundary kept on (its segments are the step's, its values as they ran)
+    # the loss: the forward from the last boundary kept on (its values as they ran: float32 values differ from a
+    # float64 upstream's by their rounding, far below what a row shows), or from the start where they are half
     last = max((s for s in model.kept_starts() if seg.start <= s <= write and model.kept(s) is not None),
                default=seg.start)
     at = model.kept(last) if last else {}
+    if any(t.is_floating_point() and t.element_size() < 4 for t in at.values()):
+        last, at = 0, {}
     made = _made_by(model.program, at)
     with torch.no_grad():
         env, _out = copy.run_from(last, len(model.program.nodes), {r: _to(copy, t, made.get(r)) for r, t in
@@ -191,29 +205,37 @@ def _made_by(prog, seeded: dict) -> dict[int, Any]:
 
 
 def _to(copy, t: torch.Tensor, producer) -> torch.Tensor:
-    """A seeded value in the dtype the copy's own replay would give it there (its dtype policy, as for the node
-    that made it); never the kept tensor itself (a run may write into its inputs)."""
-    if t.is_floating_point() and producer is not None and copy.policy is not None:
-        return t.to(copy._dtype(t.dtype, producer), copy=True)
+    """A seeded value in the dtype the copy's own replay would give it there (its dtype policy: a low dtype that
+    only autocast made goes where autocast's casts go, the step's dtype where the step's goes); never the kept
+    tensor itself (a run may write into its inputs)."""
+    if t.is_floating_point() and copy.policy is not None:
+        all_map, cast_map = copy.policy
+        d = t.dtype
+        to = cast_map[d] if d in cast_map and (d not in all_map or getattr(producer, "cast", False)) \
+            else all_map.get(d, d)
+        return t.to(to, copy=True)
     return t.clone()
 
 
-def _moved(t: torch.Tensor, sign: float) -> torch.Tensor:
-    """Each value moved by MOVE of itself, up or down at random (a fixed generator, not the global RNG), and zeros
-    to ±float32's smallest normal (`sign`): what an upstream computed in another dtype might have handed over."""
+def _moved(t: torch.Tensor, sign: float, was: torch.dtype) -> torch.Tensor:
+    """Each value moved by `move_of` its kept dtype (`was`), up or down at random (a fixed generator, not the global
+    RNG), and zeros to ±float32's smallest normal (`sign`): what an upstream computed in another dtype might have
+    handed over."""
     if not t.is_floating_point():
         return t
     g = torch.Generator(device=t.device).manual_seed(0)
     r = torch.randint(0, 2, t.shape, generator=g, device=t.device).to(t.dtype) * 2 - 1
-    out = t * (1 + sign * MOVE * r)
+    out = t * (1 + sign * move_of(was) * r)
     return torch.where(t == 0, torch.full_like(t, sign * torch.finfo(torch.float32).tiny), out)
 
 
 def sentence(start: int, phase: str, loss_from: int | None = None) -> str:
     """The `derived` field of a precision row answered here (the step itself not replayed in that dtype)."""
-    how = ("run forward and backward from the gradients that reached its outputs, makes NaN/Inf at the culprit "
-           f"op (the loss: this dtype's forward from node {loss_from} on, seeded the same way)"
-           if phase == "backward" else "makes NaN/Inf at the culprit op")
+    loss = (f"this dtype's forward from node {loss_from} on, seeded the same way" if loss_from else
+            "this dtype's forward, without a graph")
+    how = ("run forward and backward from the gradients that reached its outputs, makes NaN/Inf at the culprit op "
+           f"(the loss: {loss})" if phase == "backward" else "makes NaN/Inf at the culprit op")
     return (f"not replayed as a whole step: the culprit's segment (from node {start}) in this dtype, seeded with the "
             f"values the instrumented replay had there, {how}; it does so with each seeded value moved by "
-            f"{MOVE:.2g} of itself either way (zeros to ±{torch.finfo(torch.float32).tiny:.2g}) too")
+            f"{MOVE:.2g} of itself (or {HALF_ULPS} roundings of a half-precision value) either way (zeros to "
+            f"±{torch.finfo(torch.float32).tiny:.2g}) too")

@@ -61,10 +61,10 @@ class Net(nn.Module):
 
 
 CASES = {"relu_log": {2: "relu_log"}, "underflow": {1: "softmax", 2: "log_in"}, "relu_boundary": {1: "relu_out", 2: "log_in"},
-         "dist": {2: "dist"}, "masked_log": {2: "masked_log"}}
+         "dist": {2: "dist"}, "masked_log": {2: "masked_log"}, "relu_log_bf16": {2: "relu_log"}, "dist_bf16": {2: "dist"}}
 
 
-def _snapshot(tmp_path, faults: dict[int, str]):
+def _snapshot(tmp_path, faults: dict[int, str], autocast: bool = False):
     torch.manual_seed(0)
     model = Net(faults)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -77,7 +77,9 @@ def _snapshot(tmp_path, faults: dict[int, str]):
                 b.on = step == 2
             x, y = torch.randn(8, 16, generator=g), torch.randint(0, 3, (8,), generator=g)
             guard.begin(x, y, step=step)
-            if not guard.step(F.cross_entropy(model(x), y)):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # rows: float32, then float64
+                loss = F.cross_entropy(model(x).float(), y)
+            if not guard.step(loss):
                 break
     assert guard.last_snapshot is not None
     return guard.last_snapshot
@@ -105,18 +107,24 @@ def _analyze(path, monkeypatch, *, seeded_on: bool):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_rows_as_the_whole_step_gives_them(tmp_path, monkeypatch, case):
-    path = _snapshot(tmp_path, CASES[case])
+    path = _snapshot(tmp_path, CASES[case], autocast=case.endswith("_bf16"))
     new, answers, calls = _analyze(path, monkeypatch, seeded_on=True)
     old, _, _ = _analyze(path, monkeypatch, seeded_on=False)
     assert new["culprit"] == old["culprit"]  # (a backward culprit's forward inputs: from the kept boundary, the same)
     if case == "dist":
         assert new["culprit"]["forward_inputs"][0]["zeros"] > 0
-    assert new["culprit"]["phase"] == ("backward" if case in ("dist", "masked_log") else "forward")
+    assert new["culprit"]["phase"] == ("backward" if case.startswith(("dist", "masked_log")) else "forward")
+    assert len(new["precision"]) == (2 if case.endswith("_bf16") else 1)
     rows = [{k: v for k, v in r.items() if k != "derived"} for r in new["precision"]]
-    if case == "dist":  # the loss comes from a forward seeded with the step's float32 values: close, not equal
-        assert close(rows[0].pop("loss"), old["precision"][0].pop("loss"), 1e-5)
+    if case.startswith("dist"):  # the loss comes from a forward seeded with the step's values: close, not equal
+        for r, o in zip(rows, old["precision"], strict=True):
+            assert close(r.pop("loss"), o.pop("loss"), 1e-5)
     assert rows == old["precision"]
-    assert "derived" not in old["precision"][0]
+    assert not any("derived" in r for r in old["precision"])
+    if case.endswith("_bf16"):  # one answer per row, each from the segment: the rows answered without a step
+        assert len(answers) == 2 and all(a is not None and a[0] == seeded.FAILS for a in answers)
+        assert all("derived" in r for r in new["precision"]) and len(calls) == 2
+        return
     (answer,) = answers
     if case in ("relu_log", "dist"):  # the segment makes its zero itself: float64 fails there too, no step replayed
         assert answer is not None and answer[0] == seeded.FAILS and answer[1] > 0
