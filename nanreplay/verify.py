@@ -29,6 +29,7 @@ from nanreplay.formats.stepmodel import recomputing
 from nanreplay.limits import release_memory
 from nanreplay.noop import NOOP_RTOL, Float64Reference, NoOp, _tensors, working_rtol  # noqa: F401 - re-exported
 from nanreplay.replay.subject import Subject
+from nanreplay.replay.upstream import Upstream
 
 
 @dataclass
@@ -89,30 +90,33 @@ def _outcome(step: replay.Step) -> Outcome:
 
 def try_patch(subject: Subject, intercepts: dict[int, Callable] | None = None, *,
               label: str = "with the fix", noop: bool = True, compare_at: list[int] | None = None,
-              reference: Float64Reference | None = None) -> Outcome:
+              reference: Float64Reference | None = None, shared: Callable[[], Upstream | None] | None = None
+              ) -> Outcome:
     """Replay (instrumented, to name the next culprit if it fails) with the given call sites rewritten,
     on an independent copy of the step; with `noop`, each patched call is compared with the original call
     on the same inputs (`Outcome.noop`) — or, with `compare_at`, the outputs of those calls (where a rewritten
-    expression ends) with the original step's."""
+    expression ends) with the original step's. `shared()`: the forward up to the first patched call, run once
+    for every candidate of the culprit (replay/upstream.py), or None."""
+    up = shared() if shared is not None and intercepts else None
     try:
-        copy = subject.converted()
+        copy = up.copy if up is not None else subject.converted()
     except Exception as e:  # noqa: BLE001
         return Outcome(False, f"copying the step to replay it {label} raised {raised(e)}", raised=True)
     check = NoOp(rtol=working_rtol(subject), reference=reference) if noop and intercepts else None
     if check is not None and compare_at:
-        patched = _at_expression_end(subject, intercepts, compare_at, check)
+        patched = _at_expression_end(subject, intercepts, compare_at, check, shared)
         if patched is None:
             check = None
-        out = _replay(copy, patched or intercepts, label, subject.loss_scale)
+        out = _replay(copy, patched or intercepts, label, subject.loss_scale, up, subject)
     else:
         out = _replay(copy, _checked(intercepts, check) if check is not None else intercepts, label,
-                      subject.loss_scale)
+                      subject.loss_scale, up, subject)
     out.noop = check
     return out
 
 
-def _at_expression_end(subject: Subject, intercepts: dict[int, Callable], compare_at: list[int], noop: NoOp
-                       ) -> dict[int, Callable] | None:
+def _at_expression_end(subject: Subject, intercepts: dict[int, Callable], compare_at: list[int], noop: NoOp,
+                       shared: Callable[[], Upstream | None] | None = None) -> dict[int, Callable] | None:
     """For a rewrite whose own ops change by design (exp(x - max) is not exp(x)): compare where the rewritten
     expression ends (the softmax's division) instead — the original step's outputs there, from one plain replay,
     against the patched step's. None where the original step cannot be replayed."""
@@ -126,7 +130,8 @@ def _at_expression_end(subject: Subject, intercepts: dict[int, Callable], compar
             return out
         return fn
     try:
-        replay.run_patched(subject.converted(), {c: keep(c) for c in compare_at})
+        up = shared() if shared is not None else None
+        replay.run_patched(up.copy if up is not None else subject.converted(), {c: keep(c) for c in compare_at}, up)
     except Exception:  # noqa: BLE001 - no original to compare with: the check is not made, and not claimed
         return None
 
@@ -144,13 +149,20 @@ def _at_expression_end(subject: Subject, intercepts: dict[int, Callable], compar
     return out
 
 
-def _replay(copy: Subject, intercepts: dict[int, Callable] | None, label: str, scale: float | None) -> Outcome:
+def _replay(copy: Subject, intercepts: dict[int, Callable] | None, label: str, scale: float | None,
+            up: Upstream | None = None, subject: Subject | None = None) -> Outcome:
     release_memory()
     k = scale or 1.0
     try:
-        quick = replay.run_patched(copy, intercepts)  # no op-level instrumentation: a fix that works costs one step
+        quick = replay.run_patched(copy, intercepts, up)  # no op-level instrumentation: a fix that works costs one step
     except Exception as e:  # noqa: BLE001 - a fix that breaks the model is a failed fix, not a crash
         return Outcome(False, f"replaying {label} raised {raised(e)}", raised=True)
+    if quick is None and up is not None:  # the instrumented replay below starts from the first node, on its own copy:
+        up.release()                      # the shared part is not held beside it (a later candidate builds it again)
+        try:
+            copy = subject.converted()
+        except Exception as e:  # noqa: BLE001
+            return Outcome(False, f"copying the step to replay it {label} raised {raised(e)}", raised=True)
     if quick is not None:
         loss, norms = quick
         out = Outcome(True, f"replayed {label}: loss {stats.num(loss)}, every parameter gradient finite", loss=loss / k)

@@ -88,6 +88,33 @@ class Boundaries:
         return env, seen[0] if seen else None
 
 
+    def prefix(self, stop: int, inputs: Any = None, target: Any = None) -> tuple[dict, bool]:
+        """The forward's nodes [0, stop) as `forward` runs them, under the caller's grad mode: the values there, and
+        the grad mode the last of them left (restored unseen: `forward` makes no call between two nodes)."""
+        env = self._leaves(inputs, target)
+        grad_on = torch.is_grad_enabled()
+        try:
+            self._run_nodes(0, stop, env, grad_on)
+        finally:
+            left = torch.is_grad_enabled()
+            with ti.function_modes_off():
+                torch.set_grad_enabled(grad_on)
+            self._node = None
+        return env, left
+
+    def suffix(self, start: int, env: dict, left: bool) -> torch.Tensor:
+        """The rest of the forward from `prefix`'s values (the caller's own dict of them) and grad mode: the loss,
+        with the same calls `forward` makes from that node on."""
+        grad_on = torch.is_grad_enabled()
+        with ti.function_modes_off():
+            torch.set_grad_enabled(left)
+        try:
+            self._run_nodes(start, len(self.program.nodes), env, grad_on)
+        finally:
+            torch.set_grad_enabled(grad_on)
+            self._node = None
+        return env[self.program.loss]
+
     def inputs_of(self, start: int, node: int, seeded: dict[int, torch.Tensor], inputs: Any = None,
                   target: Any = None) -> tuple[list, dict] | None:
         """The arguments node `node` is called with, from nodes [start, node) run under no_grad on `seeded`;

@@ -137,6 +137,12 @@ def live_at(program: Program, starts: set[int]) -> dict[int, list[int]]:
     return {s: sorted(r for r, i in made.items() if i < s <= last.get(r, -1)) for s in sorted(starts)}
 
 
+def writes_outside(program: Program, start: int) -> bool:
+    """Whether some node from `start` on may write into a tensor made before it, a leaf, or a view of one (a
+    replay of those nodes would then change what another replay of them starts from)."""
+    return not _recomputable(program, Segment("rest", start, len(program.nodes)), set())
+
+
 def first_leaf_write(program: Program) -> int:
     """The first node that may write into a leaf (a weight, a buffer, the batch, a constant) or a view of one:
     a replay that starts after it would read the leaf as captured, not as that node left it. Fail closed: an op
