@@ -177,6 +177,9 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
 
     chain = culprit_mod.chain(step.events, step.failure.event if step.failure else None)
     c = culprit_mod.culprit(step.events, chain)
+    drop = getattr(subject.model, "drop_kept", None) if subject.program else None
+    if drop is not None and (c is None or step.events[c].phase != "backward"):
+        drop(grads_only=c is not None)  # the gradients kept at segment outputs serve a backward culprit only
     if step.failure is not None:
         result.failure = {"what": step.failure.what, "name": step.failure.name, "kind": step.failure.kind,
                           "event": step.failure.event}
@@ -222,7 +225,6 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
             result.diagnosis["explanation"] += " " + note
             result.diagnosis["precision"] = note
         tell("precision", result)
-    drop = getattr(subject.model, "drop_kept", None) if subject.program else None
     if drop is not None:
         drop()
     t_end = time.perf_counter()
@@ -279,6 +281,9 @@ def _analyze_update(path, snap, *, model, loss, device, trust, verify, max_memor
     result.warnings += [f"instrumentation error (please report): {e}" for e in step.internal_errors[:5]]
     chain = culprit_mod.chain(step.events, step.failure.event if step.failure else None)
     c = culprit_mod.culprit(step.events, chain)
+    drop = getattr(subject.model, "drop_kept", None) if subject.program else None
+    if drop is not None and (c is None or step.events[c].phase != "backward"):
+        drop(grads_only=c is not None)  # the gradients kept at segment outputs serve a backward culprit only
     if step.failure is not None:
         result.failure = {"what": step.failure.what, "name": step.failure.name, "kind": step.failure.kind,
                           "event": step.failure.event}

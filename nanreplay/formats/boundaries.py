@@ -64,8 +64,10 @@ class Boundaries:
         """The checkpoint plan's segment that starts at node `start`."""
         return next((s for s in checkpoint_plan(self.program) or [] if s.start == start), None)
 
-    def drop_kept(self) -> None:
-        self.__dict__["_keep"], self.__dict__["_kept"] = None, ({}, {})
+    def drop_kept(self, grads_only: bool = False) -> None:
+        """Let go of what was kept (only the gradients: no backward culprit will read them)."""
+        values = self.__dict__.get("_kept", ({}, {}))[0] if grads_only else {}
+        self.__dict__["_keep"], self.__dict__["_kept"] = None, (values, {})
 
     def current_node(self) -> int | None:
         """The index of the node running now (the Recorder files each op under it)."""
