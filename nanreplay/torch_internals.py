@@ -115,6 +115,20 @@ def run_backward(loss: torch.Tensor, retain_graph: bool = False) -> None:
                         accumulate_grad=True)
 
 
+def run_backward_from(tensors: list, grads: list, retain_graph: bool = False) -> None:
+    """Backward from several tensors with the given gradients, without passing through a torch function."""
+    try:
+        from torch.autograd.variable import Variable
+
+        engine = Variable._execution_engine
+    except Exception as e:  # noqa: BLE001
+        _note("run_backward_from", e)
+        torch.autograd.backward(tensors, grads, retain_graph=retain_graph)
+        return
+    engine.run_backward(tuple(tensors), tuple(grads), retain_graph, False, (), allow_unreachable=True,
+                        accumulate_grad=True)
+
+
 def autograd_nodes(root: Any, limit: int = 200_000):
     """Every node of the autograd graph behind `root` (a grad_fn), each once, at most `limit` of them."""
     seen, todo = set(), [root]

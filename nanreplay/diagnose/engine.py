@@ -173,7 +173,9 @@ class _Shared:
         calls += [c for f in diag.fixes for c in (f.compare_at or [])]
         self.subject, self.step, self.first = subject, step, min(calls, default=0)
         self.up: upstream.Upstream | None = None
-        self.never = not calls or step is None or not subject.program
+        replays = sum(bool(f.patch) + bool(f.patch and f.probe) + bool(f.patch and f.compare_at) for f in diag.fixes)
+        # worth it from the second replay on (the first pays for the shared part as it would for its own)
+        self.never = not calls or step is None or not subject.program or replays < 2
 
     def get(self) -> upstream.Upstream | None:
         if self.up is not None and self.up.alive:

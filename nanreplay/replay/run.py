@@ -111,7 +111,8 @@ def run_patched(subject, intercepts: dict[int, Callable] | None, upstream=None) 
 
     Calls are numbered exactly as in `run`, so a patch keyed by call number lands on the same call. With
     `upstream` (replay/upstream.py: the forward up to the first patched call, shared by the candidates of one
-    culprit; `subject` is then its copy) only the rest of the forward runs, and backward keeps the shared graph.
+    culprit; `subject` is then its copy) only the rest of the forward runs, and backward goes on through the shared
+    graph, which it keeps.
     """
     rec = Recorder(subject.names, subject.site)
     rec.intercepts = intercepts or {}
@@ -131,7 +132,9 @@ def run_patched(subject, intercepts: dict[int, Callable] | None, upstream=None) 
                      for p in model.parameters() if p.requires_grad]
             try:
                 with (_CallMode(rec) if intercepts else contextlib.nullcontext()):
-                    ti.run_backward(loss, retain_graph=upstream is not None)
+                    ti.run_backward(loss)
+                    if upstream is not None:
+                        upstream.backward()
             except StopReplay:
                 model.zero_grad(set_to_none=True)
                 return None

@@ -3,9 +3,10 @@
 Fix verification replays the step once per candidate (and once more per ε probe). Every one of those replays
 computes the same forward up to the first call any candidate patches: the patches change nothing before it.
 `Upstream` runs that part once, on its own copy of the step, with its graph kept; each candidate then runs only
-the nodes from there (`run_patched(..., upstream=)`) and one backward through its own part and the shared one
-(the graph retained). The loss and every gradient are the same, bit for bit, as a replay from the first node: the
-same nodes on the same values, one backward through the same graph (its nodes numbered in the same order).
+the nodes from there (`run_patched(..., upstream=)`), its own backward, and on from the gradients that reached
+the shared values through the shared graph (kept for the next candidate): the same nodes on the same values, in
+the order one backward would have run them. The loss and every gradient are bit for bit those of a replay from
+the first node.
 
 Only where that holds by construction: a step program; no node from the first patched one on writes into a
 tensor made before it or a leaf (`segments.writes_outside`: the shared values must stay as they were); the calls
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from nanreplay import torch_internals as ti
 from nanreplay.formats.segments import writes_outside
 from nanreplay.replay.recorder import Recorder, _CallMode
 from nanreplay.replay.run import anomaly_off
@@ -29,12 +31,31 @@ class Upstream:
 
     def __init__(self, copy: Any, env: dict, start: int, calls: int, grad: bool):
         self.copy, self.env, self.start, self.calls, self.grad = copy, env, start, calls, grad
+        self.cut: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def forward(self, rec: Recorder) -> torch.Tensor:
-        """One candidate's forward from the shared values (its own dict of them), under the caller's call mode with
-        `rec` numbering on from the shared count: the loss, as the subject computes it."""
+        """One candidate's forward from the shared values, under the caller's call mode with `rec` numbering on from
+        the shared count: the loss, as the subject computes it. The shared values that carry a graph enter it as
+        leaves of their own (unseen by the numbering), so that its backward frees its own graph as it goes and
+        stops at them; `backward` then carries their gradients through the shared graph, which it keeps."""
         rec.calls = self.calls
-        return self.copy.loss(self.copy.model.suffix(self.start, dict(self.env), self.grad))
+        env = dict(self.env)
+        self.cut = []
+        with ti.function_modes_off():
+            for r, t in self.env.items():
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                    env[r] = t.detach().requires_grad_()
+                    self.cut.append((t, env[r]))
+        return self.copy.loss(self.copy.model.suffix(self.start, env, self.grad))
+
+    def backward(self) -> None:
+        """After the candidate's own backward: the gradients that reached the shared values, on through the shared
+        graph (kept for the next candidate). Every node of the candidate's part ran before any node of the shared
+        part would have in one backward (all were made after it), so the gradients accumulate in the same order."""
+        pairs = [(t, leaf.grad) for t, leaf in self.cut if leaf.grad is not None]
+        self.cut = []
+        if pairs:
+            ti.run_backward_from([t for t, _g in pairs], [g for _t, g in pairs], retain_graph=True)
 
     def release(self) -> None:
         self.copy = self.env = None

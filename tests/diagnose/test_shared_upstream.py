@@ -28,12 +28,14 @@ def _diagnosis(path, monkeypatch, shared: bool) -> tuple[dict, list[bool]]:
     return json.loads(json.dumps(d["diagnosis"], default=str)), built
 
 
-@pytest.mark.parametrize("case", ["dist", "relu_log", "masked_log"])
-def test_shared_forward_gives_every_candidate_the_same_outcome(tmp_path, monkeypatch, case):
+@pytest.mark.parametrize("case,shared", [("dist", True), ("relu_log", True), ("masked_log", False)])
+def test_shared_forward_gives_every_candidate_the_same_outcome(tmp_path, monkeypatch, case, shared):
+    """dist: an ε and its ε × 100 probe; relu_log: xlogy and its comparison where the expression ends; masked_log:
+    one candidate, one replay (it fails: its instrumented replay follows), nothing to share."""
     path = snapshot(tmp_path, CASES[case])
     on, built = _diagnosis(path, monkeypatch, shared=True)
     off, _ = _diagnosis(path, monkeypatch, shared=False)
-    assert built and built[0], "the candidates' forward was not shared"
+    assert (bool(built) and built[0]) is shared
     assert on == off
     replays = [c for c in on["candidates"] if c.get("replay")]
     assert replays and all(c["replay"]["loss"] is not None or c["verified"] is False for c in replays)
