@@ -178,8 +178,11 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
     chain = culprit_mod.chain(step.events, step.failure.event if step.failure else None)
     c = culprit_mod.culprit(step.events, chain)
     drop = getattr(subject.model, "drop_kept", None) if subject.program else None
-    if drop is not None and (c is None or step.events[c].phase != "backward"):
-        drop(grads_only=c is not None)  # the gradients kept at segment outputs serve a backward culprit only
+    node = step.ops[step.events[c].fwd].node if c is not None and step.events[c].fwd is not None else None
+    if drop is not None and node is None:
+        drop()
+    elif drop is not None:  # only what the culprit's probe reads stays (formats/boundaries.py)
+        subject.model.trim_kept(node, backward=step.events[c].phase == "backward")
     if step.failure is not None:
         result.failure = {"what": step.failure.what, "name": step.failure.name, "kind": step.failure.kind,
                           "event": step.failure.event}
@@ -282,8 +285,11 @@ def _analyze_update(path, snap, *, model, loss, device, trust, verify, max_memor
     chain = culprit_mod.chain(step.events, step.failure.event if step.failure else None)
     c = culprit_mod.culprit(step.events, chain)
     drop = getattr(subject.model, "drop_kept", None) if subject.program else None
-    if drop is not None and (c is None or step.events[c].phase != "backward"):
-        drop(grads_only=c is not None)  # the gradients kept at segment outputs serve a backward culprit only
+    node = step.ops[step.events[c].fwd].node if c is not None and step.events[c].fwd is not None else None
+    if drop is not None and node is None:
+        drop()
+    elif drop is not None:  # only what the culprit's probe reads stays (formats/boundaries.py)
+        subject.model.trim_kept(node, backward=step.events[c].phase == "backward")
     if step.failure is not None:
         result.failure = {"what": step.failure.what, "name": step.failure.name, "kind": step.failure.kind,
                           "event": step.failure.event}

@@ -64,6 +64,19 @@ class Boundaries:
         """The checkpoint plan's segment that starts at node `start`."""
         return next((s for s in checkpoint_plan(self.program) or [] if s.start == start), None)
 
+    def trim_kept(self, node: int, backward: bool) -> None:
+        """Once the culprit is known (its forward op ran as `node`): only what its probe reads stays — the boundary
+        before it, and for a backward culprit the last one too (the loss's forward starts there) and the
+        gradients of the segment it is in; the rest (about an activation each) is let go."""
+        values, grads = self.__dict__.get("_kept", ({}, {}))
+        before = [s for s in values if s <= node]
+        want = {max(before)} if before else set()
+        if backward and values:
+            want.add(max(values))
+        seg = max((s for s in grads if s <= node), default=None) if backward else None
+        self.__dict__["_kept"] = ({s: v for s, v in values.items() if s in want},
+                                  {seg: grads[seg]} if seg is not None else {})
+
     def drop_kept(self, grads_only: bool = False) -> None:
         """Let go of what was kept (only the gradients: no backward culprit will read them)."""
         values = self.__dict__.get("_kept", ({}, {}))[0] if grads_only else {}
