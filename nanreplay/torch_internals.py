@@ -101,7 +101,7 @@ def node_name(node: Any) -> str | None:
         return None
 
 
-def run_backward(loss: torch.Tensor) -> None:
+def run_backward(loss: torch.Tensor, retain_graph: bool = False) -> None:
     """`loss.backward()` without passing through a torch function (see replay.run for why)."""
     try:
         from torch.autograd.variable import Variable
@@ -109,9 +109,23 @@ def run_backward(loss: torch.Tensor) -> None:
         engine = Variable._execution_engine
     except Exception as e:  # noqa: BLE001
         _note("run_backward", e)
-        loss.backward()
+        loss.backward(retain_graph=retain_graph)
         return
-    engine.run_backward((loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True,
+    engine.run_backward((loss,), (torch.ones_like(loss),), retain_graph, False, (), allow_unreachable=True,
+                        accumulate_grad=True)
+
+
+def run_backward_from(tensors: list, grads: list, retain_graph: bool = False) -> None:
+    """Backward from several tensors with the given gradients, without passing through a torch function."""
+    try:
+        from torch.autograd.variable import Variable
+
+        engine = Variable._execution_engine
+    except Exception as e:  # noqa: BLE001
+        _note("run_backward_from", e)
+        torch.autograd.backward(tensors, grads, retain_graph=retain_graph)
+        return
+    engine.run_backward(tuple(tensors), tuple(grads), retain_graph, False, (), allow_unreachable=True,
                         accumulate_grad=True)
 
 

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from nanreplay import culprit as culprit_mod
-from nanreplay import replay, stats
+from nanreplay import replay, seeded, stats
 from nanreplay import torch_internals as ti
 from nanreplay.differential import reference
 from nanreplay.errors import raised
@@ -29,6 +29,7 @@ from nanreplay.formats.stepmodel import recomputing
 from nanreplay.limits import release_memory
 from nanreplay.noop import NOOP_RTOL, Float64Reference, NoOp, _tensors, working_rtol  # noqa: F401 - re-exported
 from nanreplay.replay.subject import Subject
+from nanreplay.replay.upstream import Upstream
 
 
 @dataclass
@@ -89,30 +90,33 @@ def _outcome(step: replay.Step) -> Outcome:
 
 def try_patch(subject: Subject, intercepts: dict[int, Callable] | None = None, *,
               label: str = "with the fix", noop: bool = True, compare_at: list[int] | None = None,
-              reference: Float64Reference | None = None) -> Outcome:
+              reference: Float64Reference | None = None, shared: Callable[[], Upstream | None] | None = None
+              ) -> Outcome:
     """Replay (instrumented, to name the next culprit if it fails) with the given call sites rewritten,
     on an independent copy of the step; with `noop`, each patched call is compared with the original call
     on the same inputs (`Outcome.noop`) — or, with `compare_at`, the outputs of those calls (where a rewritten
-    expression ends) with the original step's."""
+    expression ends) with the original step's. `shared()`: the forward up to the first patched call, run once
+    for every candidate of the culprit (replay/upstream.py), or None."""
+    up = shared() if shared is not None and intercepts else None
     try:
-        copy = subject.converted()
+        copy = up.copy if up is not None else subject.converted()
     except Exception as e:  # noqa: BLE001
         return Outcome(False, f"copying the step to replay it {label} raised {raised(e)}", raised=True)
     check = NoOp(rtol=working_rtol(subject), reference=reference) if noop and intercepts else None
     if check is not None and compare_at:
-        patched = _at_expression_end(subject, intercepts, compare_at, check)
+        patched = _at_expression_end(subject, intercepts, compare_at, check, shared)
         if patched is None:
             check = None
-        out = _replay(copy, patched or intercepts, label, subject.loss_scale)
+        out = _replay(copy, patched or intercepts, label, subject.loss_scale, up, subject)
     else:
         out = _replay(copy, _checked(intercepts, check) if check is not None else intercepts, label,
-                      subject.loss_scale)
+                      subject.loss_scale, up, subject)
     out.noop = check
     return out
 
 
-def _at_expression_end(subject: Subject, intercepts: dict[int, Callable], compare_at: list[int], noop: NoOp
-                       ) -> dict[int, Callable] | None:
+def _at_expression_end(subject: Subject, intercepts: dict[int, Callable], compare_at: list[int], noop: NoOp,
+                       shared: Callable[[], Upstream | None] | None = None) -> dict[int, Callable] | None:
     """For a rewrite whose own ops change by design (exp(x - max) is not exp(x)): compare where the rewritten
     expression ends (the softmax's division) instead — the original step's outputs there, from one plain replay,
     against the patched step's. None where the original step cannot be replayed."""
@@ -126,7 +130,8 @@ def _at_expression_end(subject: Subject, intercepts: dict[int, Callable], compar
             return out
         return fn
     try:
-        replay.run_patched(subject.converted(), {c: keep(c) for c in compare_at})
+        up = shared() if shared is not None else None
+        replay.run_patched(up.copy if up is not None else subject.converted(), {c: keep(c) for c in compare_at}, up)
     except Exception:  # noqa: BLE001 - no original to compare with: the check is not made, and not claimed
         return None
 
@@ -144,13 +149,20 @@ def _at_expression_end(subject: Subject, intercepts: dict[int, Callable], compar
     return out
 
 
-def _replay(copy: Subject, intercepts: dict[int, Callable] | None, label: str, scale: float | None) -> Outcome:
+def _replay(copy: Subject, intercepts: dict[int, Callable] | None, label: str, scale: float | None,
+            up: Upstream | None = None, subject: Subject | None = None) -> Outcome:
     release_memory()
     k = scale or 1.0
     try:
-        quick = replay.run_patched(copy, intercepts)  # no op-level instrumentation: a fix that works costs one step
+        quick = replay.run_patched(copy, intercepts, up)  # no op-level instrumentation: a fix that works costs one step
     except Exception as e:  # noqa: BLE001 - a fix that breaks the model is a failed fix, not a crash
         return Outcome(False, f"replaying {label} raised {raised(e)}", raised=True)
+    if quick is None and up is not None:  # the instrumented replay below starts from the first node, on its own copy:
+        up.release()                      # the shared part is not held beside it (a later candidate builds it again)
+        try:
+            copy = subject.converted()
+        except Exception as e:  # noqa: BLE001
+            return Outcome(False, f"copying the step to replay it {label} raised {raised(e)}", raised=True)
     if quick is not None:
         loss, norms = quick
         out = Outcome(True, f"replayed {label}: loss {stats.num(loss)}, every parameter gradient finite", loss=loss / k)
@@ -221,12 +233,7 @@ def plain_step(subject: Subject, *, forward_first: bool = False, stop_at: Culpri
                 with torch.no_grad(), replay.autocast_from(subject.run_autocast), watch("forward"):
                     loss = subject.loss(subject.forward())
             except _Stopped:
-                if failure == "gradient":
-                    return {"loss": None, "loss_finite": None, "grads_finite": False, "nonfinite_grads": None,
-                            "probe": "stopped after the culprit op, which makes NaN/Inf in this dtype too (in the "
-                                     "step as it ran, its value reached the gradients)"}
-                return {"loss": None, "loss_finite": False, "grads_finite": None,
-                        "probe": "stopped after the culprit op, which makes NaN/Inf in this dtype too"}
+                return forward_stopped(failure)
             if not stats.finite_fast(loss):
                 return _row(loss, None)
             if subject.prepare is not None:
@@ -243,10 +250,23 @@ def plain_step(subject: Subject, *, forward_first: bool = False, stop_at: Culpri
         except _Stopped:
             subject.model.zero_grad(set_to_none=True)
             return {**_row(loss, False), "nonfinite_grads": None,  # not counted: the rest of backward did not run
-                    "probe": "backward stopped after the culprit op, which makes NaN/Inf in this dtype too"}
+                    "probe": BACKWARD_STOPPED}
     bad = [n for n, p in subject.model.named_parameters() if p.grad is not None and not stats.finite_fast(p.grad)]
     subject.model.zero_grad(set_to_none=True)
     return {**_row(loss, not bad), "nonfinite_grads": len(bad)}
+
+
+BACKWARD_STOPPED = "backward stopped after the culprit op, which makes NaN/Inf in this dtype too"
+
+
+def forward_stopped(failure: str | None) -> dict:
+    """The row of a forward culprit that makes NaN/Inf in the probe's dtype too (the rest of the step not run)."""
+    if failure == "gradient":
+        return {"loss": None, "loss_finite": None, "grads_finite": False, "nonfinite_grads": None,
+                "probe": "stopped after the culprit op, which makes NaN/Inf in this dtype too (in the "
+                         "step as it ran, its value reached the gradients)"}
+    return {"loss": None, "loss_finite": False, "grads_finite": None,
+            "probe": "stopped after the culprit op, which makes NaN/Inf in this dtype too"}
 
 
 class Culprit(NamedTuple):
@@ -258,25 +278,31 @@ class Culprit(NamedTuple):
     op: str
     fwd_op: str
     nth: int
+    node: int | None = None  # a step program's node that ran the (forward) op: where seeded runs find it
 
     @classmethod
-    def of(cls, phase: str, fwd: int, op: str, forward_ops: list[str]) -> Culprit:
+    def of(cls, phase: str, fwd: int, op: str, forward_ops: list[str], node: int | None = None) -> Culprit:
         """From the Recorder's numbering: `fwd` is an index into the step's forward ops (`forward_ops`)."""
-        return cls(phase, op, forward_ops[fwd], sum(1 for o in forward_ops[:fwd] if o == forward_ops[fwd]))
+        return cls(phase, op, forward_ops[fwd], sum(1 for o in forward_ops[:fwd] if o == forward_ops[fwd]), node)
 
 
 class _Stopped(BaseException):  # noqa: N818 - not an error: the answer is known (BaseException: user code lets it pass)
     pass
 
 
+class _Tripped(BaseException):  # noqa: N818 - a forward culprit the seeded runs called finite is not, in the whole step
+    pass
+
+
 class _StopAt(ti.TorchDispatchMode):
-    """Finds the culprit op again and raises _Stopped right after it when its output is not finite: a forward
-    culprit by its call number, a backward one through the forward call that made its node. Where the
+    """Finds the culprit op again and raises _Stopped (or `stop`) right after it when its output is not finite: a
+    forward culprit by its call number, a backward one through the forward call that made its node. Where the
     count does not line up it never stops: only slower, never wrong."""
 
-    def __init__(self, culprit: Culprit):
+    def __init__(self, culprit: Culprit, stop: type[BaseException] | None = None):
         super().__init__()
         self.culprit = culprit
+        self.stop = stop or _Stopped
         self.calls: dict[str, int] = {}
         self.call_by_seq: dict[int, tuple[str, int]] = {}
 
@@ -300,7 +326,7 @@ class _StopAt(ti.TorchDispatchMode):
             outs = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)] \
                 if isinstance(out, (list, tuple)) else []
             if not all(stats.finite_fast(t) for t in outs if t.is_floating_point()):
-                raise _Stopped
+                raise self.stop
         return out
 
 
@@ -340,7 +366,7 @@ def precision_probe(subject: Subject, step_dtype: str | None, *, failure: str | 
 
 
 def _probe_one(subject: Subject, dtype, autocast, failure: str | None, culprit: Culprit | None, *,
-               lean: bool = True) -> dict:
+               lean: bool = True, seeded_ok: bool = True) -> dict:
     """One dtype of the probe. A gradient failure runs a whole step with grad on in the wider dtype — a
     float64 graph twice the step's — so a step program replays checkpointed (the same values, one more
     forward, a fraction of the memory); where that fails, plainly."""
@@ -349,21 +375,39 @@ def _probe_one(subject: Subject, dtype, autocast, failure: str | None, culprit: 
     # failure whose culprit is a forward op: if that op makes NaN/Inf in this dtype too, the answer is known
     # without the whole step (a float64 graph, or its checkpointed forward twice)
     forward_first = failure == "loss" or (failure == "gradient" and culprit is not None and culprit.phase == "forward")
-    checkpointed = getattr(variant.model, "checkpointed", None)  # a step program's StepModule
-    lean = lean and failure != "loss" and checkpointed is not None and checkpointed()
     # a kernel with no float64 kernel (oneDNN's LSTM layer) runs as its reference composition in float64
     mode = reference.Substituted(reference.NO_FLOAT64, getattr(variant.model, "current_output_shapes", None)) \
         if dtype == torch.float64 else None
+    # ... and where a step program kept its segments' boundaries, the culprit's segment answers first
+    seg = seeded.culprit_answer(subject, variant, culprit, mode) \
+        if seeded_ok and culprit is not None and (forward_first or failure == "gradient") else None
+    if seg is not None and seg[0] == seeded.FAILS:
+        row = forward_stopped(failure) if culprit.phase == "forward" else \
+            {**_row(seg[2][0], False), "nonfinite_grads": None, "probe": BACKWARD_STOPPED}
+        if seg[1] or culprit.phase == "backward":  # (a forward run from node 0 is the forward-alone pass itself)
+            row["derived"] = seeded.sentence(seg[1], culprit.phase, seg[2][1] if seg[2] else None)
+        if mode is not None and mode.hits:
+            row["replaced"] = {op: reference.TABLE[op].reference for op in mode.hits}
+        del variant, seg
+        release_memory()
+        return row
+    # a forward culprit FINITE there: straight to the whole step, which must then agree
+    tripped, trip = False, seg is not None and culprit.phase == "forward" and forward_first
+    checkpointed = getattr(variant.model, "checkpointed", None)  # a step program's StepModule
+    lean = lean and failure != "loss" and checkpointed is not None and checkpointed()
     try:
-        with mode if mode is not None else contextlib.nullcontext():
-            row = plain_step(variant, forward_first=forward_first, stop_at=culprit, failure=failure)
+        with mode if mode is not None else contextlib.nullcontext(), \
+                _StopAt(culprit, _Tripped) if trip else contextlib.nullcontext():
+            row = plain_step(variant, forward_first=forward_first and not trip, stop_at=culprit, failure=failure)
         if mode is not None and mode.hits:
             row["replaced"] = {op: reference.TABLE[op].reference for op in mode.hits}
         return row
+    except _Tripped:  # the segment said finite, the whole step says otherwise: the probe as it was decides
+        tripped = True
     except Exception:  # noqa: BLE001 - retried without checkpointing, which raises what is real
         if not lean:
             raise
     finally:
         del variant
         release_memory()
-    return _probe_one(subject, dtype, autocast, failure, culprit, lean=False)
+    return _probe_one(subject, dtype, autocast, failure, culprit, lean=lean and tripped, seeded_ok=False)

@@ -160,6 +160,9 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
     snap.drop_optimizer_state()  # read only by the leaves' diagnosis above and by update analyses
     tell("loaded", result)
     if step is None:
+        keep = getattr(subject.model, "keep_boundaries", None) if subject.program and probe else None
+        if keep is not None:
+            keep()  # the values at each segment's start, for the precision probe (nanreplay/seeded.py)
         step = replay.run_subject(subject)
         subject.model.zero_grad(set_to_none=True)  # the gradient walk is in `step`; the tensors are not needed
     release_memory()  # each pass starts from what the analysis holds, not from the last pass's peak
@@ -174,6 +177,12 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
 
     chain = culprit_mod.chain(step.events, step.failure.event if step.failure else None)
     c = culprit_mod.culprit(step.events, chain)
+    drop = getattr(subject.model, "drop_kept", None) if subject.program else None
+    node = step.ops[step.events[c].fwd].node if c is not None and step.events[c].fwd is not None else None
+    if drop is not None and node is None:
+        drop()
+    elif drop is not None:  # only what the culprit's probe reads stays (formats/boundaries.py)
+        subject.model.trim_kept(node, backward=step.events[c].phase == "backward")
     if step.failure is not None:
         result.failure = {"what": step.failure.what, "name": step.failure.name, "kind": step.failure.kind,
                           "event": step.failure.event}
@@ -205,7 +214,8 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
     tell("diagnosis", result)
     if probe and (c is not None or step.failure is not None):
         cev = step.events[c] if c is not None else None
-        where = verify_mod.Culprit.of(cev.phase, cev.fwd, str(cev.op), [str(o.op) for o in step.ops]) \
+        where = verify_mod.Culprit.of(cev.phase, cev.fwd, str(cev.op), [str(o.op) for o in step.ops],
+                                      step.ops[cev.fwd].node) \
             if cev is not None and cev.fwd is not None and cev.phase in ("forward", "backward") else None
         result.precision = verify_mod.precision_probe(subject, _step_dtype(subject), culprit=where,
                                                       failure=step.failure.what if step.failure else None)
@@ -218,6 +228,8 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
             result.diagnosis["explanation"] += " " + note
             result.diagnosis["precision"] = note
         tell("precision", result)
+    if drop is not None:
+        drop()
     t_end = time.perf_counter()
     result.stats = {
         "ops_forward": len(step.ops),
@@ -272,6 +284,12 @@ def _analyze_update(path, snap, *, model, loss, device, trust, verify, max_memor
     result.warnings += [f"instrumentation error (please report): {e}" for e in step.internal_errors[:5]]
     chain = culprit_mod.chain(step.events, step.failure.event if step.failure else None)
     c = culprit_mod.culprit(step.events, chain)
+    drop = getattr(subject.model, "drop_kept", None) if subject.program else None
+    node = step.ops[step.events[c].fwd].node if c is not None and step.events[c].fwd is not None else None
+    if drop is not None and node is None:
+        drop()
+    elif drop is not None:  # only what the culprit's probe reads stays (formats/boundaries.py)
+        subject.model.trim_kept(node, backward=step.events[c].phase == "backward")
     if step.failure is not None:
         result.failure = {"what": step.failure.what, "name": step.failure.name, "kind": step.failure.kind,
                           "event": step.failure.event}

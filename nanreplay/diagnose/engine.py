@@ -24,7 +24,7 @@ from nanreplay.diagnose.prose import anomaly_sentence
 from nanreplay.diagnose.site import Site
 from nanreplay.enums import FixKind
 from nanreplay.numbers import num
-from nanreplay.replay import Step
+from nanreplay.replay import Step, upstream
 from nanreplay.replay.recorder import call_name
 
 
@@ -104,7 +104,8 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | N
         same.own = _finite_loss(step, subject)
     probes: dict = {}  # (kind, ε) -> the Outcome of an ε-probe replay: the next candidate (ε × 100) reuses it
     f64 = _reference(diag, subject, step)
-    for fix in diag.fixes:
+    shared = _Shared(subject, step, diag)
+    for fix in replay_order(diag.fixes):
         label = "with the fix"
         if fix.patch:
             label = ("with the rewritten line, at every call it makes" if fix.tested_as == "line" else
@@ -112,7 +113,8 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | N
             o = probes.pop((fix.kind, f"{fix.epsilon:.0e}"), None) if fix.epsilon is not None else None
             if o is None:
                 o = verify.try_patch(subject, _landing(fix.patch, step, fix.patched_ops), label=label,
-                                     noop=fix.noop_exempt is None, compare_at=fix.compare_at, reference=f64)
+                                     noop=fix.noop_exempt is None, compare_at=fix.compare_at, reference=f64,
+                                     shared=shared.get)
         elif fix.variant:
             v = fix.variant
             o = verify.try_variant(subject, dtype=v.get("dtype"), autocast=v.get("autocast", "same"),
@@ -125,7 +127,7 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | N
             ok, why = False, f"finite, but not a no-op: it {o.noop.sentence()}"
             fix.verified, fix.verification = False, f"{o.detail} — {why}"
         elif o.ok:
-            ok, why = _judge(fix, o, subject, same, ref, probes, label, step, f64)
+            ok, why = _judge(fix, o, subject, same, ref, probes, label, step, f64, shared.get)
             fix.verified = ok is not False  # not judged (nothing to compare with) is said, not hidden
             if o.noop is not None and o.noop.elements:
                 why += f"; {o.noop.sentence()}"
@@ -169,6 +171,41 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | N
     return (finite_ones[0] if finite_ones else code_fixes[0] if code_fixes else diag.fixes[0]), tried
 
 
+class _Shared:
+    """The forward up to the first call any candidate patches or compares at, run once for all of them
+    (replay/upstream.py), built the first time a candidate replays; again after a failed candidate's instrumented
+    replay released it; never where it cannot be shared."""
+
+    def __init__(self, subject, step: Step | None, diag: Diagnosis):
+        calls = [c for f in diag.fixes for p in (f.patch, f.probe, f.probe_down) for c in (p or {}) if isinstance(c, int)]
+        calls += [c for f in diag.fixes for c in (f.compare_at or [])]
+        self.subject, self.step, self.first = subject, step, min(calls, default=0)
+        self.up: upstream.Upstream | None = None
+        replays = sum(bool(f.patch) + bool(f.patch and f.probe) + bool(f.patch and f.compare_at) for f in diag.fixes)
+        # worth it from the second replay on (the first pays for the shared part as it would for its own)
+        self.never = not calls or step is None or not subject.program or replays < 2
+
+    def get(self) -> upstream.Upstream | None:
+        if self.up is not None and self.up.alive:
+            return self.up
+        if self.never:
+            return None
+        try:
+            self.up = upstream.build(self.subject, self.step, self.first)
+        except Exception:  # noqa: BLE001 - not shared: each candidate replays the whole step, as it would anyway
+            self.up = None
+        self.never = self.up is None
+        return self.up
+
+
+def replay_order(fixes: list[Fix]) -> list[Fix]:
+    """The order candidates are replayed in: the rule's, except that an exact reformulation (EXACT_KINDS) goes
+    first — it computes the step's own value, so its replay is the reference every ε after it is judged against
+    (`SameStep.exact`), and where it verifies no other candidate is replayed. The rule's first fix stays the
+    one shown when none verifies."""
+    return sorted(fixes, key=lambda f: f.kind not in EXACT_KINDS)
+
+
 def _reference(diag: Diagnosis, subject, step: Step | None) -> verify.Float64Reference:
     """The float64 values of this step at every call any candidate patches or compares at: one forward, made the
     first time a candidate's no-op check needs it (never, where every change is within rounding)."""
@@ -188,8 +225,8 @@ def _finite_loss(step: Step, subject) -> float | None:
 
 
 def _judge(fix: Fix, o: verify.Outcome, subject, same: plausible.SameStep, ref: plausible.Lazy | None,
-           probes: dict, label: str, step: Step | None = None, f64: verify.Float64Reference | None = None
-           ) -> tuple[bool | None, str]:
+           probes: dict, label: str, step: Step | None = None, f64: verify.Float64Reference | None = None,
+           shared=None) -> tuple[bool | None, str]:
     """Plausible? An exact reformulation that is a no-op where the original was fine computes this step's own
     value; any other fix must agree with the references of the same step there are (that exact loss, the step's
     own finite loss, and — only where the no-op check could not be made — the same fix at ε × 100: an ε whose
@@ -204,7 +241,7 @@ def _judge(fix: Fix, o: verify.Outcome, subject, same: plausible.SameStep, ref: 
     checked = o.noop is not None and o.noop.elements > 0 and o.noop.ok
     if fix.probe and fix.epsilon is not None:
         p = verify.try_patch(subject, _landing(fix.probe, step, []), label=label, noop=fix.noop_exempt is None,
-                             compare_at=fix.compare_at, reference=f64)
+                             compare_at=fix.compare_at, reference=f64, shared=shared)
         probes[(fix.kind, f"{fix.epsilon * 100:.0e}")] = p  # the same replay as the candidate at ε × 100
         probe_loss = p.loss if p.ok else None
         if probe_loss is not None and checked and p.noop is not None and not p.noop.ok and o.loss is not None \
@@ -217,7 +254,7 @@ def _judge(fix: Fix, o: verify.Outcome, subject, same: plausible.SameStep, ref: 
             if shown:  # a smaller ε already showed it, with a probe that was a no-op
                 return False, f"finite but implausible against the same step: {shown}{unused}"
             q = verify.try_patch(subject, _landing(fix.probe_down, step, []), label=label, compare_at=fix.compare_at,
-                                 reference=f64) if fix.probe_down else None
+                                 reference=f64, shared=shared) if fix.probe_down else None
             # where ε / 100 cannot answer (not resolved by the dtype: not finite), ε × 100 stands as the evidence
             if q is not None and q.ok and q.loss is not None and q.noop is not None and q.noop.ok:
                 probe_loss, note = None, unused

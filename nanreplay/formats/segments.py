@@ -123,6 +123,47 @@ def checkpoint_plan(program: Program, min_segments: int = 3) -> list[Segment] | 
     return program.__dict__["_checkpoint_plan"]
 
 
+def live_at(program: Program, starts: set[int]) -> dict[int, list[int]]:
+    """Per node index in `starts`: the refs live there, made by an earlier node and read by it or a later one
+    (leaves aside: parameters, buffers, the batch and constants are a replay's own)."""
+    made: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, node in enumerate(program.nodes):
+        for r in node_inputs(node):
+            last[r] = i
+        for r in node_outputs(node):
+            made.setdefault(r, i)
+    last[program.loss] = len(program.nodes)
+    return {s: sorted(r for r, i in made.items() if i < s <= last.get(r, -1)) for s in sorted(starts)}
+
+
+def writes_outside(program: Program, start: int) -> bool:
+    """Whether some node from `start` on may write into a tensor made before it, a leaf, or a view of one (a
+    replay of those nodes would then change what another replay of them starts from)."""
+    return not _recomputable(program, Segment("rest", start, len(program.nodes)), set())
+
+
+def first_leaf_write(program: Program) -> int:
+    """The first node that may write into a leaf (a weight, a buffer, the batch, a constant) or a view of one:
+    a replay that starts after it would read the leaf as captured, not as that node left it. Fail closed: an op
+    whose schema cannot be read writes everything it is given. len(nodes) where none does."""
+    leafy = {lf.ref for lf in program.leaves}  # refs that are, or may alias, a leaf
+    for i, node in enumerate(program.nodes):
+        schema = ti.op_schema(node.op)
+        if schema is None:
+            return i
+        aliased = False
+        for a, v in _schema_args(schema, node):
+            refs = refs_in(v)
+            if a.alias_info is not None and any(r in leafy for r in refs):
+                if _writes(a):
+                    return i
+                aliased = True
+        if aliased and any(r.alias_info is not None for r in schema.returns):
+            leafy.update(node_outputs(node))
+    return len(program.nodes)
+
+
 def _recomputable(program: Program, seg: Segment, write_only: set[int]) -> bool:
     """Whether running the segment again gives what its first run gave: no node writes into a tensor the
     segment did not make itself (an input, a weight, or a view of one) — dropout's fresh mask filled in

@@ -24,6 +24,7 @@ from nanreplay import torch_internals as ti
 from nanreplay.confine import progress
 from nanreplay.errors import ReplayError, SnapshotError, op_of
 from nanreplay.formats import opchecks
+from nanreplay.formats.boundaries import Boundaries
 from nanreplay.formats.dryrun import arg_shapes, outside_storage, with_output_size
 from nanreplay.formats.ops import check_values
 from nanreplay.formats.program import DeviceLiteral, Node, Program, Ref, strided_index
@@ -67,7 +68,7 @@ def _container(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
     return mod, leaf
 
 
-class StepModule(nn.Module):
+class StepModule(Boundaries, nn.Module):
     """The recorded step as a module: parameters and buffers by name, forward = the program."""
 
     def __init__(self, program: Program, state: dict[str, torch.Tensor], parameters: list[str],
@@ -103,6 +104,8 @@ class StepModule(nn.Module):
             if k in ("_parameters", "_buffers", "_modules"):
                 continue
             new.__dict__[k] = v
+        new.__dict__["_keep"], new.__dict__["_kept"] = None, ({}, {})  # a copy keeps nothing of this one's
+        new.__dict__["_watch"] = None
         new.__dict__["constants"] = {k: v.clone() for k, v in self.constants.items()}
         new._node = None
         for name, p in self._parameters.items():
@@ -157,6 +160,7 @@ class StepModule(nn.Module):
         finally:
             torch.set_grad_enabled(grad_on)
             self._node = None
+            self.__dict__["_keep"] = None  # only the forward right after keep_boundaries() keeps them
             progress.at(progress.AFTER, -1)  # backward, or whatever runs next, is past the program's nodes
         return env[prog.loss]
 
@@ -180,7 +184,11 @@ class StepModule(nn.Module):
     def _run_nodes(self, a: int, b: int, env: dict, grad_on: bool) -> None:
         dead = self.program.dead_after()
         total = len(self.program.nodes)
+        keep = self.__dict__.get("_keep")
+        watch = self.__dict__.get("_watch")
         for i in range(a, b):
+            if keep:
+                self._keep_at(i, env)
             node = self.program.nodes[i]
             self._node = i
             progress.at(progress.REPLAY, i, node.name, total)  # a crash in the kernel below is then named (confine/)
@@ -193,10 +201,14 @@ class StepModule(nn.Module):
             except Exception as e:
                 op_of(e, f"{node.name} at node {i}")  # "raised ... in aten.x": which recorded op could not run
                 raise
+            if watch is not None and i == watch[0]:
+                watch[1].append(out)
             with ti.function_modes_off():
                 self._bind(node, out, env, i)
             for r in dead[i]:  # no later node reads them: let autograd decide what stays alive
                 env.pop(r, None)
+        if keep and b == len(self.program.nodes):
+            self._keep_at(b, env)
 
     # ---- replaying in less memory
     def checkpointed(self) -> bool:

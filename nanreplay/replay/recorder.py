@@ -105,6 +105,7 @@ class Recorder:
         # where calls are aten ops of a recorded program: the user's own call each one belongs to (`F.linear`)
         self.call_label: Callable[[], str | None] | None = None
         self.user_calls: list[str | None] = [None]
+        self.node_of: Callable[[], int | None] | None = None  # a step program's running node (OpRecord.node)
         self.intercepts: dict[int, Callable] = {}  # call number -> fn(func, args, kwargs): fix verification
         self.producer = ti.WeakTensorKeyDictionary()  # forward output tensor -> forward op index
         self.leaf_names = ti.WeakTensorKeyDictionary()  # batch tensor / parameter -> (kind, name)
@@ -144,7 +145,8 @@ class Recorder:
             if None in src and self.leaf_names:
                 leaves = tuple(self.leaf_names.get(a) if s is None else None
                                for a, s in zip((a for a in args if isinstance(a, torch.Tensor)), src, strict=True))
-            self.ops.append(OpRecord(func, module, frame, self.current_call, src, leaves))
+            self.ops.append(OpRecord(func, module, frame, self.current_call, src, leaves,
+                                     self.node_of() if self.node_of is not None else None))
             if seq - 1 not in self.op_by_seq:  # the node an op creates takes the number just before it
                 self.op_by_seq[seq - 1] = fwd
             if self.before is not None and isinstance(out, torch.Tensor) and out.requires_grad:

@@ -22,6 +22,7 @@ class OpRecord:
     call: int  # number of the user-level torch call that ran it (0: none)
     src: tuple  # per tensor argument: the forward op that produced it (None: a leaf or unknown)
     leaves: tuple | None = None  # per tensor argument: (kind, name) of a known leaf (batch tensor, parameter)
+    node: int | None = None  # a step program's node that ran it (StepModule.current_node)
 
 
 @dataclass(slots=True)

@@ -43,6 +43,7 @@ def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any]
     for t, who in (leaf_names or []):
         rec.leaf_names[t] = who
     rec.call_label = getattr(model, "current_user_call", None)  # a step program knows the user's calls
+    rec.node_of = getattr(model, "current_node", None)  # ... and which of its nodes runs each op
     handles = rec.install_module_hooks() if site is None else []  # exported programs: the site knows
     node_handles: list = []
     model.zero_grad(set_to_none=True)
@@ -104,11 +105,14 @@ def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any]
                 activations=rec.activations, grad_shapes=rec.grad_shapes)
 
 
-def run_patched(subject, intercepts: dict[int, Callable] | None) -> tuple[float, dict[str, float]] | None:
+def run_patched(subject, intercepts: dict[int, Callable] | None, upstream=None) -> tuple[float, dict[str, float]] | None:
     """Forward, loss and backward with only the call-site patches in place (no op-level instrumentation):
     (loss, per-parameter gradient norms) when the loss and every gradient are finite, else None.
 
-    Calls are numbered exactly as in `run`, so a patch keyed by call number lands on the same call.
+    Calls are numbered exactly as in `run`, so a patch keyed by call number lands on the same call. With
+    `upstream` (replay/upstream.py: the forward up to the first patched call, shared by the candidates of one
+    culprit; `subject` is then its copy) only the rest of the forward runs, and backward goes on through the shared
+    graph, which it keeps.
     """
     rec = Recorder(subject.names, subject.site)
     rec.intercepts = intercepts or {}
@@ -116,10 +120,10 @@ def run_patched(subject, intercepts: dict[int, Callable] | None) -> tuple[float,
     model.zero_grad(set_to_none=True)
     calls = _CallMode(rec) if intercepts else contextlib.nullcontext()
     with anomaly_off():
-        if subject.prepare is not None:
+        if upstream is None and subject.prepare is not None:
             subject.prepare()
         with calls, autocast_from(subject.run_autocast):
-            loss = subject.loss(subject.forward())
+            loss = subject.loss(subject.forward()) if upstream is None else upstream.forward(rec)
         if not stats.finite_fast(loss.detach()):
             return None
         if loss.requires_grad and loss.grad_fn is not None:
@@ -129,6 +133,8 @@ def run_patched(subject, intercepts: dict[int, Callable] | None) -> tuple[float,
             try:
                 with (_CallMode(rec) if intercepts else contextlib.nullcontext()):
                     ti.run_backward(loss)
+                    if upstream is not None:
+                        upstream.backward()
             except StopReplay:
                 model.zero_grad(set_to_none=True)
                 return None
