@@ -35,6 +35,8 @@ def _segment_max_text(src, node: ast.AST, x: str) -> str | None:
             continue
         if any(isinstance(n, ast.Starred) for n in call.args) or any(k.arg is None for k in call.keywords):
             continue
+        if isinstance(node, ast.BinOp) and src(call.args[0]) != src(node.left):
+            continue  # not the sum of the numerator (e / scatter(e, ...)[index])
         args = [f"{codefix.paren(x)}.detach()"] + [src(a) for a in call.args[1:4]]
         kws = [f"{k.arg}={src(k.value)}" for k in call.keywords if k.arg != "reduce"]
         new = f"{src(call.func)}({', '.join(args + kws + ['reduce=' + repr('max')])})"

@@ -76,11 +76,10 @@ if __name__ == "__main__":
             print(kind, run(kind, f"{sys.argv[1]}/{kind}"))
 '''
 
-pytestmark = pytest.mark.integrations  # a loop trained, analyzed and retrained in subprocesses
-
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 
 
+@pytest.mark.integrations  # a loop trained, analyzed and retrained in subprocesses
 def test_segment_softmax_fix_is_an_applied_edit_of_the_exp_line(tmp_path):
     pytest.importorskip("torch_geometric")
     proj = tmp_path / "proj"
@@ -101,3 +100,21 @@ def test_segment_softmax_fix_is_an_applied_edit_of_the_exp_line(tmp_path):
     assert fix["after"].startswith('e = (scores - scatter(scores.detach(), DST, dim=0, dim_size=x.shape[0], '
                                    "reduce='max')[DST]).exp()"), fix["after"]
     apply_and_train(tmp_path / "fixed", TRAINING, "segedit", "gat", fix, bad=2, env=ENV)
+
+
+@pytest.mark.parametrize(("line", "want"), [
+    ('a = e / scatter(e, dst, dim=0, reduce="sum")[dst]', "scatter((s * 2).detach(), dst, dim=0, reduce='max')[dst]"),
+    ("a = e / pyg.scatter(e, dst)[dst]", "pyg.scatter((s * 2).detach(), dst, reduce='max')[dst]"),
+    ("a = e / scatter(e, dst)", "scatter((s * 2).detach(), dst, reduce='max').index_select(0, dst)"),
+    ('a = e / scatter(e, dst, reduce="mean")[dst]', None),  # not a sum: not a softmax's normaliser
+    ("a = e / scatter(other, dst)[dst]", None),  # not the numerator's sum
+    ("a = e / scatter(e, dst, 1)", None),  # gathered back along another dim: no edit we could be sure of
+])
+def test_the_segment_max_is_spelled_from_the_users_own_scatter(line, want):
+    import ast
+
+    from nanreplay.diagnose import codefix, segfix
+
+    parsed = codefix._Parsed(ast.parse(line), line, 1)
+    div = parsed.tree.body[0].value
+    assert segfix._segment_max_text(codefix.source_of_nodes(parsed), div, "s * 2") == want
