@@ -91,12 +91,26 @@ logical_not_ logical_and_ logical_or_ logical_xor_ index_copy_ vdot linalg_cross
 """.split())  # linalg_cross: torch.cross in a 6-d rotation representation (the real-bug benchmark's geodesic loss)
 PACKETS = PACKETS | OPS_36
 
+# ---- Added for issue 38 (double backward): `torch.autograd.grad(..., create_graph=True)` (WGAN-GP's gradient penalty,
+# input-gradient regularisers, MAML) runs the activations' and losses' derivative kernels as forward ops of the step,
+# so they join the program. They are elementwise TensorIterator kernels that check their own broadcasting;
+# formats/opchecks.py also requires the gradient to have the shape of what it differentiates (what autograd passes)
+# and a known `reduction` code for the losses. Their `grad_input=` overloads stay out (out= style arguments).
+DOUBLE_BACKWARD = frozenset("""
+hardtanh_backward sigmoid_backward tanh_backward leaky_relu_backward gelu_backward softplus_backward elu_backward
+silu_backward mish_backward hardsigmoid_backward hardswish_backward softshrink_backward hardshrink_backward
+logit_backward mse_loss_backward smooth_l1_loss_backward huber_loss_backward soft_margin_loss_backward
+binary_cross_entropy_backward
+""".split())
+PACKETS = PACKETS | DOUBLE_BACKWARD
+
 # (op packet, argument) -> allowed values (a frozenset) or a full-match regex.
 STRING_ARGS: dict[tuple[str, str], frozenset[str] | re.Pattern] = {
     ("div", "rounding_mode"): frozenset({"trunc", "floor"}),
     ("div_", "rounding_mode"): frozenset({"trunc", "floor"}),
     ("gelu", "approximate"): frozenset({"none", "tanh"}),
     ("gelu_", "approximate"): frozenset({"none", "tanh"}),
+    ("gelu_backward", "approximate"): frozenset({"none", "tanh"}),
     ("einsum", "equation"): re.compile(r"[a-zA-Z.,\->\s]{1,128}"),
     ("scatter", "reduce"): frozenset({"add", "multiply"}),
     ("scatter_", "reduce"): frozenset({"add", "multiply"}),

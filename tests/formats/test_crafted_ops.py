@@ -110,6 +110,17 @@ REFUSED: dict[str, tuple[dict, list, tuple]] = {
         {"x": X34}, [("aten.mul.Tensor", [R("x"), {"c": ["nan", 1, 2]}], {}, [[[3, 4], F32]])], ("number",)),
     "_is_all_true of a float tensor": (
         {"x": X34}, [("aten._is_all_true.default", [R("x")], {}, [[[], "bool"]])], ("bool",)),
+    # ---- issue 38: derivative kernels of a double backward (WGAN-GP's penalty)
+    "hardtanh_backward whose gradient is not its input's shape": (
+        {"g": torch.ones(3, 1), "x": X34},
+        [("aten.hardtanh_backward.default", [R("g"), R("x"), -1.0, 1.0], {}, [[[3, 4], F32]])], ("shape",)),
+    "mse_loss_backward with an unknown reduction code": (
+        {"g": torch.ones(()), "x": X34},
+        [("aten.mse_loss_backward.default", [R("g"), R("x"), R("x"), 200], {}, [[[3, 4], F32]])], ("reduction",)),
+    "gelu_backward with an approximation it does not know": (
+        {"g": G34, "x": X34},
+        [("aten.gelu_backward.default", [R("g"), R("x")], {"approximate": "exact"}, [[[3, 4], F32]])],
+        ("approximate",)),
     "_assert_async from a validation": (
         {"b": torch.ones((), dtype=torch.bool)}, [("aten._assert_async.msg", [R("b"), "x"], {}, [])], ("allowlist",)),
     # ---- computed index values: refused by the replay, before the kernel

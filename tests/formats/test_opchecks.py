@@ -206,6 +206,36 @@ CASES["_grouped_mm"] = [
      dict(self=torch.randn(6, 4), mat2=torch.randn(2, 4, 4), offs=torch.tensor([4, 2], dtype=torch.int32)))]
 
 
+# issue 38: derivative kernels that `autograd.grad(create_graph=True)` runs as forward ops (WGAN-GP's penalty)
+_G, _G5 = torch.ones(3, 4), torch.ones(3, 5)
+_ACT = {"hardtanh_backward": dict(min_val=-1.0, max_val=1.0), "leaky_relu_backward": dict(negative_slope=0.01,
+        self_is_result=False), "gelu_backward": {}, "softplus_backward": dict(beta=1.0, threshold=20.0),
+        "silu_backward": {}, "mish_backward": {}, "hardsigmoid_backward": {}, "hardswish_backward": {},
+        "softshrink_backward": dict(lambd=0.5), "logit_backward": {}}
+for _p, _kw in _ACT.items():
+    CASES[_p] = [("default", dict(grad_output=_G, self=X34, **_kw), dict(grad_output=_G5, self=X34, **_kw))]
+CASES["hardshrink_backward"] = [("default", dict(grad_out=_G, self=X34, lambd=0.5), dict(grad_out=_G5, self=X34, lambd=0.5))]
+for _p in ("sigmoid_backward", "tanh_backward"):
+    CASES[_p] = [("default", dict(grad_output=_G, output=X34), dict(grad_output=_G5, output=X34))]
+CASES["elu_backward"] = [("default", dict(grad_output=_G, alpha=1.0, scale=1.0, input_scale=1.0, is_result=False,
+                                          self_or_result=X34),
+                          dict(grad_output=_G5, alpha=1.0, scale=1.0, input_scale=1.0, is_result=False,
+                               self_or_result=X34))]
+_S = torch.tensor(1.0)
+_LOSS = {"mse_loss_backward": {}, "smooth_l1_loss_backward": dict(beta=1.0), "huber_loss_backward": dict(delta=1.0),
+         "soft_margin_loss_backward": {}, "binary_cross_entropy_backward": dict(weight=None)}
+for _p, _kw in _LOSS.items():
+    CASES[_p] = [("default", dict(grad_output=_S, self=X34, target=X34, reduction=1, **_kw),
+                  dict(grad_output=_S, self=X34, target=X34, reduction=200, **_kw)),
+                 ("default", dict(grad_output=_G, self=X34, target=X34, reduction=0, **_kw),
+                  dict(grad_output=_S, self=X34, target=torch.ones(3, 1), reduction=1, **_kw)),
+                 ("default", dict(grad_output=_G, self=X34, target=X34, reduction=0, **_kw),
+                  dict(grad_output=_G5, self=X34, target=X34, reduction=0, **_kw))]
+CASES["binary_cross_entropy_backward"].append(
+    ("default", dict(grad_output=_S, self=X34.sigmoid(), target=X34.sigmoid(), weight=torch.ones(3, 4), reduction=1),
+     dict(grad_output=_S, self=X34.sigmoid(), target=X34.sigmoid(), weight=torch.ones(2, 4), reduction=1)))
+
+
 def _flat():
     for packet, cases in CASES.items():
         for k, (ov, good, bad) in enumerate(cases):

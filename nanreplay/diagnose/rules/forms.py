@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from nanreplay.diagnose import codefix, crossline
+from nanreplay.diagnose import codefix, crossline, segfix
 from nanreplay.diagnose.forms import TABLE
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.prose import count
@@ -513,11 +513,12 @@ def _segment_softmax(s: Site) -> Diagnosis | None:
              "e = torch.exp(x - m[index])  # then the same segment sum and division as before\n"
              f"(the segment sum is at {_at(seg)}; a max over dim=-1, all segments at once, lets a segment far "
              "below the global max underflow to 0/0)")
+    rw = segfix.exp_edit(s, divs[0].call) if patch is not None and not s.library else None
     return Diagnosis(
         "segment_softmax", "a softmax over segments (a graph's edges) overflowed",
         f"exp overflowed {s.dtype} (inputs up to {num(s.inp(0).get('max'))}) at {s.where}, and the per-segment sum at "
         f"{_at(seg)} and the division made Inf/Inf = NaN. A segment softmax needs the maximum subtracted per "
         "segment, as torch_geometric.utils.softmax does (scatter 'amax'): a single maximum over all entries keeps "
         "exp finite but lets the segments far below it underflow to 0/0.",
-        [Fix(row.kind, "", guidance=guide, patch=patch, reasoning=row.why,
+        [Fix(row.kind, "", guidance=guide, patch=patch, reasoning=row.why, rewrite=rw, tested_as="op",
              compare_at=sorted(r.call for r in divs) or None)])  # exp(x - m) is not exp(x): compare the quotients
