@@ -47,6 +47,18 @@ def kinds_slow(t: torch.Tensor) -> tuple[bool, bool]:
 
 
 @torch.no_grad()
+def kinds_after(t: torch.Tensor, total: float) -> tuple[bool, bool]:
+    """(has_nan, has_inf), as `kinds_slow` answers them, for an output recorded past the failure's event (the
+    replay's `Recorder.counted`: on no chain, so no report reads its kind or counts), whose sum `total` was not
+    finite. A NaN sum is taken at its word, with no second pass: a NaN (or +Inf beside -Inf, or float32 values
+    near its largest overflowing both ways: differences nothing downstream of such an event can show); an
+    infinite sum, which finite values overflow more easily (a float16 sum past 65504), gets kinds_slow's pass."""
+    if math.isnan(total):
+        return True, False
+    return kinds_slow(t)
+
+
+@torch.no_grad()
 def absmax(t: torch.Tensor) -> float | str:
     """max |x| in one pass (NaN when t holds a NaN)."""
     lo, hi = torch.aminmax(t.detach().reshape(-1))
