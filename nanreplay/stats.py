@@ -47,6 +47,18 @@ def kinds_slow(t: torch.Tensor) -> tuple[bool, bool]:
 
 
 @torch.no_grad()
+def kinds_after(t: torch.Tensor, total: float) -> tuple[bool, bool]:
+    """(has_nan, has_inf), as `kinds_slow` answers them, for an output recorded past the failure's event (the
+    replay's `Recorder.counted`: on no chain, so no report reads its kind or counts), whose sum `total` was not
+    finite. A NaN sum is taken at its word, with no second pass: a NaN (or +Inf beside -Inf, or float32 values
+    near its largest overflowing both ways: differences nothing downstream of such an event can show); an
+    infinite sum, which finite values overflow more easily (a float16 sum past 65504), gets kinds_slow's pass."""
+    if math.isnan(total):
+        return True, False
+    return kinds_slow(t)
+
+
+@torch.no_grad()
 def absmax(t: torch.Tensor) -> float | str:
     """max |x| in one pass (NaN when t holds a NaN)."""
     lo, hi = torch.aminmax(t.detach().reshape(-1))
@@ -146,11 +158,14 @@ def tensor_stats(t: torch.Tensor) -> dict:
         nz = a[a != 0]
         st["absmin_nonzero"] = int(nz.min()) if nz.numel() else None
         return st
-    nan = torch.isnan(t)
-    inf = torch.isinf(t)
-    st["nan"] = _count(nan)
-    st["inf"] = _count(inf)
-    fin = t[~(nan | inf)] if (st["nan"] or st["inf"]) else t.reshape(-1)
+    if math.isfinite(t.sum().item()):  # no NaN, no Inf: one pass instead of two masks and their counts
+        fin = t.reshape(-1)
+    else:
+        nan = torch.isnan(t)
+        inf = torch.isinf(t)
+        st["nan"] = _count(nan)
+        st["inf"] = _count(inf)
+        fin = t[~(nan | inf)] if (st["nan"] or st["inf"]) else t.reshape(-1)
     if fin.numel():
         st["min"], st["max"] = float(fin.min()), float(fin.max())
         a = fin.abs()

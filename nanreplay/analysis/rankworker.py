@@ -168,8 +168,10 @@ def replay_fsdp(snap, r: int, dev: torch.device, max_memory: int | None):
     watch = ReduceWatch()
     with ti.fsdp_traffic_unseen(watch.on_reduce), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # FSDP2's "returned a view tensor" notes about segment outputs
+        # lazy_counts=False: the failure is this rank's own gradient before the reduce (the watch's), not one
+        # `run` sees, so every event is counted (Recorder.counted)
         step = replay.run(_Grads(module), subject.forward, subject.loss, names=subject.names, prepare=subject.prepare,
-                          site=subject.site)
+                          site=subject.site, lazy_counts=False)
     if step.failure is None:
         step.failure = watch.failure()
     step.grads = [watch.rows.get(n) or {"name": n, "shape": list(p.shape), "dtype": stats.dtype_name(p.dtype),

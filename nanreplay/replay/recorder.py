@@ -12,7 +12,11 @@ for each op whose floating output holds a NaN or an Inf it keeps an `Event`
 non-finite tensors to the event that made them links events by provenance.
 
 Checking an output costs one reduction: a finite sum proves there is no NaN or
-Inf. The exact, more expensive checks run only for outputs that fail it.
+Inf. The exact, more expensive checks run only for outputs that fail it, and the
+exact counts only for events that can still be on the failure's chain: once a
+parameter's gradient, complete, is known non-finite (`grad_done`), the failure's
+event is one already recorded, so no later event is its ancestor; later events
+record their kinds (by sums), not their counts or input statistics (`counted`).
 """
 
 from __future__ import annotations
@@ -93,7 +97,8 @@ class Recorder:
         self.ops: list[OpRecord] = []
         self.op_by_seq: dict[int, int] = {}
         self.events: list[Event] = []
-        self.nonfinite = ti.WeakTensorKeyDictionary()  # tensor -> (event, has_nan, has_inf)
+        # tensor -> (event, has_nan, has_inf); has_inf is False next to a NaN in events past `counted` (not looked for)
+        self.nonfinite = ti.WeakTensorKeyDictionary()
         # Tensors non-finite before the replay began that an op may overwrite in place (optimizer state):
         # their old value was not finite, whatever the map says (filled by the optimizer replay)
         self.bad_leaves = ti.WeakTensorKeyDictionary()
@@ -116,8 +121,11 @@ class Recorder:
         self.internal_errors: list[str] = []
         self._site_scopes: tuple = ()  # exported programs: the module calls around the previous op ...
         self._site_out: torch.Tensor | None = None  # ... and its output
-        # stop_at_failure (run): a parameter's gradient, complete, came out non-finite from an op we saw
+        # a parameter's gradient, complete, came out non-finite from an op we saw (grad_done) ...
         self.failure_known = False
+        self.stop_at_failure = False  # ... and the replay ends there (run(stop_at_failure=True))
+        # events from this index on are past the failure's (see the module's docstring): out counts None, no inputs
+        self.counted: int | None = None
         self._inplace: tuple | None = None  # (tensor, op) of an in-place op whose autograd node is not yet known
         self.before: dict | None = None  # _OpMode: an in-place op's inputs as they were before it wrote (by id)
 
@@ -162,12 +170,19 @@ class Recorder:
         outs = list(_tensors(out))
         if mutates and not outs:  # in-place ops that return nothing (the foreach family): look at what they wrote
             outs = list(_written_tensors(func, args, kwargs))
+        lazy = self.counted is not None
         for t in outs:
             if t.is_floating_point() and t.numel() and not math.isfinite(total := t.sum().item()):
-                c = stats.counts(t, (True, True), total)  # exact counts straight away: most such sums are NaN/Inf
-                if c["nan"] or c["posinf"] or c["neginf"]:
-                    bad.append((t, c))
-                    continue
+                if lazy:  # past the failure's event: the kinds, not the counts
+                    n, i = stats.kinds_after(t, total)
+                    if n or i:
+                        bad.append((t, {"numel": t.numel(), "nan": None, "posinf": None, "neginf": None}, n, i))
+                        continue
+                else:
+                    c = stats.counts(t, (True, True), total)  # exact counts straight away: most such sums are NaN/Inf
+                    if c["nan"] or c["posinf"] or c["neginf"]:
+                        bad.append((t, c, c["nan"] > 0, c["posinf"] + c["neginf"] > 0))
+                        continue
             if mutates:
                 self.nonfinite.pop(t, None)  # an in-place op made it finite again
         if bad:
@@ -177,12 +192,13 @@ class Recorder:
         nf = self.nonfinite
         return any(isinstance(a, torch.Tensor) and a in nf for a in args)
 
-    def _record(self, func, args, kwargs, bad: list[tuple[torch.Tensor, dict]], fwd: int | None) -> None:
+    def _record(self, func, args, kwargs, bad: list[tuple[torch.Tensor, dict, bool, bool]], fwd: int | None) -> None:
         node = ti.current_autograd_node() if self.phase == "backward" else None
         node_name = node_seq = None
         if node is not None:
             node_name, node_seq = ti.node_name(node), ti.node_sequence_nr(node)
             fwd = self.op_by_seq.get(node_seq)
+        lazy = self.counted is not None
         parents: list[int] = []
         in_nan = in_inf = False  # kinds among linked (computed) non-finite inputs
         lit_nan = lit_inf = False  # kinds among literal constants
@@ -207,8 +223,9 @@ class Recorder:
                     parents.append(hit[0])
                     in_nan, in_inf = in_nan or hit[1], in_inf or hit[2]
                     continue
-                if written and t not in self.bad_leaves:
-                    continue  # its value before this op was finite, or the map would know it
+                if (written and t not in self.bad_leaves) or lazy:
+                    continue  # its value before this op was finite, or the map would know it (past `counted`:
+                    # links through the map only, the role unread: the event is on no chain)
                 n, i = stats.kinds(t)
                 if not (n or i):
                     continue
@@ -218,11 +235,14 @@ class Recorder:
                     in_nan, in_inf = in_nan or n, in_inf or i
                 else:  # made by no op we saw: a constant (wrapped scalar, torch.tensor(inf), inf buffer)
                     lit_nan, lit_inf = lit_nan or n, lit_inf or i
-        out = {"numel": 0, "nan": 0, "posinf": 0, "neginf": 0}
-        for _, c in bad:
-            for k, v in c.items():
-                out[k] += v
-        has_nan = out["nan"] > 0
+        if lazy:  # past the failure's event: on no chain, so no report shows its counts
+            out = {"numel": sum(c["numel"] for _, c, _, _ in bad), "nan": None, "posinf": None, "neginf": None}
+        else:
+            out = {"numel": 0, "nan": 0, "posinf": 0, "neginf": 0}
+            for _, c, _, _ in bad:
+                for k, v in c.items():
+                    out[k] += v
+        has_nan = any(b[2] for b in bad)
         if not parents:
             if lit_nan or lit_inf:
                 role = Role.CONVERSION if has_nan and not lit_nan else Role.LITERAL
@@ -237,31 +257,34 @@ class Recorder:
                    frame=user_frame(4) if self.phase == "backward" else None)
         if ev.frame is not None:
             ev.call = self.current_call
-        if role in (Role.ORIGIN, Role.CONVERSION):  # only these can be culprits: worth the input statistics
+        if role in (Role.ORIGIN, Role.CONVERSION) and not lazy:  # only these can be culprits: worth the statistics
             before = self.before or {}  # an in-place op's input as it was before the op wrote over it
             ev.inputs = [stats.tensor_stats(before.get(id(t), t)) for t in inputs]
             ev.scalars = scalars
         self.events.append(ev)
-        for t, c in bad:
+        for t, _, n, i in bad:
             self.bad_leaves.pop(t, None)  # from now on the map knows it
-            self.nonfinite[t] = (ev.index, c["nan"] > 0, c["posinf"] + c["neginf"] > 0)
+            self.nonfinite[t] = (ev.index, n, i)
             key = _storage_key(t)
             if key is not None:
                 self.by_storage[key] = ev.index
         if has_nan and self.phase == "backward":
             self.nan_in_backward = True
 
-    # ---- a replay that stops once its failure is known (run(stop_at_failure=True))
+    # ---- once the failure is known: counts no more (`counted`), or stop (run(stop_at_failure=True))
     def grad_done(self, p: torch.Tensor) -> None:
         """A post-accumulate-grad hook: p.grad is complete (AccumulateGrad runs once per backward). When it is
-        non-finite and made by an op we saw, the failure's event can no longer change: see `StopReplay`."""
+        non-finite and made by an op we saw, the failure's event can no longer change: see `StopReplay`. Its
+        event is one recorded already: the failure's (the earliest such, run._failure) is no later, so no event
+        from now on is on its chain (`counted`; run() checks it and replays counting everything if not)."""
         if self.failure_known or p.grad is None:
             return
         self.busy = True
         try:
-            if not stats.finite_fast(p.grad) and (p.grad in self.nonfinite or
-                                                  self.by_storage.get(_storage_key(p.grad)) is not None):
+            if (p.grad in self.nonfinite or self.by_storage.get(_storage_key(p.grad)) is not None) \
+                    and not stats.finite_fast(p.grad):
                 self.failure_known = True
+                self.counted = len(self.events)
         finally:
             self.busy = False
 
@@ -377,7 +400,7 @@ class _OpMode(ti.TorchDispatchMode):
         rec = self.rec
         if rec.busy:
             return func(*args, **kwargs)
-        if rec.failure_known and rec.phase == "backward" and rec.stop_now():
+        if rec.failure_known and rec.stop_at_failure and rec.phase == "backward" and rec.stop_now():
             raise StopReplay
         seq = ti.sequence_nr()
         rec.before = _before_write(rec, func, args) if rec.phase != "backward" else None

@@ -26,7 +26,7 @@ def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any]
         names: dict[int, str], prepare: Callable[[], None] | None = None, autocast: dict | None = None,
         site: Callable | None = None, intercepts: dict[int, Callable] | None = None,
         loss_module: str = "<loss>", backward_after_bad_loss: bool = True, stop_at_failure: bool = False,
-        leaf_names: list[tuple[torch.Tensor, tuple[str, str]]] | None = None) -> Step:
+        leaf_names: list[tuple[torch.Tensor, tuple[str, str]]] | None = None, lazy_counts: bool = True) -> Step:
     """Replay forward, loss and backward once, instrumented, and return what happened.
 
     Global state is restored on the way out, even when the replay raises: module
@@ -36,7 +36,9 @@ def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any]
     stop_at_failure (fix verification too) backward also ends as soon as the failing
     gradient and its chain can no longer change (Recorder.stop_now), and the
     per-parameter walk is not made (`Step.grads` is empty; the failure, the events
-    and the culprit are those of the whole replay).
+    and the culprit are those of the whole replay). Events recorded once a parameter's gradient, complete,
+    is known non-finite are past the failure's and on no chain: their output counts are None and their inputs
+    unmeasured (Recorder.counted); `lazy_counts=False` counts every event.
     """
     rec = Recorder(names, site)
     rec.intercepts = intercepts or {}
@@ -77,7 +79,8 @@ def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any]
                 # anomaly-mode emulation watches it (armed from the start: NaN may flow from the loss).
                 instrument = loss_finite
                 rec.nan_in_backward = not instrument
-                if stop_at_failure and instrument and _one_device(model):
+                if instrument and lazy_counts:  # the failure known: count no more (and stop, if asked)
+                    rec.stop_at_failure = stop_at_failure and _one_device(model)
                     node_handles += [p.register_post_accumulate_grad_hook(rec.grad_done)
                                      for p in model.parameters() if p.requires_grad]
                 try:
@@ -95,8 +98,15 @@ def run(model: torch.nn.Module, forward: Callable[[], Any], loss: Callable[[Any]
     finally:
         for h in handles + node_handles:
             h.remove()
-    grads = gradient_rows(model) if not stop_at_failure else []
     failure = _failure(rec, loss_t, model)
+    if failure is not None and failure.event is not None and rec.counted is not None \
+            and failure.event >= rec.counted:
+        # the failure is an event recorded past the first complete non-finite gradient (that gradient made
+        # finite again later): its chain may hold uncounted events, so replay counting everything
+        return run(model, forward, loss, names=names, prepare=prepare, autocast=autocast, site=site,
+                   intercepts=intercepts, loss_module=loss_module, backward_after_bad_loss=backward_after_bad_loss,
+                   stop_at_failure=stop_at_failure, leaf_names=leaf_names, lazy_counts=False)
+    grads = gradient_rows(model) if not stop_at_failure else []
     anomaly = None if skipped else rec.anomaly or Anomaly(False)
     return Step(loss=float(loss_t.detach().double()) if loss_t is not None else None,
                 events=rec.events, ops=rec.ops, op_by_seq=rec.op_by_seq, failure=failure, anomaly=anomaly,
