@@ -147,3 +147,19 @@ def apply_and_train(folder: Path, training: str, script: str, kind: str, fix: di
                 (k, fixed[k], orig[k], ref)
         else:
             assert close(fixed[k][0], orig[k][0]) and close(fixed[k][1], orig[k][1]), (k, fixed[k], orig[k])
+
+
+def train_and_analyze_isolated(root: Path, module: str, training: str, kinds, env: dict) -> dict[str, dict]:
+    """Run `training` as root/proj/<module>.py with `root` and `kinds` as arguments under `env` (it prints
+    `KIND PATH` per snapshot), then `analyze()` each snapshot where neither the frameworks nor that module can be
+    imported (analyze_isolated). Returns {kind: its analysis}."""
+    proj = root / "proj"
+    proj.mkdir()
+    (proj / f"{module}.py").write_text(training)
+    res = subprocess.run([sys.executable, f"{module}.py", str(root), *kinds], cwd=proj, capture_output=True,
+                         text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    paths = dict(ln.split() for ln in res.stdout.splitlines() if ln.split() and ln.split()[0] in kinds)
+    assert set(paths) == set(kinds) and all(p.endswith(".pt") for p in paths.values()), res.stdout
+    out = analyze_isolated(list(paths.values()), root / "elsewhere", also_blocked=(module,))
+    return {k: out[paths[k]] for k in kinds}

@@ -17,11 +17,8 @@ NaN at the step that failed or after it, and the healthy steps before it unchang
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
-from isolation import ROOT, analyze_isolated, apply_and_train, marker_line
+from isolation import ROOT, apply_and_train, marker_line, train_and_analyze_isolated
 
 TRAINING = r'''
 import json
@@ -188,16 +185,7 @@ ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("realforms")
-    proj = root / "proj"
-    proj.mkdir()
-    (proj / "realforms.py").write_text(TRAINING)
-    res = subprocess.run([sys.executable, "realforms.py", str(root), *KINDS], cwd=proj, capture_output=True,
-                         text=True, timeout=600, env=ENV)
-    assert res.returncode == 0, res.stderr[-3000:]
-    paths = dict(ln.split() for ln in res.stdout.splitlines() if ln.split() and ln.split()[0] in KINDS)
-    assert set(paths) == set(KINDS) and all(p.endswith(".pt") for p in paths.values()), res.stdout
-    out = analyze_isolated(list(paths.values()), root / "elsewhere", also_blocked=("realforms",))
-    return root, {k: out[paths[k]] for k in KINDS}
+    return root, train_and_analyze_isolated(root, "realforms", TRAINING, KINDS, ENV)
 
 
 def _apply_and_train(root, kind: str, fix: dict, coarse: bool = False) -> None:
