@@ -86,7 +86,29 @@ def analyze_isolated(paths: list[str], workdir: Path, also_blocked: tuple[str, .
     return json.loads(res.stdout)
 
 
-def train_then_analyze(root: Path, training: str, kinds, analyze_script: str) -> dict[str, tuple[str, dict]]:
+ANALYZE_WITHOUT_TRAINMOD = r'''
+import json, sys
+try:
+    __import__("trainmod")
+    raise SystemExit("the training code must not be importable here")
+except ImportError:
+    pass
+from nanreplay.analysis import analyze
+print(json.dumps({p: analyze(p).to_json() for p in sys.argv[1:]}))
+'''
+
+
+def program_ops(path: str) -> set[str]:
+    """The ops of the step program a snapshot holds (it must hold one)."""
+    import torch
+
+    snap = torch.load(path, weights_only=True)
+    assert snap["step_program"] is not None, snap.get("program_error")
+    return {n["op"] for n in json.loads(snap["step_program"])["nodes"]}
+
+
+def train_then_analyze(root: Path, training: str, kinds,
+                       analyze_script: str = ANALYZE_WITHOUT_TRAINMOD) -> dict[str, tuple[str, dict]]:
     """Run `training` as root/proj/trainmod.py with `root` and `kinds` as arguments (it prints `KIND PATH` per
     snapshot), then `analyze_script` from root/elsewhere with those paths (it prints one JSON object keyed by
     path), the training code not importable there. Returns {kind: (path, its analysis)}."""

@@ -11,10 +11,7 @@ the snapshot carries its step program and is analyzed with no flags where the tr
 
 from __future__ import annotations
 
-import json
-
-import torch
-from isolation import marker_line, train_then_analyze
+from isolation import marker_line, program_ops, train_then_analyze
 
 TRAINING = r'''
 import sys
@@ -90,30 +87,15 @@ if __name__ == "__main__":
         print(kind, {"wgan": wgan, "smooth": smooth}[kind](f"{sys.argv[1]}/{kind}"))
 '''
 
-ANALYZE = r'''
-import json, sys
-try:
-    __import__("trainmod")
-    raise SystemExit("the training code must not be importable here")
-except ImportError:
-    pass
-from nanreplay.analysis import analyze
-print(json.dumps({p: analyze(p).to_json() for p in sys.argv[1:]}))
-'''
 
-
-def _program_ops(path: str) -> set[str]:
-    snap = torch.load(path, weights_only=True)
-    assert snap["step_program"] is not None, snap.get("program_error")
-    return {n["op"] for n in json.loads(snap["step_program"])["nodes"]}
 
 
 def test_double_backward_steps_record_and_localise(tmp_path):
-    runs = train_then_analyze(tmp_path, TRAINING, ("wgan", "smooth"), ANALYZE)
+    runs = train_then_analyze(tmp_path, TRAINING, ("wgan", "smooth"))
     want = {"wgan": {"aten.hardtanh_backward.default", "aten.gelu_backward.default"},
             "smooth": {"aten.sigmoid_backward.default", "aten.mse_loss_backward.default"}}
     for kind, (path, d) in runs.items():
-        assert want[kind] <= _program_ops(path), kind
+        assert want[kind] <= program_ops(path), kind
         c = d["culprit"]
         assert d["verdict"] == "culprit_found", (kind, d["verdict"])
         assert c["source"]["file"].endswith("trainmod.py") and c["source"]["line"] == marker_line(TRAINING, kind), c

@@ -12,11 +12,9 @@ culprit op and line are the ones a user would change.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from isolation import marker_line, train_then_analyze
+from isolation import marker_line, program_ops, train_then_analyze
 
 from nanreplay import NanGuard
 
@@ -134,16 +132,6 @@ if __name__ == "__main__":
         print(kind, {"gat": gat, "stft": stft, "policy": policy}[kind](f"{sys.argv[1]}/{kind}"))
 '''
 
-ANALYZE = r'''
-import json, sys
-try:
-    __import__("trainmod")
-    raise SystemExit("the training code must not be importable here")
-except ImportError:
-    pass
-from nanreplay.analysis import analyze
-print(json.dumps({p: analyze(p).to_json() for p in sys.argv[1:]}))
-'''
 
 KINDS = ("gat", "stft", "policy")
 
@@ -155,18 +143,13 @@ def _line(marker: str) -> int:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     pytest.importorskip("torch_geometric")
-    return train_then_analyze(tmp_path_factory.mktemp("library_ops"), TRAINING, KINDS, ANALYZE)
+    return train_then_analyze(tmp_path_factory.mktemp("library_ops"), TRAINING, KINDS)
 
-
-def _program_ops(path: str) -> set[str]:
-    snap = torch.load(path, weights_only=True)
-    assert snap["step_program"] is not None, snap.get("program_error")
-    return {n["op"] for n in json.loads(snap["step_program"])["nodes"]}
 
 
 def test_gat_zero_norm_node_is_found_through_the_scatter_softmax(runs):
     path, d = runs["gat"]
-    assert {"aten.scatter_reduce_.two", "aten.scatter_add_.default"} <= _program_ops(path)
+    assert {"aten.scatter_reduce_.two", "aten.scatter_add_.default"} <= program_ops(path)
     c = d["culprit"]
     assert d["verdict"] == "culprit_found" and c["op"] == "aten.div.Tensor" and c["phase"] == "forward"
     assert c["source"]["line"] == _line("gat") and c["source"]["file"].endswith("trainmod.py")
@@ -175,7 +158,7 @@ def test_gat_zero_norm_node_is_found_through_the_scatter_softmax(runs):
 
 def test_stft_front_end_log_of_a_silent_clip(runs):
     path, d = runs["stft"]
-    assert "aten._fft_r2c.default" in _program_ops(path)
+    assert "aten._fft_r2c.default" in program_ops(path)
     c = d["culprit"]
     assert d["verdict"] == "culprit_found" and c["op"] == "aten.log.default" and c["source"]["line"] == _line("stft")
     assert d["diagnosis"]["cause"] == "log_of_zero"
@@ -183,7 +166,7 @@ def test_stft_front_end_log_of_a_silent_clip(runs):
 
 def test_distributions_policy_with_validation_on(runs):
     path, d = runs["policy"]
-    assert "aten._is_all_true.default" in _program_ops(path)  # the validation, recorded as the pure reduction it is
+    assert "aten._is_all_true.default" in program_ops(path)  # the validation, recorded as the pure reduction it is
     c = d["culprit"]
     assert d["verdict"] == "culprit_found" and c["op"] == "aten.exp.default" and c["source"]["line"] == _line("policy")
 
