@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from nanreplay import stats  # stats.num: `num` is a local name (the numerator) in several rules here
-from nanreplay.diagnose import codefix
+from nanreplay.diagnose import codefix, datafix
 from nanreplay.diagnose.fixes import (
     choose_eps,
     clamp_eps,
@@ -451,9 +451,11 @@ def _data_rows(s: Site, idx: int, label: str) -> Fix | None:
     if loc is not None:
         node = codefix.operand(loc.node, "other")
         den = codefix.source_of_nodes(loc.parsed)(node) if node is not None else None
+    raw = den
     den = re.sub(r",\s*keepdim\s*=\s*True", "", den) if den else None  # one flag per row
     keep = f"{den} > 0" if den else f"{name}'s {label} > 0"
-    return Fix(FixKind.MASK_ROWS, "", verification="not replayed: the remedy is in the data",
+    rw = _row_filter(s, idx, den, label, kept_dims=bool(raw) and raw != den) if den else None
+    return Fix(FixKind.MASK_ROWS, "", verification="not replayed: the remedy is in the data", rewrite=rw,
                reasoning=(f"The {label} is that of the batch's own {name!r}: for a row where it is all zeros (a silent "
                           "reference clip) the quantity is undefined, and an ε only moves the infinity to the next "
                           "op (a projection on a zero vector is 0, and the log of a zero energy follows). The remedy "
@@ -465,6 +467,25 @@ def _data_rows(s: Site, idx: int, label: str) -> Fix | None:
                          "is not enough: the NaN of a masked row still reaches the gradient (0 * NaN)"),
                alternatives=[f"{label}.clamp_min(eps): finite here, but the row's loss is then set by eps (or the "
                              "next op is infinite)"])
+
+
+def _row_filter(s: Site, idx: int, den: str, label: str, kept_dims: bool):
+    """The culprit's statement with the zero-norm rows filtered out above it (datafix.py), where the denominator
+    is one value per row and every tensor the division reads has those rows first; else None (guidance only)."""
+    d, num = s.inp(idx), s.inp(1 - idx)
+    shape, nshape = d.get("shape") or [], num.get("shape") or []
+    if not shape or any(n != 1 for n in shape[1:]) or not nshape or nshape[0] != shape[0] or shape[0] < 2:
+        return None
+    got = datafix.statement_at(s.source, (s.source or {}).get("line"))
+    if got is None:
+        return None
+    names = datafix.read_names(got[1])
+    if not names:
+        return None
+    keep = datafix.keep_name({n.id for n in codefix.ast.walk(got[1]) if isinstance(n, codefix.ast.Name)})
+    expr = f"{den} > 0" if kept_dims or len(shape) == 1 else f"({den} > 0).flatten(1).all(1)"
+    lines = datafix.filter_lines(keep, expr, names, f"rows whose {label} is 0: undefined there (the data)")
+    return datafix.before_statement(s.source, s.source["line"], lines)
 
 
 @rule("division_by_zero", aten.div, aten.reciprocal, priority=70)
