@@ -54,6 +54,7 @@ from nanreplay.capture import sharded as sharded_capture
 from nanreplay.capture import update as upd
 from nanreplay.enums import Trigger
 from nanreplay.errors import GuardError, NonFiniteStep
+from nanreplay.replay.frames import user_frame
 
 log = logging.getLogger("nanreplay")
 
@@ -230,7 +231,7 @@ class NanGuard:
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
                "host": owned.host_rng()}
         batch = {"batch": inputs} if self.step_fn is not None else {"inputs": inputs, "target": target}
-        self._states.append(snapshot.StepState(batch, rng, self._buffers.begin(), micro_batch))
+        self._states.append(snapshot.StepState(batch, rng, self._buffers.begin(), micro_batch, entry=user_frame(2)))
 
     def loss_ok(self, loss: torch.Tensor, *, scaled_by: float | torch.Tensor | None = None) -> bool:
         """After the forward, before backward(): False (and a snapshot) if the loss is NaN or Inf.

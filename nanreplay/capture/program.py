@@ -166,7 +166,7 @@ class _Recorder:
         i = self.frame_index.get(key)
         if i is None:
             i = self.frame_index[key] = len(self.frames)
-            self.frames.append(_frame_record(file, line, fr[2]))
+            self.frames.append(frame_record(file, line, fr[2]))
         return i
 
     def module_id(self, name: str) -> int:
@@ -379,7 +379,7 @@ def _flat_tensors(out: Any) -> list[torch.Tensor]:
     return []
 
 
-def _frame_record(file: str, line: int, function: str) -> dict:
+def frame_record(file: str, line: int, function: str) -> dict:
     """The source line and its context, read now, on the machine that ran the code."""
     code = linecache.getline(file, line).rstrip("\n")
     rec: dict[str, Any] = {"file": file[:1000], "line": line, "function": function[:MAX_TEXT],

@@ -22,7 +22,7 @@ import torch.nn as nn
 from nanreplay import __version__
 from nanreplay.capture import owned, plain, recipe
 from nanreplay.capture.owned import storage_freed
-from nanreplay.capture.program import FREED, ModuleHooks, NotRecordable, record_step
+from nanreplay.capture.program import FREED, ModuleHooks, NotRecordable, frame_record, record_step
 from nanreplay.errors import first_line
 from nanreplay.formats.loss_spec import loss_spec
 from nanreplay.formats.native import FORMAT, VERSION
@@ -63,6 +63,7 @@ class StepState:
     call: tuple | None = None  # (args, kwargs) the loop's model call got (capture/losscheck.py CallWatch)
     loss: float | None = None  # the loss loss_ok() read for this micro-batch (unscaled)
     loss_scaled: bool = False  # loss_ok() was given scaled_by: the value was divided, not read as the step made it
+    entry: tuple | None = None  # the user's line that called begin(): where the batch enters the step (file, line, fn)
 
 
 class BufferWatch:
@@ -169,7 +170,8 @@ def rerun_copy(state: StepState) -> StepState:
     """The step with its batch, and the model call the loop made, as tensors the re-run owns (capture/owned.py
     `clone_tensors`): a forward that writes its inputs in place writes these, never the loop's."""
     batch, call = owned.clone_tensors((state.batch, state.call))
-    return StepState(batch, state.rng, state.buffers, state.micro_batch, call, state.loss, state.loss_scaled)
+    return StepState(batch, state.rng, state.buffers, state.micro_batch, call, state.loss, state.loss_scaled,
+                     state.entry)
 
 
 def record(model: nn.Module, state: StepState, forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor],
@@ -313,12 +315,23 @@ def build(*, model: nn.Module, wrapped: nn.Module, state: StepState, trigger: st
                         "wrapper": type(wrapped).__name__ if wrapped is not model else None},
         "history": [dict(h) for h in history],
         "notes": notes,
+        "entry": entry_record(state.entry),  # the line that gave begin() the batch (a data remedy's edit goes there)
         "rerun": extra.get("rerun"),  # the guard's re-run beside the training step (capture/rerun.py)
         "machine": extra.get("machine"),  # which host, device and run wrote it
     }
     # only data: whatever training code left in these fields (numpy scalars from a schedule, enums, ...) becomes
     # plain values, so the file loads with weights_only=True and no pickled object (the batch is copied above)
     return {k: v if k == "batch" else plain.data(v, keep_tuples=True, tensor=_cpu) for k, v in d.items()}
+
+
+def entry_record(frame: tuple | None) -> dict | None:
+    """The frame of the begin() call as a snapshot frame (its line and context read now), or None."""
+    if not frame:
+        return None
+    try:
+        return frame_record(frame[0], frame[1], frame[2])
+    except (OSError, UnicodeDecodeError, TypeError):  # an observer never raises into the loop
+        return None
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,12 @@ statement reads per row is filtered the same way (the caller checks their leadin
 
 from __future__ import annotations
 
+import re
+
+import torch
+
 from nanreplay.diagnose import codefix
+from nanreplay.replay.frames import RecordedFrame, frame_json
 
 ast = codefix.ast
 _NOT_ROWS = codefix._MODULE_NAMES | {"self", "math", "np", "numpy", "True", "False", "None"}
@@ -84,3 +89,87 @@ def before_statement(source: dict, line: int, lines: list[str]) -> codefix.Rewri
     before = codefix._dedent("\n".join(parsed.text.splitlines()[stmt.lineno - 1:stmt.end_lineno]))
     return codefix.Rewrite(before=before, after="\n".join([*lines, before]), line=line, file=source.get("file"),
                            first=parsed.first + stmt.lineno - 1)
+
+
+# ------------------------------------------------------------------ NaN/Inf samples in the batch: at begin()
+
+def _assignable(n: ast.AST) -> bool:
+    return isinstance(n, (ast.Name, ast.Attribute, ast.Subscript)) and \
+        not any(isinstance(m, ast.Call) for m in ast.walk(n))
+
+
+def _bad(t) -> bool:
+    """Holds a NaN or +inf, or a -inf that is not a mask's (a tensor of -inf and finite values only is one)."""
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or bool(torch.isfinite(t).all()):
+        return False
+    return bool(torch.isnan(t).any() or torch.isposinf(t).any())
+
+
+def _side(text: str, value, n_rows: list[int]) -> tuple[list[str], list[str]] | None:
+    """(the keep terms for its bad tensors, the assignment that filters it) for one side of the batch, as the
+    user's expression `text` names it; None where some value in it is not a tensor with the batch's rows first."""
+    def rows(t) -> bool:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return False
+        n_rows.append(int(t.shape[0]))
+        return True
+
+    def term(acc: str, t) -> str:
+        return f"torch.isfinite({acc}).flatten(1).all(1)" if t.dim() >= 2 else f"torch.isfinite({acc})"
+
+    if value is None:
+        return [], []
+    if isinstance(value, torch.Tensor):
+        if not rows(value):
+            return None
+        return ([term(text, value)] if _bad(value) else []), [f"{text} = {text}[KEEP]"]
+    if isinstance(value, (tuple, list)) and value and all(rows(v) for v in value):
+        terms = [term(f"{text}[{i}]", v) for i, v in enumerate(value) if _bad(v)]
+        make = "tuple(v[KEEP] for v in {})" if isinstance(value, tuple) else "[v[KEEP] for v in {}]"
+        return terms, [f"{text} = {make.format(text)}"]
+    if isinstance(value, dict) and value and all(isinstance(k, str) for k in value) and all(rows(v) for v in value.values()):
+        terms = [term(f"{text}[{k!r}]", v) for k, v in value.items() if _bad(v)]
+        return terms, [f"{text} = {{k: v[KEEP] for k, v in {text}.items()}}"]
+    return None
+
+
+def batch_filter(entry: dict | None, inputs, target, samples: list[int]) -> codefix.Rewrite | None:
+    """The begin() line (`entry`, a snapshot's recorded frame) with the samples that hold NaN/Inf left out of
+    the batch just above it, in the names the call gives the batch; None where that cannot be written for
+    certain (the call's arguments are not plain names, a batch value without the rows first, no begin call)."""
+    if not entry:
+        return None
+    source = frame_json(RecordedFrame(entry["file"], entry["line"], entry["function"], entry["code"],
+                                      entry["context"]))
+    got = statement_at(source, source["line"] if source else None)
+    if got is None:
+        return None
+    parsed, stmt = got
+    text = codefix.source_of_nodes(parsed)
+    call = next((n for n in ast.walk(stmt) if isinstance(n, ast.Call) and codefix._callee(n) == "begin"), None)
+    if call is None:
+        return None
+    args = {"inputs": call.args[0] if call.args else None, "target": call.args[1] if len(call.args) > 1 else None}
+    for k in call.keywords:
+        if k.arg in args:
+            args[k.arg] = k.value
+    terms, assigns, n_rows = [], [], []
+    for side, value in (("inputs", inputs), ("target", target)):
+        node = args[side]
+        if value is None:
+            continue
+        if node is None or not _assignable(node):
+            return None
+        got_side = _side(text(node), value, n_rows)
+        if got_side is None:
+            return None
+        terms += got_side[0]
+        assigns += got_side[1]
+    if not terms or len(set(n_rows)) != 1 or n_rows[0] < 2:
+        return None
+    taken = set(re.findall(r"[A-Za-z_]\w*", "\n".join((source.get("context") or {}).get("lines") or [])))
+    keep = keep_name(taken)
+    where = f"samples {samples[:20]} hold NaN/Inf" if samples else "samples that hold NaN/Inf"
+    lines = [f"{keep} = {' & '.join(terms)}  # {where}: find them in the data; until then leave them out",
+             *[a.replace("KEEP", keep) for a in assigns]]
+    return before_statement(source, source["line"], lines)

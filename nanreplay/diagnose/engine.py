@@ -13,6 +13,7 @@ import torch
 from nanreplay import torch_internals as ti
 from nanreplay import verify
 from nanreplay.diagnose import (
+    datafix,
     finite,
     magnitude,
     plausible,
@@ -298,14 +299,23 @@ def for_leaves(verdict: str, rows: list[dict], snap) -> dict:
         first = rows[0]["name"] if rows else "x"
         x = first if first.isidentifier() else "x"  # the batch tensor's own name where it is one (`images`)
         at = f" Bad samples (index along dim 0): {samples[:20]}." if samples else ""
+        check = f"assert torch.isfinite({x}).all(), f'non-finite input in batch {{step}}'"
+        rw = datafix.batch_filter((getattr(snap, "raw", None) or {}).get("entry"), getattr(snap, "inputs", None),
+                                  getattr(snap, "target", None), samples) if snap is not None else None
+        why = "the batch itself is non-finite: nothing in the model to replay"
+        fix = Fix(FixKind.CLEAN_INPUT, "", rewrite=rw, verification=why,
+                  reasoning=("The root is in the data: find where these samples are made. As a stopgap the edit "
+                             "leaves them out of the batch on the line that hands it to the guard; a healthy batch "
+                             "passes unchanged."),
+                  alternatives=[check, f"{x} = torch.nan_to_num({x})  # hides the bad values: train on them as 0"]) \
+            if rw is not None else \
+            Fix(FixKind.CLEAN_INPUT, f"{check}\n# find the source in the data pipeline; as a stopgap: "
+                f"{x} = torch.nan_to_num({x})", verification=why)
         return {"cause": "nonfinite_input", "title": "NaN/Inf in the input batch",
                 "explanation": f"The batch already holds non-finite values before the model runs: {names}.{at} "
                                "The model is not the culprit; the data pipeline is (a log of 0 or a division by 0 "
                                "in preprocessing, a corrupt record, a missing value read as NaN).",
-                "fix": Fix(FixKind.CLEAN_INPUT, f"assert torch.isfinite({x}).all(), f'non-finite input in batch {{step}}'\n"
-                           f"# find the source in the data pipeline; as a stopgap: {x} = torch.nan_to_num({x})",
-                           verification="the batch itself is non-finite: nothing in the model to replay").to_json(),
-                "candidates": []}
+                "fix": fix.to_json(), "candidates": []}
     late = late_update(rows, snap) if snap is not None else None
     if late is not None:  # the optimizer state it holds says which update broke what, and most likely why
         return late

@@ -32,6 +32,7 @@ from nanreplay.formats.base import Format, Snapshot
 from nanreplay.formats.dryrun import dry_run, same_objects
 from nanreplay.formats.loss_spec import loss_from_spec, loss_label
 from nanreplay.formats.program import DTYPES, decode
+from nanreplay.formats.program import frame as program_frame
 from nanreplay.formats.rebuild import eager_subject, parse_device
 from nanreplay.formats.stepmodel import StepModule
 from nanreplay.formats.usercode import build_model, resolve_loss
@@ -88,6 +89,14 @@ def _state_dict(v, where):
         raise S.SchemaError(f"{where} must be a dict, not a {type(v).__name__}")
     return S.batch_tree(v, where)
 
+def _entry(v, where):
+    """The line that gave begin() the batch (capture/snapshot.py entry_record): a program frame's checks."""
+    try:
+        return program_frame(v, where or "entry")
+    except SnapshotError as e:
+        raise S.SchemaError(str(e)) from None
+
+
 _FRAME = S.record({"file": S.string(4096), "line": S.integer(0), "function": S.optional(S.string(1000)),
                    "code": S.optional(S.string(2000))})  # a source line the guard saw (capture/flow.py)
 FIELDS_V2: dict[str, S.Checker] = {
@@ -123,7 +132,7 @@ FIELDS_V2: dict[str, S.Checker] = {
     "update": S.optional(update_record.check),
     "rng": S.optional(_RNG), "autocast": S.optional(_AUTOCAST), "environment": S.optional(_ENV),
     "history": S.optional(S.list_of(_HISTORY_ROW, 100_000)), "notes": S.optional(S.list_of(S.string(2000), 50)),
-    "rerun": S.optional(_RERUN), "machine": S.optional(_MACHINE),
+    "rerun": S.optional(_RERUN), "machine": S.optional(_MACHINE), "entry": S.optional(_entry),
 }
 REQUIRED_V2 = ("format", "version", "batch", "state", "parameters")
 

@@ -300,8 +300,17 @@ def _list(v: Any, what: str) -> list:
     return v
 
 
-def _frame(f: Any, i: int) -> dict:
-    what = f"frames[{i}]"
+def frame(f: Any, what: str) -> dict:
+    """One recorded source frame checked (file, line, function, code, context), outside a program (a snapshot's
+    `entry`); SnapshotError names what is wrong."""
+    try:
+        return _frame(f, 0, what)
+    except _Invalid as e:
+        raise SnapshotError(str(e)) from None
+
+
+def _frame(f: Any, i: int, what: str | None = None) -> dict:
+    what = what or f"frames[{i}]"
     if not isinstance(f, dict) or set(f) - {"file", "line", "function", "code", "context"}:
         raise _Invalid(f"{what} must be an object with file, line, function, code, context")
     out = {"file": _str(f.get("file"), f"{what}.file"), "line": _int(f.get("line"), f"{what}.line", 1, 10**7),
