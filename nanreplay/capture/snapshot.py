@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from nanreplay import __version__
-from nanreplay.capture import owned, plain, recipe
+from nanreplay.capture import construct, owned, plain, recipe
 from nanreplay.capture.owned import storage_freed
 from nanreplay.capture.program import FREED, ModuleHooks, NotRecordable, frame_record, record_step
 from nanreplay.errors import first_line
@@ -315,6 +315,7 @@ def build(*, model: nn.Module, wrapped: nn.Module, state: StepState, trigger: st
                         "wrapper": type(wrapped).__name__ if wrapped is not model else None},
         "history": [dict(h) for h in history],
         "notes": notes,
+        "constructions": construct.records(model, program),  # where each nn.Sequential was built (construct.py)
         "entry": entry_record(state.entry),  # the line that gave begin() the batch (a data remedy's edit goes there)
         "rerun": extra.get("rerun"),  # the guard's re-run beside the training step (capture/rerun.py)
         "machine": extra.get("machine"),  # which host, device and run wrote it

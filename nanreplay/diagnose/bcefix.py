@@ -11,14 +11,15 @@ depends on where the sigmoid is:
   argument, so the model returns the logits and `p` holds them — only where the step uses the sigmoid's output for
   nothing but these logs (the reasoning says to apply torch.sigmoid where probabilities are needed).
 
-A sigmoid with no line of the user's (an `nn.Sigmoid()` module inside `nn.Sequential`: its line is torch's) cannot
-be edited from what the snapshot holds: the fix stays guidance. The replay computes exactly the edited code:
+A sigmoid with no line of the user's (an `nn.Sigmoid()` module inside `nn.Sequential`: its line is torch's) is
+edited where the Sequential was built, when the guard recorded that line (capture/construct.py, construction.py):
+`nn.Sigmoid()` -> `nn.Identity()`; else the fix stays guidance. The replay computes exactly the edited code:
 logsigmoid of the sigmoid's own input at each log call (fixes.stable_log_patch), at every call of the lines.
 """
 
 from __future__ import annotations
 
-from nanreplay.diagnose import codefix, crossline
+from nanreplay.diagnose import codefix, construction, crossline
 from nanreplay.diagnose.site import Site, packet
 from nanreplay.replay import OpRecord, frame_json
 
@@ -93,15 +94,20 @@ def edits(s: Site, sg: OpRecord, logs: list[OpRecord], complements: list[OpRecor
                 names[p.id] = new
             return names[p.id]
         # made elsewhere (the model's forward): that sigmoid call becomes its argument; `p` then holds the logits
-        if not sg_src or (sg_src["file"], sg_src["function"]) == (src["file"], src["function"]) or \
-                not _only_logs_use(s, sg, {id(r) for r in logs + complements}):
+        # (an nn.Sigmoid() module has no line of the user's: the statement that built its Sequential is edited)
+        if not _only_logs_use(s, sg, {id(r) for r in logs + complements}):
             return None
-        rw = s.rewrite(lambda sub, node: sub(codefix.operand(node, "input")), sg.call)
+        built = construction.replace_child(getattr(s.subject, "constructions", None), sg, "Sigmoid", "Identity")
+        if built is None and (not sg_src or (sg_src["file"], sg_src["function"]) == (src["file"], src["function"])):
+            return None
+        rw = built or s.rewrite(lambda sub, node: sub(codefix.operand(node, "input")), sg.call)
         if rw is None:
             return None
         defs.edits.append(rw)
-        note = (f"; the sigmoid at {rw.file}:{rw.first or rw.line} is removed, so `{p.id}` holds the logits: apply "
-                "torch.sigmoid where probabilities are needed (inference, metrics)")
+        what = (f"the nn.Sigmoid() module `{sg.module}` built at {rw.file}:{rw.first} is made nn.Identity()" if built
+                else f"the sigmoid at {rw.file}:{rw.first or rw.line} is removed")
+        note = (f"; {what}, so `{p.id}` holds the logits: apply torch.sigmoid where probabilities are needed "
+                "(inference, metrics)")
         names[p.id] = p.id
         return p.id
 

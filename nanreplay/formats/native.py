@@ -97,6 +97,21 @@ def _entry(v, where):
         raise S.SchemaError(str(e)) from None
 
 
+def _construction(v, where):
+    """Where an nn.Sequential was built (capture/construct.py): its container's path, the statement as a frame, and
+    where the call starts in it."""
+    if not isinstance(v, dict) or set(v) - {"module", "file", "line", "function", "code", "context", "call"}:
+        raise S.SchemaError(f"{where} must be an object with module, file, line, function, code, context, call")
+    call = v.get("call")
+    if not (isinstance(call, list) and len(call) == 2 and all(type(c) is int and 0 <= c < 10**7 for c in call)):
+        raise S.SchemaError(f"{where}.call must be [line, column]")
+    f = _entry({k: v.get(k) for k in ("file", "line", "function", "code", "context")}, where)
+    ctx = f["context"]
+    if ctx is None or not ctx[0] <= call[0] < ctx[0] + len(ctx[1]):
+        raise S.SchemaError(f"{where}.call is not in its statement's lines")
+    return {**f, "module": S.string(1000)(v.get("module"), f"{where}.module"), "call": call}
+
+
 _FRAME = S.record({"file": S.string(4096), "line": S.integer(0), "function": S.optional(S.string(1000)),
                    "code": S.optional(S.string(2000))})  # a source line the guard saw (capture/flow.py)
 FIELDS_V2: dict[str, S.Checker] = {
@@ -133,6 +148,7 @@ FIELDS_V2: dict[str, S.Checker] = {
     "rng": S.optional(_RNG), "autocast": S.optional(_AUTOCAST), "environment": S.optional(_ENV),
     "history": S.optional(S.list_of(_HISTORY_ROW, 100_000)), "notes": S.optional(S.list_of(S.string(2000), 50)),
     "rerun": S.optional(_RERUN), "machine": S.optional(_MACHINE), "entry": S.optional(_entry),
+    "constructions": S.optional(S.list_of(_construction, 50)),
 }
 REQUIRED_V2 = ("format", "version", "batch", "state", "parameters")
 
@@ -299,7 +315,8 @@ def program_subject(snap: Snapshot, dev: torch.device, max_memory: int | None, c
                    loss_name=loss_label(d.get("loss_spec") or {}), device=dev,
                    how="step program in the snapshot (no training code needed)", site=module.site,
                    model_class=cls, input_label="batch" if step_fn else "inputs", target_label="target",
-                   program=True, memory_bound=bound, input_names=None if step_fn else d.get("input_names"), **common)
+                   program=True, memory_bound=bound, input_names=None if step_fn else d.get("input_names"),
+                   constructions=d.get("constructions"), **common)
 
 
 def _gb(n: int) -> str:

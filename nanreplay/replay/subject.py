@@ -41,6 +41,7 @@ class Subject:
     program: bool = False  # `model` runs a recorded step program (forward + loss, its casts explicit)
     memory_bound: int | None = None  # the replay's peak bytes, bounded before it runs (step programs)
     input_names: list[str] | None = None  # the forward's parameter names, for positional inputs
+    constructions: list[dict] | None = None  # where the user's code built each nn.Sequential (capture/construct.py)
 
     def __post_init__(self) -> None:
         self.names = {id(m): n for n, m in self.model.named_modules()}
