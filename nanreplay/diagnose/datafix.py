@@ -46,6 +46,42 @@ def read_names(stmt: ast.stmt) -> list[str]:
     return out
 
 
+def rows_read_from(source: dict | None, line: int | None) -> list[str] | None:
+    """The names the statement at `line` and the rest of its block (as far as the recorded lines go) read before
+    assigning them: every value that must lose the same rows for what follows to line up. None where the lines
+    cannot be read."""
+    got = statement_at(source, line)
+    if got is None:
+        return None
+    parsed, stmt = got
+    lines = codefix.source_lines(source)[1]
+    first = parsed.first + stmt.lineno - 1  # the statement's absolute line
+    start = codefix.source_lines(source)[0]
+    block = lines[first - start:]
+    pad = len(block[0]) - len(block[0].lstrip())
+    end = next((i for i, ln in enumerate(block) if i and ln.strip() and len(ln) - len(ln.lstrip()) < pad), len(block))
+    block = [ln[pad:] if ln.strip() else "" for ln in block[:end]]
+    tree = None
+    for n in range(len(block), 0, -1):  # the longest prefix that parses (the recorded lines may stop mid-statement)
+        try:
+            tree = ast.parse("\n".join(block[:n]))
+            break
+        except SyntaxError:
+            continue
+    if tree is None or not tree.body:
+        return None
+    out: list[str] = []
+    assigned: set[str] = set()
+    for st in tree.body:
+        for name in read_names(st):
+            if name not in assigned and name not in out:
+                out.append(name)
+        assigned |= {n.id for n in ast.walk(st) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        if isinstance(st, (ast.Return, ast.Raise)):
+            break
+    return [n for n in out if not n.isupper()]
+
+
 def keep_name(taken: set[str]) -> str:
     name, i = "keep", 2
     while name in taken:

@@ -173,15 +173,15 @@ def test_zero_reference_norm_says_the_remedy_is_in_the_data_and_which_rows(runs)
     diag = d["diagnosis"]
     assert diag["cause"] == "normalize_zero_norm"
     fix = diag["fix"]
-    # the ε candidates replayed and still broke (log10 of a zero energy): the row mask is what is shown
-    assert fix["kind"] == "mask_rows" and not fix["edits"], fix
-    assert "did not verify" in fix["verification"] and "remedy is in the data" in fix["code"]
-    keep = re.search(r"keep = (.+?) > 0;", fix["code"]).group(1)
-    assert keep == "ref.pow(2).sum(-1)", fix["code"]
-    # the advice applied: those rows left out of the loss before it is computed, and the loop trains on
-    before = "dot = (est * ref).sum(-1, keepdim=True)"
-    after = f"keep = {keep} > 0\nest, ref = est[keep], ref[keep]\n{before}"
-    _applied(root, "sisnr", {"before": before, "after": after})
+    # the ε candidates replayed and still broke (log10 of a zero energy): the row filter is what is shown, as an
+    # edit above the culprit's statement that leaves out the rows every later line of the loss reads
+    assert fix["kind"] == "mask_rows" and len(fix["edits"]) == 1, fix
+    assert "did not verify" in fix["verification"] and "remedy is in the data" in fix["reasoning"]
+    keep, filtered, line = fix["edits"][0]["after"].splitlines()
+    assert keep.split("  #")[0] == "keep = ref.pow(2).sum(-1) > 0", keep
+    assert filtered == "dot, ref, est = dot[keep], ref[keep], est[keep]", filtered
+    assert fix["edits"][0]["before"] == line.strip()
+    _applied(root, "sisnr", fix)  # applied: those rows left out before the loss is computed, and it trains on
 
 
 def test_log_of_a_softmax_from_the_forward_is_two_edits(runs):

@@ -479,10 +479,10 @@ def _row_filter(s: Site, idx: int, den: str, label: str, kept_dims: bool):
     got = datafix.statement_at(s.source, (s.source or {}).get("line"))
     if got is None:
         return None
-    names = datafix.read_names(got[1])
+    names = datafix.rows_read_from(s.source, s.source["line"])
     if not names:
         return None
-    keep = datafix.keep_name({n.id for n in codefix.ast.walk(got[1]) if isinstance(n, codefix.ast.Name)})
+    keep = datafix.keep_name(set(re.findall(r"[A-Za-z_]\w*", "\n".join(codefix.source_lines(s.source)[1]))))
     expr = f"{den} > 0" if kept_dims or len(shape) == 1 else f"({den} > 0).flatten(1).all(1)"
     lines = datafix.filter_lines(keep, expr, names, f"rows whose {label} is 0: undefined there (the data)")
     return datafix.before_statement(s.source, s.source["line"], lines)
