@@ -25,7 +25,7 @@ from nanreplay.replay import OpRecord
 
 
 def choose_eps(dtype: str, scale: float | None, what: str, *, floor: float | None = None,
-               floor_why: str = "") -> tuple[float, str]:
+               floor_why: str = "", root_clamp: bool = False) -> tuple[float, str]:
     """The epsilon for this dtype and these values, with the reasoning behind it.
 
     eps = the largest power of ten not above finfo(dtype).eps * scale: adding it
@@ -40,13 +40,17 @@ def choose_eps(dtype: str, scale: float | None, what: str, *, floor: float | Non
     """
     fi = torch.finfo(getattr(torch, dtype, torch.float32))
     s = scale if scale and math.isfinite(scale) and scale > 0 else 1.0
-    raw = fi.eps * s
+    raw = fi.eps * s * (fi.eps if root_clamp else 1.0)
     eps = 10.0 ** math.floor(math.log10(raw))
     eps = max(eps, 10.0 ** math.ceil(math.log10(fi.tiny)))  # never below the smallest normal number
     eps = float(f"{eps:.0e}")  # a clean power of ten
     reasoning = (f"eps = {fmt(eps)}: {dtype} resolves about {fi.eps:.1e} relative to the input's scale "
                  f"(|x| up to {s:.3g}), so adding it moves no value that was fine by more than one rounding step, "
                  f"while {what} stays finite")
+    if root_clamp:  # sqrt(x.clamp_min(eps)): values above eps unchanged; a 0 becomes sqrt(eps), below resolution
+        reasoning = (f"eps = {fmt(eps)}: clamp_min leaves every value above it exactly as it was, and turns a 0 into "
+                     f"sqrt(eps) = {math.sqrt(eps):.1g}, which {dtype} (resolution {fi.eps:.1e}) does not tell from 0 "
+                     f"next to the outputs' scale (sqrt of {s:.3g}), while {what} stays finite")
     if floor is not None and math.isfinite(floor) and floor > eps:
         low = eps
         eps = float(f"{10.0 ** math.ceil(math.log10(floor)):.0e}")
@@ -181,7 +185,7 @@ def edge_fix(s: Site, kind: FixKind, scale: float | None, what: str, change_code
              change: Callable[[torch.Tensor, float], torch.Tensor], guidance: Callable[[float], str],
              which: str = "input", arg: int = 0, floor: float | None = None, floor_why: str = "",
              call: int | None = None, scalars: list | None = None, data_eps: float | None = None,
-             root: bool = False) -> list[Fix]:
+             root: bool = False, root_clamp: bool = False) -> list[Fix]:
     """Candidate fixes that change one operand of the culprit call (or of `call`) by an epsilon.
 
     Where the user's line is rewritten, the verification executes the rewritten operand exactly as shown
@@ -195,7 +199,7 @@ def edge_fix(s: Site, kind: FixKind, scale: float | None, what: str, change_code
     `root`: where the operand's value is used by other ops too (a denominator two quotients share), the same
     change is first offered where that value is made — every use fixed at once — then at the culprit's call.
     """
-    eps, why = choose_eps(s.dtype, scale, what, floor=floor, floor_why=floor_why)
+    eps, why = choose_eps(s.dtype, scale, what, floor=floor, floor_why=floor_why, root_clamp=root_clamp)
     call = s.call if call is None else call
     fixes = []
     cands = eps_candidates(eps, why)
@@ -249,6 +253,23 @@ def plus_eps(t: str, e: float) -> str:
 
 def clamp_eps(t: str, e: float) -> str:
     return f"{codefix.paren(t)}.clamp_min({fmt(e)})"
+
+
+HALF = ("float16", "bfloat16")
+
+
+def nonneg_eps(s: Site, what: str) -> tuple[Callable[[str, float], str], Callable[[torch.Tensor, float], torch.Tensor],
+                                              Callable[[float], str]]:
+    """(code, change, words) of the ε for an operand that is never negative where the op is defined (sqrt's, log's,
+    the base of a fractional power). In float32, `x + eps` (the goldens' form). In float16/bfloat16 an ε large
+    enough to keep the gradient finite there is larger than the format's resolution at the healthy values
+    (bfloat16 has 8 bits: 1 + 1e-2 is 1.0078), so `x + eps` moves every value; `x.clamp_min(eps)` leaves every
+    value at or above eps exactly as it was and changes only the ones below it (their gradient is then 0)."""
+    if s.dtype in HALF:
+        return clamp_eps, (lambda t, e: t.clamp_min(e)), \
+            (lambda e: f"clamp {what} at {fmt(e)} from below (in {s.dtype}, + {fmt(e)} would move every healthy "
+                       "value by more than the format resolves)")
+    return plus_eps, (lambda t, e: t + e), (lambda e: f"add {fmt(e)} to {what}")
 
 
 # ------------------------------------------------------------------ root, not site: a value several ops share

@@ -21,8 +21,8 @@ from nanreplay.diagnose.fixes import (
     edge_fix,
     eps_candidates,
     fmt,
+    nonneg_eps,
     operand_fn,
-    plus_eps,
     replace_arg,
     stable_log_patch,
 )
@@ -262,7 +262,7 @@ def _log_zero(s: Site) -> Diagnosis | None:
     if s.forward and x.get("negatives", 0):
         return None  # negatives: the log_of_negative rule
     fixes = edge_fix(s, FixKind.EPSILON, x.get("absmax"), "log(x + eps) and its gradient 1/(x + eps)",
-                     plus_eps, lambda t, e: t + e, lambda e: f"add {fmt(e)} to log's input",
+                     *nonneg_eps(s, "log's input"),
                      floor=1 / s.finfo.max, floor_why="the gradient 1/(x + eps)", data_eps=x.get("absmin_nonzero"))
     what = "-inf in forward" if s.forward else "0/0 = NaN in its backward (grad / x with x = 0)"
     return Diagnosis("log_of_zero", "log of zero",

@@ -10,7 +10,7 @@ import torch
 
 from nanreplay import replay
 from nanreplay.diagnose import codefix
-from nanreplay.diagnose.fixes import clamp_eps, edge_fix, fmt, operand_fn, plus_eps, replace_arg
+from nanreplay.diagnose.fixes import HALF, clamp_eps, edge_fix, fmt, nonneg_eps, operand_fn, plus_eps, replace_arg
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.prose import count, count_in
 from nanreplay.diagnose.site import Site, finite_float, packet
@@ -172,7 +172,7 @@ def _sqrt_zero(s: Site) -> Diagnosis | None:
     amax = finite_float(denom.get("absmax"))
     scale = (amax / 2) ** 2 if amax is not None else None
     fixes = edge_fix(s, FixKind.EPSILON, scale, "the gradient 1/(2*sqrt(x + eps))",
-                     plus_eps, lambda t, e: t + e, lambda e: f"add {fmt(e)} to sqrt's input",
+                     *nonneg_eps(s, "sqrt's input"), root_clamp=s.dtype in HALF,
                      floor=(1 / (2 * s.finfo.max)) ** 2, floor_why="the gradient 1/(2*sqrt(eps))",
                      data_eps=(d / 2) ** 2 if (d := finite_float(denom.get("absmin_nonzero"))) else None)
     return Diagnosis("sqrt_at_zero", "sqrt at zero: infinite gradient",
@@ -229,7 +229,8 @@ def _pow_zero(s: Site) -> Diagnosis | None:
     floor = (abs(a) / fmax) ** (1 / (1 - a)) if a > 0 else (1 / fmax) ** (1 / -a)
     fixes = edge_fix(s, FixKind.EPSILON, x.get("absmax"),
                      f"(x + eps) ** {a:g} and its gradient {a:g} * (x + eps) ** {a - 1:g}",
-                     plus_eps, lambda t, e: t + e, lambda e: f"add {fmt(e)} to the base of ** {a:g}",
+                     *(nonneg_eps(s, f"the base of ** {a:g}") if a != int(a) else
+                       (plus_eps, lambda t, e: t + e, lambda e: f"add {fmt(e)} to the base of ** {a:g}")),
                      floor=floor, floor_why=f"{'the gradient ' if a > 0 else ''}eps ** {a - 1 if a > 0 else a:g}",
                      scalars=[a], data_eps=x.get("absmin_nonzero"))
     if a > 0:
