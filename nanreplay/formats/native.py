@@ -31,8 +31,7 @@ from nanreplay.formats import update_record
 from nanreplay.formats.base import Format, Snapshot
 from nanreplay.formats.dryrun import dry_run, same_objects
 from nanreplay.formats.loss_spec import loss_from_spec, loss_label
-from nanreplay.formats.program import DTYPES, decode
-from nanreplay.formats.program import frame as program_frame
+from nanreplay.formats.program import DTYPES, check_frame, decode
 from nanreplay.formats.rebuild import eager_subject, parse_device
 from nanreplay.formats.stepmodel import StepModule
 from nanreplay.formats.usercode import build_model, resolve_loss
@@ -92,8 +91,8 @@ def _state_dict(v, where):
 def _entry(v, where):
     """The line that gave begin() the batch (capture/snapshot.py entry_record): a program frame's checks."""
     try:
-        return program_frame(v, where or "entry")
-    except SnapshotError as e:
+        return check_frame(v, 0, where or "entry")
+    except Exception as e:  # noqa: BLE001 - the program's own check error, said as a schema error
         raise S.SchemaError(str(e)) from None
 
 

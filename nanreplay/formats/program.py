@@ -278,7 +278,7 @@ def _decode(d: Any) -> Program:
         if not (isinstance(sc, list) and len(sc) == 2):
             raise _Invalid(f"scopes[{i}] must be [module, parent]")
         scopes.append((_int(sc[0], f"scopes[{i}]", 0, max(len(modules) - 1, 0)), _int(sc[1], f"scopes[{i}]", -1, i - 1)))
-    frames = [_frame(f, i) for i, f in enumerate(_list(d.get("frames"), "frames"))]
+    frames = [check_frame(f, i) for i, f in enumerate(_list(d.get("frames"), "frames"))]
     notes = [_str(n, "notes", 2000) for n in _list(d.get("notes", []), "notes")][:20]
     defined: set[int] = set()
     leaves = []
@@ -300,16 +300,8 @@ def _list(v: Any, what: str) -> list:
     return v
 
 
-def frame(f: Any, what: str) -> dict:
-    """One recorded source frame checked (file, line, function, code, context), outside a program (a snapshot's
-    `entry`); SnapshotError names what is wrong."""
-    try:
-        return _frame(f, 0, what)
-    except _Invalid as e:
-        raise SnapshotError(str(e)) from None
-
-
-def _frame(f: Any, i: int, what: str | None = None) -> dict:
+def check_frame(f: Any, i: int, what: str | None = None) -> dict:
+    """One recorded source frame checked (also a snapshot's `entry`, outside a program: `what` names it)."""
     what = what or f"frames[{i}]"
     if not isinstance(f, dict) or set(f) - {"file", "line", "function", "code", "context"}:
         raise _Invalid(f"{what} must be an object with file, line, function, code, context")
