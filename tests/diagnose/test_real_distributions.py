@@ -179,6 +179,7 @@ def test_zero_reference_norm_says_the_remedy_is_in_the_data_and_which_rows(runs)
     assert "did not verify" in fix["verification"] and "remedy is in the data" in fix["reasoning"]
     keep, filtered, line = fix["edits"][0]["after"].splitlines()
     assert keep.split("  #")[0] == "keep = ref.pow(2).sum(-1) > 0", keep
+    assert "[0] in the failing batch" in keep and "rows of 'target' in this batch: [0]" in fix["reasoning"]
     assert filtered == "dot, ref, est = dot[keep], ref[keep], est[keep]", filtered
     assert fix["edits"][0]["before"] == line.strip()
     _applied(root, "sisnr", fix)  # applied: those rows left out before the loss is computed, and it trains on

@@ -452,15 +452,17 @@ def _data_rows(s: Site, idx: int, label: str) -> Fix | None:
         node = codefix.operand(loc.node, "other")
         den = codefix.source_of_nodes(loc.parsed)(node) if node is not None else None
     raw = den
+    rows_at = _zero_rows(s, leaf)
     den = re.sub(r",\s*keepdim\s*=\s*True", "", den) if den else None  # one flag per row
     keep = f"{den} > 0" if den else f"{name}'s {label} > 0"
-    rw = _row_filter(s, idx, den, label, kept_dims=bool(raw) and raw != den) if den else None
+    rw = _row_filter(s, idx, den, label, kept_dims=bool(raw) and raw != den, rows_at=rows_at) if den else None
     return Fix(FixKind.MASK_ROWS, "", verification="not replayed: the remedy is in the data", rewrite=rw,
                reasoning=(f"The {label} is that of the batch's own {name!r}: for a row where it is all zeros (a silent "
                           "reference clip) the quantity is undefined, and an ε only moves the infinity to the next "
                           "op (a projection on a zero vector is 0, and the log of a zero energy follows). The remedy "
                           f"is in the data: leave those rows out of the batch, or out of this loss, before it is "
-                          f"computed."),
+                          f"computed." + (f" The all-zero rows of {leaf[1]!r} in this batch: {rows_at}." if rows_at
+                                          else "")),
                guidance=(f"the remedy is in the data: leave out of this loss the rows where {keep} is false, before "
                          f"it is computed at {s.where} (keep = {keep}; index every per-row tensor of the loss with "
                          "keep), or drop such samples from the dataset; masking the loss after it is computed "
@@ -469,7 +471,16 @@ def _data_rows(s: Site, idx: int, label: str) -> Fix | None:
                              "next op is infinite)"])
 
 
-def _row_filter(s: Site, idx: int, den: str, label: str, kept_dims: bool):
+def _zero_rows(s: Site, leaf: tuple[str, str]) -> list[int]:
+    """The rows (dim 0) of the batch tensor `leaf` that are all zeros: the samples to find in the data."""
+    from nanreplay.replay.subject import batch_tensors
+    t = next((t for n, role, t in batch_tensors(s.subject) if n == leaf[1]), None)
+    if t is None or t.dim() == 0 or not t.is_floating_point():
+        return []
+    return (t.reshape(t.shape[0], -1) == 0).all(1).nonzero().flatten()[:20].tolist()
+
+
+def _row_filter(s: Site, idx: int, den: str, label: str, kept_dims: bool, rows_at: list[int]):
     """The culprit's statement with the zero-norm rows filtered out above it (datafix.py), where the denominator
     is one value per row and every tensor the division reads has those rows first; else None (guidance only)."""
     d, num = s.inp(idx), s.inp(1 - idx)
@@ -484,7 +495,8 @@ def _row_filter(s: Site, idx: int, den: str, label: str, kept_dims: bool):
         return None
     keep = datafix.keep_name(set(re.findall(r"[A-Za-z_]\w*", "\n".join(codefix.source_lines(s.source)[1]))))
     expr = f"{den} > 0" if kept_dims or len(shape) == 1 else f"({den} > 0).flatten(1).all(1)"
-    lines = datafix.filter_lines(keep, expr, names, f"rows whose {label} is 0: undefined there (the data)")
+    lines = datafix.filter_lines(keep, expr, names, f"rows whose {label} is 0 ({rows_at} in the failing batch): undefined "
+                                 "there; find them in the data")
     return datafix.before_statement(s.source, s.source["line"], lines)
 
 
