@@ -28,19 +28,13 @@ _NOT_ROWS = codefix._MODULE_NAMES | {"self", "math", "np", "numpy", "True", "Fal
 
 def read_names(stmt: ast.stmt) -> list[str]:
     """The names a statement reads as values, in order of first use: not the modules it calls through
-    (`torch.log`), not functions it calls, not the names it assigns."""
+    (`torch.log`, `F.mse_loss`), not functions it calls by name, not the names it assigns. A tensor whose methods
+    it calls (`ref.pow(2)`) is read."""
     called = {id(n.func) for n in ast.walk(stmt) if isinstance(n, ast.Call)}
-    bases = set()
-    for n in ast.walk(stmt):  # torch.nn.functional.mse_loss: every name under a called attribute chain
-        if isinstance(n, ast.Attribute) and id(n) in called:
-            v = n.value
-            while isinstance(v, ast.Attribute):
-                v = v.value
-            bases.add(id(v))
     out: list[str] = []
     for n in sorted((n for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)),
                     key=lambda n: (n.lineno, n.col_offset)):
-        if id(n) in called or id(n) in bases or n.id in _NOT_ROWS or n.id in out:
+        if id(n) in called or n.id in _NOT_ROWS or n.id in out:
             continue
         out.append(n.id)
     return out

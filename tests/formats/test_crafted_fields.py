@@ -66,6 +66,13 @@ FIELDS = {
     "a random op that is not a record": (lambda d: d["rerun"].__setitem__("random_ops", ["dropout"]),
                                          "rerun.random_ops[0] must be a dict"),
     "a host that is a list": (lambda d: d["machine"].__setitem__("host", ["host-17"]), "machine.host must be a string"),
+    "an entry frame whose context misses its line": (
+        lambda d: d.__setitem__("entry", {"file": "loop.py", "line": 9, "function": "train", "code": "guard.begin(x)",
+                                          "context": [40, ["guard.begin(x)"]]}), "does not hold the frame's line"),
+    "a construction whose call lies outside its statement": (
+        lambda d: d.__setitem__("constructions", [{"module": "", "file": "m.py", "line": 3, "function": "", "code": "m = 1",
+                                                   "context": [3, ["m = 1"]], "call": [7, 0]}]),
+        "not in its statement's lines"),
     "a float literal beyond float range": (
         lambda d: d.__setitem__("step_program", d["step_program"].replace('"schema"', '"x": 1e400, "schema"', 1)),
         "out of range"),
