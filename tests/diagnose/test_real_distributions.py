@@ -12,8 +12,6 @@ analyzed where the training code cannot be imported, each fix judged by applying
 
 from __future__ import annotations
 
-import re
-
 import pytest
 from isolation import ROOT, apply_and_train, marker_line, train_and_analyze_isolated
 
