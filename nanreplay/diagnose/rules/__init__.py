@@ -16,8 +16,9 @@ from nanreplay.diagnose.rules import (
     roots_powers,
     softmax,
     support,
+    underflow,
     where,
 )
 
 __all__ = ["constants", "division", "domain", "forms", "generic", "logs", "optimizer", "precision", "roots_powers",
-           "softmax", "support", "where"]
+           "softmax", "support", "underflow", "where"]
