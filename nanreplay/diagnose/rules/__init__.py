@@ -15,10 +15,11 @@ from nanreplay.diagnose.rules import (
     precision,
     roots_powers,
     softmax,
+    spectral,
     support,
     underflow,
     where,
 )
 
 __all__ = ["constants", "division", "domain", "forms", "generic", "logs", "optimizer", "precision", "roots_powers",
-           "softmax", "support", "underflow", "where"]
+           "softmax", "spectral", "support", "underflow", "where"]
