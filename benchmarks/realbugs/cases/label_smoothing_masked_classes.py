@@ -1,6 +1,8 @@
 """Label smoothing over logits masked with -inf: the smoothing term averages log_softmax over every class,
 the masked ones included, so it is 0.1/C * (-inf) and the loss is inf. A batch of the task whose label set
-is smaller (its other classes masked out) breaks; the other task's batches mask nothing."""
+is smaller (its other classes masked out) breaks; the other task's batches mask nothing. The chain holds only the
+mask's literal -inf and its propagation (no Inf becomes NaN), so by the culprit's definition (DESIGN.md) the mask's
+line is the culprit; the fix goes on the loss's line."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -18,7 +20,7 @@ class Tagger(nn.Module):
 
     def forward(self, x, allowed):
         logits = self.net(x)
-        return logits.masked_fill(~allowed, float("-inf"))
+        return logits.masked_fill(~allowed, float("-inf"))  # CULPRIT
 
 
 def build():
@@ -35,4 +37,4 @@ def batch(step):
 
 
 def loss_fn(logits, y):
-    return F.cross_entropy(logits, y, label_smoothing=0.1)  # CULPRIT
+    return F.cross_entropy(logits, y, label_smoothing=0.1)

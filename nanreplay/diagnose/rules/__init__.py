@@ -14,6 +14,7 @@ from nanreplay.diagnose.rules import (
     optimizer,
     precision,
     roots_powers,
+    smoothing,
     softmax,
     spectral,
     support,
@@ -22,4 +23,5 @@ from nanreplay.diagnose.rules import (
 )
 
 __all__ = ["constants", "division", "domain", "forms", "generic", "logs", "optimizer", "precision", "roots_powers",
+           "smoothing",
            "softmax", "spectral", "support", "underflow", "where"]
