@@ -10,6 +10,7 @@ from nanreplay.diagnose.rules import (
     domain,
     forms,
     generic,
+    logratio,
     logs,
     optimizer,
     precision,
@@ -22,6 +23,6 @@ from nanreplay.diagnose.rules import (
     where,
 )
 
-__all__ = ["constants", "division", "domain", "forms", "generic", "logs", "optimizer", "precision", "roots_powers",
+__all__ = ["constants", "division", "domain", "forms", "generic", "logratio", "logs", "optimizer", "precision", "roots_powers",
            "smoothing",
            "softmax", "spectral", "support", "underflow", "where"]
