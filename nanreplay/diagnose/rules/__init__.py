@@ -10,6 +10,7 @@ from nanreplay.diagnose.rules import (
     domain,
     forms,
     generic,
+    logcosh,
     logratio,
     logs,
     optimizer,
@@ -23,6 +24,5 @@ from nanreplay.diagnose.rules import (
     where,
 )
 
-__all__ = ["constants", "division", "domain", "forms", "generic", "logratio", "logs", "optimizer", "precision", "roots_powers",
-           "smoothing",
-           "softmax", "spectral", "support", "underflow", "where"]
+__all__ = ["constants", "division", "domain", "forms", "generic", "logcosh", "logratio", "logs", "optimizer",
+           "precision", "roots_powers", "smoothing", "softmax", "spectral", "support", "underflow", "where"]
