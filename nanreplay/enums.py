@@ -96,5 +96,7 @@ class FixKind(StrEnum):
     ZERO_INFINITY = "zero_infinity"  # ctc_loss(..., zero_infinity=True), or filter infeasible samples
     FINITE_FACTOR = "finite_factor"  # 0 * inf: the infinite factor (log p at p = 0) kept at finfo's range
     MASK_ROWS = "mask_rows"  # the remedy is in the data: leave out the rows where the quantity is undefined
+    LOGADDEXP = "logaddexp"  # log(cosh(x)) -> logaddexp(x, -x) - log(2) (diagnose/forms.py)
+    EIGENSPACE = "eigenspace"  # a loss on eigenvectors of a repeated eigenvalue: make it a function of the eigenspace
     FLOAT32_SOFTMAX = "float32_softmax"  # a float16 product computed in float32 up to its softmax (diagnose/upcast.py)
     NONE = "none"

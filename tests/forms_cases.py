@@ -71,6 +71,12 @@ class FormModel(nn.Module):
         lp = (h.view(1, 1, 4) * torch.arange(4.0)).expand(2, 1, 4).log_softmax(-1)
         return F.ctc_loss(lp, TGT, torch.tensor([2]), k[:1].long())  # CULPRIT: ctc_infeasible
 
+    def log_ratio_of_exps(self, h, k):  # NT-Xent written with exps: the first entry's softmax probability, logged
+        return -torch.log(torch.exp(h[0]) / torch.exp(h).sum(-1))  # CULPRIT: log_ratio_of_exps
+
+    def logcosh(self, h, k):  # the log-cosh loss of residuals h
+        return torch.log(torch.cosh(h)).sum()  # CULPRIT: logcosh
+
     def ratio_to_zero_target(self, h, k):  # a relative error (MAPE) with a target of exactly 0
         return ((h - k).abs() / k.abs()).mean()  # CULPRIT: ratio_to_zero_target
 
@@ -89,6 +95,8 @@ ROWS = {
     "segment_softmax": (([100.0, 1.0, 2.0, 0.5], [1.0, 2.0, 3.0, 4.0]), ([3.0, 1.0, 2.0, 0.5], [1.0, 2.0, 3.0, 4.0])),
     "finite_mask": (([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 0.0, 0.0]), ([1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 0.0])),
     "ctc_infeasible": (([1.0, 1.0, 2.0, 0.5], [3.0, 0, 0, 0]), ([1.0, 1.0, 2.0, 0.5], [1.0, 0, 0, 0])),
+    "log_ratio_of_exps": (([100.0, 1.0, 2.0, 0.5], [1.0] * 4), ([3.0, 1.0, 2.0, 0.5], [1.0] * 4)),
+    "logcosh": (([100.0, 1.0, 2.0, 0.5], [1.0] * 4), ([3.0, 1.0, 2.0, 0.5], [1.0] * 4)),
     "ratio_to_zero_target": (([1.0, 1.0, 2.0, 0.5], [0.0, 1.0, 1.0, 1.0]), ([1.0, 1.0, 2.0, 0.5], [2.0, 1.0, 1.0, 1.0])),
 }
 

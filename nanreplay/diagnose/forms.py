@@ -45,6 +45,18 @@ TABLE: dict[str, Form] = {
         "logsumexp subtracts the maximum first: every term is ≤ 1 and at least one is 1, so the sum neither "
         "underflows to 0 (log(0) = -inf) nor overflows; an ε inside the log instead caps the loss of the sample "
         "that underflowed and removes its gradient"),
+    "log_ratio_of_exps": Form(
+        "log(exp(a) / sum(exp(S))), a softmax entry written with exps (NT-Xent / InfoNCE)",
+        "a - torch.logsumexp(S, dim)", FixKind.LOG_SOFTMAX, "log_ratio_of_exps",
+        ("-torch.log(torch.exp(a) / torch.exp(S).sum(d))", "pos = torch.exp(a); neg = torch.exp(S).sum(d); "
+         "-torch.log(pos / neg)"),
+        "a - logsumexp(S) is log(exp(a) / sum(exp(S))) for every input; the exps overflow above ~88 in float32 "
+        "(inf / inf = NaN), and a max subtracted in one exp leaves the other overflowing"),
+    "logcosh": Form(
+        "log(cosh(x)), the log-cosh loss", "torch.logaddexp(x, -x) - log(2)", FixKind.LOGADDEXP, "logcosh",
+        ("torch.log(torch.cosh(pred - y))", "(pred - y).cosh().log()"),
+        "cosh(x) overflows float32 above |x| ≈ 89 while log(cosh(x)) ≈ |x| - log 2 is small; logaddexp(x, -x) "
+        "subtracts the larger exponent first, exact for every x (a clamp of x caps the loss of an outlier)"),
     "log_softmax": Form(
         "log(softmax(x))", "torch.log_softmax(x, dim)", FixKind.LOG_SOFTMAX, "log_softmax",
         ("torch.log(torch.softmax(x, d))", "x.softmax(d).log()", "F.softmax(x, d).log_()"),

@@ -81,7 +81,7 @@ class Fix:
 # replay), so where one replays finite it *is* this step's loss, and the reference other candidates must meet.
 EXACT_KINDS = frozenset({FixKind.XLOGY, FixKind.LOG_SOFTMAX, FixKind.LOGSIGMOID, FixKind.BCE_WITH_LOGITS,
                          FixKind.MAX_SUBTRACTION, FixKind.STABLE_VARIANCE, FixKind.GUARD_EMPTY_REDUCTION,
-                         FixKind.SOFTPLUS, FixKind.LOG1MEXP, FixKind.FINITE_FACTOR})
+                         FixKind.SOFTPLUS, FixKind.LOG1MEXP, FixKind.FINITE_FACTOR, FixKind.LOGADDEXP})
 
 
 @dataclass

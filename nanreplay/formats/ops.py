@@ -104,6 +104,12 @@ binary_cross_entropy_backward
 """.split())
 PACKETS = PACKETS | DOUBLE_BACKWARD
 
+# ---- Added for issue 38 (the real-bug benchmark's spectral losses): torch.linalg.eigh records `_linalg_eigh`. Its
+# kernel checks its own input (a square float matrix or a batch of them) before LAPACK sees it, and its one string,
+# UPLO, is checked below as well; its backward is made of elementwise ops and matmuls already on the list.
+LINALG_38 = frozenset("_linalg_eigh".split())
+PACKETS = PACKETS | LINALG_38
+
 # (op packet, argument) -> allowed values (a frozenset) or a full-match regex.
 STRING_ARGS: dict[tuple[str, str], frozenset[str] | re.Pattern] = {
     ("div", "rounding_mode"): frozenset({"trunc", "floor"}),
@@ -122,6 +128,7 @@ STRING_ARGS: dict[tuple[str, str], frozenset[str] | re.Pattern] = {
     ("pad", "mode"): frozenset({"constant", "reflect", "replicate", "circular"}),
     ("norm", "p"): frozenset({"fro"}),
     ("linalg_norm", "ord"): frozenset({"fro", "nuc"}),
+    ("_linalg_eigh", "UPLO"): frozenset({"L", "U"}),
 }
 
 

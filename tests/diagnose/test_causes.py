@@ -80,7 +80,6 @@ NO_REWRITE = {
     "exploded_norm": "the weights are the problem, not a line",
     "bf16_overflow": "the weights are the problem, not a line",
     "vae_pixels": "no bound is guessed for the exp: the fix is guidance",
-    "mha_all_padding": "the -inf is made inside torch (nn.MultiheadAttention): an op-level patch, shown as guidance",
 }
 
 

@@ -88,14 +88,16 @@ def test_a_line_fix_is_replayed_at_every_call_of_the_line(run_case):
     assert alone.ok is False and "blocks.1" in alone.detail
 
 
-def test_an_op_made_inside_torch_is_an_op_level_patch_in_words(run_case):
-    """nn.MultiheadAttention masks with -inf inside torch: there is no line of the user's to rewrite. The
-    fix is guidance naming what the user wrote, tested as an op-level patch — never `scores = scores...`."""
+def test_a_boolean_mask_torch_turns_into_minus_inf_is_fixed_on_the_users_call(run_case):
+    """nn.MultiheadAttention makes the -inf inside torch, from the boolean key_padding_mask the user's call passes:
+    the edit is that call, passing the mask as the float mask torch would make, with finfo.min for -inf. It is
+    replayed by the op-level patch at torch's masked_fill, the same arithmetic (never `scores = scores...`)."""
     d = run_case("mha_all_padding")[0].to_json()
     fix = d["diagnosis"]["fix"]
-    assert fix["tested_as"] == "op" and fix["verified"] is True and "op-level patch" in fix["verification"]
-    assert fix["code"].startswith("# ") and "scores" not in fix["code"]
-    assert "masked_fill" in fix["code"] and f"causes.py:{causes.CASES.marker_line('mha_all_padding')}" in fix["code"]
+    assert fix["verified"] is True and "scores" not in fix["code"]
+    assert fix["after"] == ("h, _ = self.mha(x, x, x, key_padding_mask=torch.zeros_like(pad, dtype=x.dtype)"
+                            ".masked_fill(pad, torch.finfo(x.dtype).min))  # CULPRIT: mha_all_padding"), fix
+    assert fix["before"] == "h, _ = self.mha(x, x, x, key_padding_mask=pad)  # CULPRIT: mha_all_padding"
 
 
 def test_the_changed_operand_is_executed_as_shown():

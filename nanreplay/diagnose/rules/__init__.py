@@ -10,14 +10,19 @@ from nanreplay.diagnose.rules import (
     domain,
     forms,
     generic,
+    logcosh,
+    logratio,
     logs,
     optimizer,
     precision,
     roots_powers,
+    smoothing,
     softmax,
+    spectral,
     support,
+    underflow,
     where,
 )
 
-__all__ = ["constants", "division", "domain", "forms", "generic", "logs", "optimizer", "precision", "roots_powers",
-           "softmax", "support", "where"]
+__all__ = ["constants", "division", "domain", "forms", "generic", "logcosh", "logratio", "logs", "optimizer",
+           "precision", "roots_powers", "smoothing", "softmax", "spectral", "support", "underflow", "where"]

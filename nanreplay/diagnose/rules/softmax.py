@@ -11,7 +11,7 @@ import torch
 from nanreplay.diagnose import codefix, exproot
 from nanreplay.diagnose.fixes import finite_mask, operand_fn, replace_arg
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
-from nanreplay.diagnose.site import Site, packet
+from nanreplay.diagnose.site import Site, library_of, packet
 from nanreplay.enums import FixKind
 from nanreplay.replay import OpRecord, frame_json
 from nanreplay.stats import num
@@ -158,7 +158,8 @@ def _masked_row(s: Site) -> Diagnosis | None:
     recs = list({id(r): r for r in (s.step.ops[e.fwd] for e in lits) if r.call}.values())
     rws, calls = [], set()
     for r in recs:
-        rw = s.rewrite(lambda src, node: _finite_mask_text(src, node, s.dtype), r.call)
+        rw = s.rewrite(lambda src, node: _finite_mask_text(src, node, s.dtype), r.call) or \
+            _mask_argument_rewrite(s, r.call)  # torch made the -inf from a boolean mask the user's call passed
         calls.update(s.line_calls(r.call) if rw is not None else s.same_site(r.call))  # every layer that makes it
         if rw and all(rw.before != o.before for o in rws):
             rws.append(rw)
@@ -220,3 +221,49 @@ def _finite_mask_text(src, node, dtype: str, is_inf=_is_neg_inf) -> str | None:
     if a is None or whole[a:a + len(src(lit))] != src(lit):
         return None
     return whole[:a] + value + whole[a + len(src(lit)):]
+
+
+_MASK_KWARGS = ("key_padding_mask", "src_key_padding_mask", "tgt_key_padding_mask", "memory_key_padding_mask",
+                "attn_mask", "src_mask", "tgt_mask", "memory_mask")
+
+
+def _float_mask_text(src, node, dtype: str) -> str | None:
+    """attn(q, k, v, key_padding_mask=pad) -> the same call with pad passed as a float mask that holds
+    finfo(dtype).min where pad is True. torch turns a boolean mask into -inf itself (nn.MultiheadAttention,
+    nn.Transformer*), inside its own code: the line the user can edit is the call that passes the mask.
+    scaled_dot_product_attention reads a boolean mask the other way round (True: attend)."""
+    ast = codefix.ast
+    if not isinstance(node, ast.Call):
+        return None
+    kw = next((k for k in node.keywords if k.arg in _MASK_KWARGS), None)
+    if kw is None or not isinstance(kw.value, (ast.Name, ast.Attribute, ast.Subscript)):
+        return None
+    m = src(kw.value)
+    q = node.args[0] if node.args else None
+    ref = f"{src(q)}.dtype" if isinstance(q, (ast.Name, ast.Attribute)) else f"torch.{dtype}"
+    fill = f"~{codefix.paren(m)}" if (codefix._callee(node) or "").endswith("scaled_dot_product_attention") else m
+    value = f"torch.zeros_like({m}, dtype={ref}).masked_fill({fill}, torch.finfo({ref}).min)"
+    whole = src(node)
+    a, b = kw.value.col_offset - node.col_offset, kw.value.end_col_offset - node.col_offset
+    if kw.value.lineno != node.lineno or kw.value.end_lineno != node.lineno or whole[a:b] != m:
+        return None
+    return whole[:a] + value + whole[b:]
+
+
+def _mask_argument_rewrite(s: Site, call: int) -> codefix.Rewrite | None:
+    """The user's line that called into torch with a boolean mask (`self.attn(h, h, h, key_padding_mask=pad)`),
+    rewritten to pass it as a finite float mask: the one call on that line with such a keyword."""
+    src = s.source_of(call)
+    if not src or library_of(src.get("recorded_path") or src.get("file") or ""):
+        return None
+    got = codefix.source_lines(src)
+    parsed = codefix._parse(got[0], got[1], src["line"], whole=not src.get("context")) if got else None
+    if parsed is None:
+        return None
+    rel = parsed.rel(src["line"])
+    nodes = [n for n in codefix.ast.walk(parsed.tree) if isinstance(n, codefix.ast.Call) and n.lineno == rel
+             and any(k.arg in _MASK_KWARGS for k in n.keywords)]
+    if len(nodes) != 1:
+        return None
+    new = _float_mask_text(codefix.source_of_nodes(parsed), nodes[0], s.dtype)
+    return codefix.splice(src, codefix.Located(nodes[0], parsed), [(nodes[0], new)], src["line"]) if new else None
