@@ -49,6 +49,9 @@ class Fix:
     patched_ops: list[str] = field(default_factory=list)  # the ops (calls) the patch applied to in its replay
     edits: list[dict] = field(default_factory=list)  # every line the fix changes, in source order: {file, line,
                                                      # before, after}; before/after above is the culprit line's
+    settings: dict | None = None  # what the fix sets where the run's optimizer / scheduler / autocast was made
+                                  # ({"lr": 0.3}, {"eps": 1e-4}, {"schedule_cap": 1.0}, {"autocast_dtype": ...}):
+                                  # an edit of that line where the snapshot recorded it (diagnose/sitefix.py)
     rewrite: InitVar[codefix.Rewrite | None] = None  # the user's line rewritten: becomes code/before/after
 
     def __post_init__(self, rewrite: codefix.Rewrite | None) -> None:
@@ -74,6 +77,7 @@ class Fix:
                 "verification": self.verification, "reasoning": self.reasoning, "before": self.before,
                 "after": self.after, "edits": [dict(e) for e in self.edits], "replay": self.replay, "tested_as": self.tested_as,
                 "patched_calls": sorted(self.patch) if self.patch else [], "patched_ops": list(self.patched_ops),
+                "settings": dict(self.settings) if self.settings else None,
                 "alternatives": [{"code": a, "tested": False, "label": "untested"} for a in self.alternatives]}
 
 

@@ -88,6 +88,11 @@ def _state_dict(v, where):
         raise S.SchemaError(f"{where} must be a dict, not a {type(v).__name__}")
     return S.batch_tree(v, where)
 
+# where the optimizer, scheduler and autocast were made (capture/sites.py): data, re-checked before any rewrite
+_SITE = S.record({"what": S.one_of("optimizer", "scheduler", "autocast"), "class": S.string(100),
+                  "file": S.string(4096), "line": S.integer(1, 10**7), "call_line": S.optional(S.integer(1, 10**7)),
+                  "text": S.string(4000), "values": S.optional(S.dict_of(S.number, limit=16)),
+                  "evidence": S.optional(S.string(1000))}, required=("what", "class", "file", "line", "text"))
 _FRAME = S.record({"file": S.string(4096), "line": S.integer(0), "function": S.optional(S.string(1000)),
                    "code": S.optional(S.string(2000))})  # a source line the guard saw (capture/flow.py)
 FIELDS_V2: dict[str, S.Checker] = {
@@ -123,7 +128,7 @@ FIELDS_V2: dict[str, S.Checker] = {
     "update": S.optional(update_record.check),
     "rng": S.optional(_RNG), "autocast": S.optional(_AUTOCAST), "environment": S.optional(_ENV),
     "history": S.optional(S.list_of(_HISTORY_ROW, 100_000)), "notes": S.optional(S.list_of(S.string(2000), 50)),
-    "rerun": S.optional(_RERUN), "machine": S.optional(_MACHINE),
+    "rerun": S.optional(_RERUN), "machine": S.optional(_MACHINE), "sites": S.optional(S.list_of(_SITE, 16)),
 }
 REQUIRED_V2 = ("format", "version", "batch", "state", "parameters")
 
