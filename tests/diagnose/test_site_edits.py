@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from clirun import one_line_error
+from clirun import run as run_cli
 from isolation import ROOT, analyze_isolated
 
 from tolerance import close
@@ -106,3 +108,51 @@ def test_a_lambda_schedule_that_returns_inf_is_clamped_where_the_scheduler_is_ma
     before, after = runs[1]["sched"], runs[2]["sched"]
     assert not before["finite"] and after["finite"] and len(after["losses"]) == 8, (before, after)
     assert all(close(a, b) for a, b in zip(before["losses"][:3], after["losses"][:3], strict=True)), (before, after)
+
+
+# ---------------------------------------------------------------- a crafted snapshot's sites are data, never code
+
+SITE = {"what": "optimizer", "class": "SGD", "file": "/home/u/train.py", "line": 12,
+        "text": "    opt = torch.optim.SGD(model.parameters(), lr=3.0)", "values": {"lr": 3.0}, "evidence": "lr=3"}
+
+
+def _attached(*sites: dict) -> tuple[dict, list[str]]:
+    from nanreplay.diagnose import sitefix
+    diag = {"cause": "training_diverged", "fix": {"kind": "lower_lr_clip_grads", "code": "# lower it",
+                                                   "edits": [], "settings": {"lr": 0.1}, "verified": None}}
+    warnings: list[str] = []
+    sitefix.attach(diag, {"optimizer": {"class": "SGD"}, "sites": list(sites)}, warnings)
+    return diag["fix"], warnings
+
+
+def test_a_recorded_optimizer_site_becomes_an_edit_of_its_literal_and_nothing_else():
+    fix, warnings = _attached(SITE)
+    assert warnings == [] and fix["edits"] == [{"file": "/home/u/train.py", "line": 12,
+                                                "before": "opt = torch.optim.SGD(model.parameters(), lr=3.0)",
+                                                "after": "opt = torch.optim.SGD(model.parameters(), lr=0.1)"}]
+    assert fix["code"].startswith("# train.py:12\nopt = torch.optim.SGD(") and fix["code"].endswith("# lower it")
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"text": "    opt = __import__('os').system('x') or torch.optim.SGD(p, lr=3.0)"}, "its text names"),
+    ({"text": "    opt = torch.optim.SGD(p, lr=3.0); eval(s)"}, "not one assignment"),
+    ({"text": "    import os"}, "not one assignment"),
+    ({"text": "    opt = torch.optim.SGD(p, lr=3.0"}, "not a Python statement"),
+    ({"file": "/etc/passwd"}, "not a .py file"),
+    ({"file": "train.py\x1b[2J"}, "not a .py file"),
+    ({"class": "Adam", "text": "    opt = torch.optim.Adam(p, lr=3.0)"}, "not the run's SGD"),
+    ({"values": {"lr": 0.5}}, "not the values recorded"),
+    ({"text": "\n".join(["    opt = torch.optim.SGD("] + ["        p,"] * 30 + ["        lr=3.0)"])}, "lines long"),
+])
+def test_a_crafted_site_is_left_out_with_one_line_saying_why(change, why):
+    fix, warnings = _attached({**SITE, **change})
+    assert fix["edits"] == [] and "before" not in fix, fix  # the advice stays advice
+    assert len(warnings) == 1 and why in warnings[0] and "\n" not in warnings[0], warnings
+
+
+def test_a_site_of_the_wrong_type_refuses_the_snapshot_with_one_line(tmp_path, runs):
+    path = tmp_path / "crafted.pt"
+    d = torch.load(runs[3]["sched"], weights_only=True)
+    d["sites"] = [{**SITE, "line": "12"}]
+    torch.save(d, path)
+    one_line_error(run_cli("analyze", path, cwd=tmp_path), 2, "sites[0].line")
