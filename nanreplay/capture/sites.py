@@ -86,14 +86,16 @@ def literals(call: ast.Call, keys: tuple[str, ...], lr_position: int | None = No
     return out
 
 
-def dtype_named(call: ast.Call) -> str | None:
-    """The low-precision dtype an autocast call names (`torch.float16`, `"float16"`, `torch.half`), if one."""
+def dtypes_named(call: ast.Call) -> set[str]:
+    """The low-precision dtypes an autocast call names (`torch.float16`, `"float16"`, `torch.half`; both arms of
+    `torch.bfloat16 if bf16 else torch.float16`)."""
+    out = set()
     for n in ast.walk(call):
         if isinstance(n, ast.Attribute) and n.attr in _HALF_NAMES:
-            return _HALF_NAMES[n.attr]
+            out.add(_HALF_NAMES[n.attr])
         if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in _HALF_NAMES:
-            return _HALF_NAMES[n.value]
-    return None
+            out.add(_HALF_NAMES[n.value])
+    return out
 
 
 def _same(a: float, b: Any) -> bool:
@@ -162,7 +164,7 @@ def _judge(what: str, want: dict, call: ast.Call) -> tuple[int, dict, str] | Non
         if name != want["class"]:
             return None
         return 0, {}, f"the `{name}(` call: the run's scheduler is a {name}"
-    if name != "autocast" or dtype_named(call) != want["dtype"]:
+    if name != "autocast" or want["dtype"] not in dtypes_named(call):
         return None
     return 1, {}, f"`autocast(` naming {want['dtype']}; the step ran under {want['dtype']} autocast"
 

@@ -61,10 +61,55 @@ def make_sched(model):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: float(torch.tensor(BAD - s).float().rsqrt()))
 
 
+class Mixer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(4, 64), nn.Linear(64, 1)
+
+    def forward(self, x):
+        h = self.body(x)
+        att = (h @ h.transpose(-2, -1)).softmax(-1)  # float16 under autocast: scores past 65504 are inf
+        return self.head(att @ h)
+
+
+def mixer_batch(step, dtype=torch.float32):
+    g = torch.Generator().manual_seed(500 + step)
+    x, y = torch.randn(2, 6, 4, generator=g), torch.randn(2, 6, 1, generator=g)
+    return (x * 80 if step == BAD else x), y  # a batch of larger features
+
+
+def autocast_run(folder=None):
+    torch.manual_seed(0)
+    model = Mixer()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = None
+    if folder is not None:
+        from nanreplay import NanGuard
+        guard = NanGuard(model, opt, loss_fn=F.mse_loss, folder=folder)
+    losses = []
+    for step in range(STEPS):
+        x, y = mixer_batch(step)
+        if guard:
+            guard.begin(x, y, step=step)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.mse_loss(model(x), y)
+        losses.append(loss.item())
+        if guard and not guard.loss_ok(loss):
+            return guard
+        loss.backward()
+        if guard and not guard.grads_ok():
+            return guard
+        opt.step()
+    return {"losses": losses, "finite": all(math.isfinite(v) for v in losses)}
+
+
 LOOPS = {"sgd": (AutoEncoder, make_sgd, ae_batch), "adam": (Net, make_adam, batch), "sched": (Net, make_sched, batch)}
 
 
 def run(kind, folder=None):
+    if kind == "autocast":
+        return autocast_run(folder)
     torch.manual_seed(0)
     make_model, make_opt, batch_of = LOOPS[kind]
     model = make_model()

@@ -19,7 +19,7 @@ from isolation import ROOT, analyze_isolated
 from tolerance import close
 
 HERE = Path(__file__).resolve().parent
-KINDS = ("sgd", "adam", "sched")
+KINDS = ("sgd", "adam", "sched", "autocast")
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 TEXT = (HERE / "sitetrain.py").read_text()
 
@@ -108,6 +108,18 @@ def test_a_lambda_schedule_that_returns_inf_is_clamped_where_the_scheduler_is_ma
     before, after = runs[1]["sched"], runs[2]["sched"]
     assert not before["finite"] and after["finite"] and len(after["losses"]) == 8, (before, after)
     assert all(close(a, b) for a, b in zip(before["losses"][:3], after["losses"][:3], strict=True)), (before, after)
+
+
+
+def test_a_float16_autocast_that_overflows_becomes_bfloat16_on_the_autocast_line(runs):
+    d = runs[0]["autocast"]["diagnosis"]
+    assert d["cause"] == "fp16_overflow" and d["fix"]["kind"] == "bf16_or_grad_scaler" and d["fix"]["verified"] is True
+    e = _edit(runs, "autocast", 'with torch.autocast("cpu", dtype=torch.float16):')
+    assert e["after"] == 'with torch.autocast("cpu", dtype=torch.bfloat16):'
+    before, after = runs[1]["autocast"], runs[2]["autocast"]
+    assert not before["finite"] and after["finite"] and len(after["losses"]) == 8, (before, after)
+    # a dtype change moves every value by up to its rounding: the healthy losses agree to bfloat16's resolution
+    assert all(abs(a - b) <= 2 ** -7 * abs(a) for a, b in zip(before["losses"][:3], after["losses"][:3], strict=True))
 
 
 # ---------------------------------------------------------------- a crafted snapshot's sites are data, never code
