@@ -73,11 +73,16 @@ class Fix:
             self.tested_as = "line" if rewrite is not None or self.after else "op"
 
     def to_json(self) -> dict:
+        out = self._json()
+        if self.settings:  # only where the fix sets something where the run was made (docs/json.md)
+            out["settings"] = dict(self.settings)
+        return out
+
+    def _json(self) -> dict:
         return {"kind": self.kind.value, "code": self.code, "epsilon": self.epsilon, "verified": self.verified,
                 "verification": self.verification, "reasoning": self.reasoning, "before": self.before,
                 "after": self.after, "edits": [dict(e) for e in self.edits], "replay": self.replay, "tested_as": self.tested_as,
                 "patched_calls": sorted(self.patch) if self.patch else [], "patched_ops": list(self.patched_ops),
-                "settings": dict(self.settings) if self.settings else None,
                 "alternatives": [{"code": a, "tested": False, "label": "untested"} for a in self.alternatives]}
 
 

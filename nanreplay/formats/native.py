@@ -8,6 +8,7 @@ next to the tensors it names, each stored once:
     parameters, aliases (tied names), model_training, constants, step_program, program_error,
     model {class, factory, factory_source, arguments}, loss_spec, optimizer, rng, autocast, environment,
     history, notes, rerun (the guard's re-run beside the training step), machine (host, device, run),
+    sites (where the optimizer, scheduler and autocast were made: text re-checked, never run; docs/sites.md),
     update (trigger "update" only: what a replay of the optimizer step needs,
     formats/update_record.py; the `state` of such a snapshot holds the weights before the update)
 
