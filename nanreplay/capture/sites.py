@@ -156,7 +156,7 @@ def _judge(what: str, want: dict, call: ast.Call) -> tuple[int, dict, str] | Non
             ok = any(_same(v, x) for x in want["lr"]) if k == "lr" else _same(v, want.get(k))
             if not ok:
                 return None  # a literal the run's optimizer does not have: another optimizer's line
-            agree.append(f"{k}={v:g}")
+            agree.append(f"{({'lr': 'learning_rate', 'eps': 'adam_epsilon'} if hf else {}).get(k, k)}={v:g}")
         if not agree:
             return None  # `lr=lr`: nothing on the line says it made this optimizer, and the line may make others
         return len(agree), vals, f"`{name}(` with {', '.join(agree)}, as the run's {want['class']} has"
