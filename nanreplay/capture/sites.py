@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 MAX_FILES = 8
-MAX_BYTES = 2_000_000
+MAX_BYTES = 1_000_000
 MAX_LINES = 20  # the longest statement recorded
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -123,11 +123,12 @@ def _calls(tree: ast.AST):
         stack.extend((c, stmt) for c in ast.iter_child_nodes(node))
 
 
-def _wanted(optimizer: Any, scheduler: Any, autocast: dict | None) -> dict[str, Any]:
+def _wanted(optimizer: Any, scheduler: Any, autocast: dict | None, history: list | None) -> dict[str, Any]:
     want: dict[str, Any] = {}
     if optimizer is not None and getattr(optimizer, "param_groups", None):
         g = optimizer.param_groups[0]
-        lrs = [v for v in (g.get("initial_lr"), g.get("lr")) if isinstance(v, (int, float))]
+        logged = [r.get(k) for r in (history or [])[:1] if isinstance(r, dict) for k in ("base_lr", "lr")]
+        lrs = [v for v in (g.get("initial_lr"), g.get("lr"), *logged) if isinstance(v, (int, float))]
         want["optimizer"] = {"class": type(optimizer).__name__, "lr": lrs, "eps": g.get("eps"),
                              "momentum": g.get("momentum"), "weight_decay": g.get("weight_decay")}
     if scheduler is not None:
@@ -169,16 +170,21 @@ def _judge(what: str, want: dict, call: ast.Call) -> tuple[int, dict, str] | Non
     return 1, {}, f"`autocast(` naming {want['dtype']}; the step ran under {want['dtype']} autocast"
 
 
-def find(files: list[str], optimizer: Any, scheduler: Any, autocast: dict | None) -> list[dict]:
-    """The construction sites in `files`, each with its evidence; none for a kind that is missing or ambiguous."""
-    want = _wanted(optimizer, scheduler, autocast)
+def find(files: list[str], optimizer: Any, scheduler: Any, autocast: dict | None,
+         history: list | None = None) -> list[dict]:
+    """The construction sites in `files`, each with its evidence; none for a kind that is missing or ambiguous.
+    The rate on the line may be the one the first logged step trained at (`history`): the rate was changed since."""
+    want = _wanted(optimizer, scheduler, autocast, history)
     if not want:
         return []
     found: dict[str, list[tuple[int, dict]]] = {k: [] for k in want}
+    budget = MAX_BYTES  # all files together: parsing costs ~4 µs a byte, paid only when a snapshot is written
     for path in files:
         lines = linecache.getlines(path)
-        if not lines or sum(map(len, lines)) > MAX_BYTES:
+        size = sum(map(len, lines))
+        if not lines or size > budget:
             continue
+        budget -= size
         try:
             tree = ast.parse("".join(lines))
         except (SyntaxError, ValueError, RecursionError, MemoryError):
@@ -209,9 +215,10 @@ def find(files: list[str], optimizer: Any, scheduler: Any, autocast: dict | None
     return out
 
 
-def record(model: Any, optimizer: Any, scheduler: Any, autocast: dict | None) -> list[dict] | None:
+def record(model: Any, optimizer: Any, scheduler: Any, autocast: dict | None,
+           history: list | None = None) -> list[dict] | None:
     """The `sites` field, or None where it cannot be read (never raises into the loop)."""
     try:
-        return find(user_files(model, depth=1), optimizer, scheduler, autocast)
+        return find(user_files(model, depth=1), optimizer, scheduler, autocast, history)
     except Exception:  # noqa: BLE001 - a snapshot without sites is still a snapshot
         return None

@@ -316,7 +316,7 @@ def build(*, model: nn.Module, wrapped: nn.Module, state: StepState, trigger: st
         "rerun": extra.get("rerun"),  # the guard's re-run beside the training step (capture/rerun.py)
         "machine": extra.get("machine"),  # which host, device and run wrote it
         # where the optimizer, scheduler and autocast were made, with evidence (capture/sites.py)
-        "sites": sites.record(model, optimizer, scheduler, autocast),
+        "sites": sites.record(model, optimizer, scheduler, autocast, history),
     }
     # only data: whatever training code left in these fields (numpy scalars from a schedule, enums, ...) becomes
     # plain values, so the file loads with weights_only=True and no pickled object (the batch is copied above)

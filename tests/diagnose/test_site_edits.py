@@ -168,3 +168,21 @@ def test_a_site_of_the_wrong_type_refuses_the_snapshot_with_one_line(tmp_path, r
     d["sites"] = [{**SITE, "line": "12"}]
     torch.save(d, path)
     one_line_error(run_cli("analyze", path, cwd=tmp_path), 2, "sites[0].line")
+
+
+# ---------------------------------------------------------------- at capture: a site only with evidence, never a guess
+
+@pytest.mark.parametrize(("code", "found"), [
+    ("a = torch.optim.SGD(p, lr=0.1)\nb = torch.optim.SGD(q, lr=0.5)\n", 1),   # told apart by the literal rate
+    ("a = torch.optim.SGD(p, lr=0.1)\nb = torch.optim.SGD(q, lr=0.1)\n", None),  # two equal candidates: neither
+    ("a = torch.optim.SGD(p, lr=lr)\n", None),  # no literal: nothing says this line made this optimizer
+    ("a = torch.optim.SGD(p, 0.1, momentum=0.5)\n", None),  # a literal the run's optimizer does not have
+    ("a = torch.optim.Adam(p, lr=0.1)\nb = torch.optim.SGD(q, 0.1)\n", 2),  # another class; a positional rate
+])
+def test_the_guard_records_an_optimizer_site_only_where_one_call_has_the_runs_literals(tmp_path, code, found):
+    from nanreplay.capture import sites
+    f = tmp_path / "loop.py"
+    f.write_text(code)
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    got = [s for s in sites.find([str(f)], opt, None, None) if s["what"] == "optimizer"]
+    assert [s["line"] for s in got] == ([found] if found else []), got
