@@ -56,6 +56,8 @@ def _check(d: dict, optimizer_class: str | None) -> _Site | str:
         return "its file is not a .py file"
     if not isinstance(text, str) or not text.strip() or _CONTROL.search(text.replace("\t", " ")):
         return "its text is empty or holds control characters"
+    if not isinstance(cls, str) or not cls.isidentifier() or _CONTROL.search(str(d.get("evidence") or "")):
+        return "its class is not a name, or its evidence holds control characters"
     lines = text.split("\n")
     if len(lines) > MAX_LINES:
         return f"its text is {len(lines)} lines long"

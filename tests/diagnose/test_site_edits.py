@@ -154,6 +154,8 @@ def test_a_recorded_optimizer_site_becomes_an_edit_of_its_literal_and_nothing_el
     ({"file": "train.py\x1b[2J"}, "not a .py file"),
     ({"class": "Adam", "text": "    opt = torch.optim.Adam(p, lr=3.0)"}, "not the run's SGD"),
     ({"values": {"lr": 0.5}}, "not the values recorded"),
+    ({"evidence": "lr=3\x1b]0;owned\x07"}, "evidence holds control characters"),
+    ({"class": "SGD(x); os"}, "class is not a name"),
     ({"text": "\n".join(["    opt = torch.optim.SGD("] + ["        p,"] * 30 + ["        lr=3.0)"])}, "lines long"),
 ])
 def test_a_crafted_site_is_left_out_with_one_line_saying_why(change, why):
