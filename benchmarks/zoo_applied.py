@@ -18,7 +18,10 @@ judging is stricter than benchmarks/zoo.py's:
    `apply_fix`) — trains every step with every loss and gradient finite, the steps before the fault giving the
    losses they gave unpatched, and (site faults) the patched line giving the unpatched line's values on the
    healthy samples (to 1e-4 of their scale in float32, one rounding step in bf16). A fix with no edit is
-   "advice" and not right.
+   "advice" and not right. A fix that makes float16 autocast bfloat16 (an edit of the line that made the autocast
+   context) moves the healthy losses by bfloat16's rounding: they must agree to 2^-7 instead of 1e-4. The edit is
+   applied in whichever of the user's files holds its `before` line, the culprit's file first (the optimizer's
+   line is in the loop's file).
 
 The subset: every fault kind × `PER_KIND` architectures, rotated over `ARCHS` (one per family: decoder, encoder,
 encoder-decoder, MoE, state-space, vision, audio, CNN, RNN, torch.nn, diffusion, loss) and over the kind's
@@ -214,7 +217,9 @@ class Judge:
             return
         n = len(tr.get("losses") or [])
         healthy = range(min(n, len(fixed.get("losses") or []), 2))  # zoo.FAULT_STEP: the steps before the fault
-        same = all(abs(fixed["losses"][i] - tr["losses"][i]) <= 1e-4 * max(1.0, abs(tr["losses"][i]))
+        # a fix that changes the autocast dtype moves every value by up to that dtype's rounding (bfloat16: 2^-7)
+        tol = 2.0 ** -7 if (fix.get("settings") or {}).get("autocast_dtype") == "bfloat16" else 1e-4
+        same = all(abs(fixed["losses"][i] - tr["losses"][i]) <= tol * max(1.0, abs(tr["losses"][i]))
                    for i in healthy)
         h = fixed.get("healthy")
         if h is not None:

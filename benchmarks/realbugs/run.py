@@ -15,6 +15,9 @@ the code the thread shows. For each case:
    case's steps with every loss and gradient finite and the steps before the bad batch giving the losses they
    gave unpatched (to a relative 1e-4: the fix changed nothing healthy). A fix that is advice, not a line (an
    lr, a flag elsewhere), is counted as "advice"; `verified` is reported beside, never used to judge.
+   An edit of the learning rate, in a case whose cause is the run's rate (EXPECT_CAUSES), changes every loss
+   after the first update by design: there the first loss must be unchanged and the fixed run must learn (its
+   last loss below its first).
 """
 
 from __future__ import annotations
@@ -172,10 +175,16 @@ def judge(name: str, keep: bool = False) -> dict:
                 return row
             broke_at = len(run["losses"]) - 1 if run["stop"] else len(run["losses"])  # its last loss is the failure
             healthy = range(min(case.BAD_STEP, broke_at, len(fixed["losses"])))
+            rate = bool(expect) and "lr" in (fix.get("settings") or {})
+            if rate:  # an edit of the run's learning rate changes every loss after the first update by design:
+                healthy = range(1)  # only the first loss must be unchanged, and the fixed run must learn (below)
             # unchanged within float32 noise: an epsilon or an exact form may move the last bits of a healthy value
             same = all(abs(fixed["losses"][i] - run["losses"][i]) <= 1e-4 * max(1.0, abs(run["losses"][i]))
                        for i in healthy)
             trained = fixed["stop"] is None and len(fixed["losses"]) == case.STEPS
+            if rate:
+                row["judged"] = "a rate: the first loss unchanged, the last below the first"
+                trained = trained and fixed["losses"][-1] < fixed["losses"][0]
             row["fix"] = "right" if (trained and same) else \
                 ("healthy values changed" if trained else f"still breaks ({fixed['stop']})")
         else:

@@ -29,7 +29,7 @@ from nanreplay.analysis.contract import (
     forward_inputs_json,
     precision_sentence,
 )
-from nanreplay.diagnose import broadcast
+from nanreplay.diagnose import broadcast, sitefix
 from nanreplay.diagnose.plausible import history_rows
 from nanreplay.diagnose.site import finite_float
 from nanreplay.diagnose.update import diagnose_update
@@ -200,6 +200,7 @@ def analyze_subject(snap, subject: Subject, *, path, invocation: dict, verify: b
     tell("culprit", result)
     machine.attach(result, snap, subject.device, step, culprit_found=c is not None)  # reads the guard's re-run record
     result.diagnosis = diagnose.diagnose(result, subject, step, c, chain, verify_fixes=verify)
+    sitefix.attach(result.diagnosis, getattr(snap, "raw", None) or {}, result.warnings)  # an lr, eps: its line
     flow_found = result.diagnosis.pop("gradient_flow", None)  # a dead-gradient snapshot (diagnose/flow.py)
     if flow_found is not None:
         result.gradient_flow = flow_found
@@ -298,6 +299,7 @@ def _analyze_update(path, snap, *, model, loss, device, trust, verify, max_memor
         result.verdict = Verdict.CULPRIT_FOUND
         result.culprit = update_mod.culprit(us, upd, c)
     result.diagnosis = diagnose_update(us, upd, c, chain, verify_fixes=verify)
+    sitefix.attach(result.diagnosis, snap.raw, result.warnings)  # the optimizer's / scheduler's line, edited
     t_diag = time.perf_counter()
     result.update = update_mod.update_json(us, upd, update_mod.forward_check(subject, us, snap, why))
     if not result.update["reproduced"] and c is not None:

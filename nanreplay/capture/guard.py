@@ -594,4 +594,4 @@ class NanGuard:
                               loss_fn=self._recorded_loss_fn(), step_fn=self.step_fn,
                               optimizer=upd.unwrap_optimizer(self.optimizer),
                               scaler=self.scaler, autocast=self._autocast or None, history=list(self.history),
-                              factory=self.factory, notes=notes)
+                              factory=self.factory, notes=notes, scheduler=self.scheduler)

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from nanreplay import __version__
-from nanreplay.capture import construct, owned, plain, recipe
+from nanreplay.capture import construct, owned, plain, recipe, sites
 from nanreplay.capture.owned import storage_freed
 from nanreplay.capture.program import FREED, ModuleHooks, NotRecordable, frame_record, record_step
 from nanreplay.errors import first_line
@@ -257,7 +257,7 @@ def step_forward(model: nn.Module, batch: Any, step_fn: Callable):
 def build(*, model: nn.Module, wrapped: nn.Module, state: StepState, trigger: str, step: int, extra: dict,
           program: dict | None, constants: dict, program_error: str | None, loss_fn: Callable | None,
           step_fn: Callable | None, optimizer: Any, scaler: Any, autocast: dict | None, history: list,
-          factory: str | None, notes: list[str]) -> dict:
+          factory: str | None, notes: list[str], scheduler: Any = None) -> dict:
     """The snapshot dict: plain data and CPU tensors only, loadable with weights_only=True."""
     rank = world = None
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -319,6 +319,8 @@ def build(*, model: nn.Module, wrapped: nn.Module, state: StepState, trigger: st
         "entry": entry_record(state.entry),  # the line that gave begin() the batch (a data remedy's edit goes there)
         "rerun": extra.get("rerun"),  # the guard's re-run beside the training step (capture/rerun.py)
         "machine": extra.get("machine"),  # which host, device and run wrote it
+        # where the optimizer, scheduler and autocast were made, with evidence (capture/sites.py)
+        "sites": sites.record(model, optimizer, scheduler, autocast, history),
     }
     # only data: whatever training code left in these fields (numpy scalars from a schedule, enums, ...) becomes
     # plain values, so the file loads with weights_only=True and no pickled object (the batch is copied above)

@@ -274,8 +274,10 @@ def lr_clip_fix(d: Divergence | None, info: dict) -> Fix:
         lines.append(f"and restart from a checkpoint from before step {d.onset}: the weights are already damaged")
     else:
         lines.append("and restore the last checkpoint with finite, sane weights")
+    rate = float(typo) if typo else (_below(bound[0]) if bound is not None else None)
     return Fix(FixKind.LOWER_LR_CLIP_GRADS, "", guidance="\n".join(lines),
                verification="not replayed: the change is to the training of earlier steps (learning rate, "
                             "clipping); replaying this step cannot test it",
+               settings={"lr": rate} if rate else None,
                reasoning=("numbers from the snapshot's history" if d else
                           "the weights themselves are the problem: no change at this op makes them sane again"))

@@ -49,6 +49,9 @@ class Fix:
     patched_ops: list[str] = field(default_factory=list)  # the ops (calls) the patch applied to in its replay
     edits: list[dict] = field(default_factory=list)  # every line the fix changes, in source order: {file, line,
                                                      # before, after}; before/after above is the culprit line's
+    settings: dict | None = None  # what the fix sets where the run's optimizer / scheduler / autocast was made
+                                  # ({"lr": 0.3}, {"eps": 1e-4}, {"schedule_cap": 1.0}, {"autocast_dtype": ...}):
+                                  # an edit of that line where the snapshot recorded it (diagnose/sitefix.py)
     rewrite: InitVar[codefix.Rewrite | None] = None  # the user's line rewritten: becomes code/before/after
 
     def __post_init__(self, rewrite: codefix.Rewrite | None) -> None:
@@ -70,6 +73,12 @@ class Fix:
             self.tested_as = "line" if rewrite is not None or self.after else "op"
 
     def to_json(self) -> dict:
+        out = self._json()
+        if self.settings:  # only where the fix sets something where the run was made (docs/json.md)
+            out["settings"] = dict(self.settings)
+        return out
+
+    def _json(self) -> dict:
         return {"kind": self.kind.value, "code": self.code, "epsilon": self.epsilon, "verified": self.verified,
                 "verification": self.verification, "reasoning": self.reasoning, "before": self.before,
                 "after": self.after, "edits": [dict(e) for e in self.edits], "replay": self.replay, "tested_as": self.tested_as,

@@ -8,6 +8,7 @@ next to the tensors it names, each stored once:
     parameters, aliases (tied names), model_training, constants, step_program, program_error,
     model {class, factory, factory_source, arguments}, loss_spec, optimizer, rng, autocast, environment,
     history, notes, rerun (the guard's re-run beside the training step), machine (host, device, run),
+    sites (where the optimizer, scheduler and autocast were made: text re-checked, never run; docs/sites.md),
     update (trigger "update" only: what a replay of the optimizer step needs,
     formats/update_record.py; the `state` of such a snapshot holds the weights before the update)
 
@@ -88,6 +89,7 @@ def _state_dict(v, where):
         raise S.SchemaError(f"{where} must be a dict, not a {type(v).__name__}")
     return S.batch_tree(v, where)
 
+
 def _entry(v, where):
     """The line that gave begin() the batch (capture/snapshot.py entry_record): a program frame's checks."""
     try:
@@ -111,6 +113,11 @@ def _construction(v, where):
     return {**f, "module": S.string(1000)(v.get("module"), f"{where}.module"), "call": call}
 
 
+# where the optimizer, scheduler and autocast were made (capture/sites.py): data, re-checked before any rewrite
+_SITE = S.record({"what": S.one_of("optimizer", "scheduler", "autocast"), "class": S.string(100),
+                  "file": S.string(4096), "line": S.integer(1, 10**7), "call_line": S.optional(S.integer(1, 10**7)),
+                  "text": S.string(4000), "values": S.optional(S.dict_of(S.number, limit=16)),
+                  "evidence": S.optional(S.string(1000))}, required=("what", "class", "file", "line", "text"))
 _FRAME = S.record({"file": S.string(4096), "line": S.integer(0), "function": S.optional(S.string(1000)),
                    "code": S.optional(S.string(2000))})  # a source line the guard saw (capture/flow.py)
 FIELDS_V2: dict[str, S.Checker] = {
@@ -147,7 +154,7 @@ FIELDS_V2: dict[str, S.Checker] = {
     "rng": S.optional(_RNG), "autocast": S.optional(_AUTOCAST), "environment": S.optional(_ENV),
     "history": S.optional(S.list_of(_HISTORY_ROW, 100_000)), "notes": S.optional(S.list_of(S.string(2000), 50)),
     "rerun": S.optional(_RERUN), "machine": S.optional(_MACHINE), "entry": S.optional(_entry),
-    "constructions": S.optional(S.list_of(_construction, 50)),
+    "constructions": S.optional(S.list_of(_construction, 50)), "sites": S.optional(S.list_of(_SITE, 16)),
 }
 REQUIRED_V2 = ("format", "version", "batch", "state", "parameters")
 

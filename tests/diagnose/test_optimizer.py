@@ -116,7 +116,9 @@ def test_scheduler_that_returns_inf(tmp_path):
     assert d["culprit"]["phase"] == "optimizer" and d["culprit"]["op"] == "aten.add_.Tensor"
     diag = d["diagnosis"]
     assert diag["cause"] == "nonfinite_lr" and "LambdaLR" in diag["explanation"]
-    assert diag["fix"]["kind"] == "lr_schedule" and "group['lr'] = 0.1" in diag["fix"]["code"]
+    assert diag["fix"]["kind"] == "lr_schedule" and "lr = 0.1" in diag["fix"]["verification"]
+    # the lambda clamped where the LambdaLR is made (the loop's file is on the stack when the guard writes)
+    assert "max(0.0, min(1.0, _f(s)))" in diag["fix"]["after"] and diag["fix"]["edits"][0]["line"] >= 1
     _verified(diag["fix"])
     assert d["update"]["pre_step"] == "copied" and d["update"]["step_program"]["gradients_equal"] is True
 

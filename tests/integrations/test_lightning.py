@@ -284,3 +284,16 @@ def test_options_are_checked(tmp_path):
         NanGuardCallback(tmp_path, on_nonfinite="ignore")
     with pytest.raises(GuardError, match="step_fn"):
         NanGuardCallback(tmp_path, step_fn=lambda m, b: 0)
+
+
+@pytest.mark.parametrize(("case", "made"), [("sqrt", "return torch.optim.SGD(self.parameters(), lr=0.05)"),
+                                            ("manual", "return torch.optim.Adam(self.parameters(), lr=1e-3)"),
+                                            ("fp16", "return torch.optim.SGD(self.parameters(), lr=1e-3)")])
+def test_the_optimizer_made_in_configure_optimizers_is_recorded_where_it_was_made(runs, case, made):
+    """The LightningModule's file is the model class's (Lightning's own frames are skipped): its configure_optimizers
+    line is the site, told apart from the other modules' by the literal rate (two SGDs, lr=0.05 and lr=1e-3)."""
+    snap = torch.load(runs[case][0], weights_only=True)
+    (site,) = [s for s in snap["sites"] if s["what"] == "optimizer"]
+    line = next(i for i, ln in enumerate(TRAINING_CODE.splitlines(), 1) if ln.strip() == made)
+    assert site["file"].endswith("lightmod.py") and site["line"] == line and site["text"].strip() == made, site
+    assert not [s for s in snap["sites"] if s["what"] == "autocast"]  # 16-mixed is Lightning's plugin, not a line

@@ -86,3 +86,15 @@ def test_divergence_advice_comes_from_the_run(run):
     assert "typo for 2e-05" in code and "learning_rate=2e-05" in code, code
     assert "clip_grad_norm_" not in code and "already clipped at max_norm=1" in code, code
     assert "typo" in diag["explanation"] and "clip gradients" not in diag["explanation"]
+
+
+def test_the_typo_is_fixed_on_the_training_arguments_line_that_made_it(run):
+    """The guard recorded where the rate was configured (capture/sites.py): the script's TrainingArguments call,
+    whose learning_rate=2e5 is the optimizer's initial_lr; the fix is an edit of that literal and nothing else."""
+    fix = run["diagnosis"]["fix"]
+    (e,) = fix["edits"]
+    assert e["file"].endswith("lrtypo.py") and e["line"] == TRAINING.splitlines().index(
+        next(ln for ln in TRAINING.splitlines() if "args = TrainingArguments(" in ln)) + 1, e
+    assert "learning_rate=2e5" in e["before"] and e["after"] == e["before"].replace("learning_rate=2e5",
+                                                                                     "learning_rate=2e-05")
+    assert fix["sites"][0]["what"] == "optimizer" and "learning_rate=200000" in fix["sites"][0]["evidence"]

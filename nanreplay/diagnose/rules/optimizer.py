@@ -65,16 +65,27 @@ def _nonfinite_lr(s: UpdateSite) -> Diagnosis | None:
     fixes = []
     if good is not None:
         lr, why = good
+        cap = _schedule_cap(s)
         fixes.append(Fix(FixKind.LR_SCHEDULE,
                          f"# keep the schedule's factor finite (check it at this epoch); until then:\n"
                          f"for group in optimizer.param_groups:\n    group['lr'] = {lr:g}  # {why}",
                          variant={"update": {"group_hyper": {i: {"lr": lr} for i, _ in bad}},
                                   "label": f"with lr = {lr:g} ({why})"},
-                         reasoning="a finite learning rate, as the schedule gave before it broke"))
+                         reasoning="a finite learning rate, as the schedule gave before it broke",
+                         settings={"schedule_cap": cap, "lr": lr} if cap is not None else None))
     else:
         fixes.append(Fix(FixKind.LR_SCHEDULE, "assert all(math.isfinite(lr) for lr in scheduler.get_last_lr())",
                          reasoning="no finite learning rate is known to replay with"))
     return Diagnosis("nonfinite_lr", "the learning rate is NaN/Inf (scheduler)", expl, fixes)
+
+
+def _schedule_cap(s: UpdateSite) -> float | None:
+    """The largest factor the schedule gave (lr / the configured lr) on the steps the history logged finite: a
+    LambdaLR clamped to it gives every healthy step its rate and this one a finite rate (diagnose/sitefix.py)."""
+    factors = [float(r["lr"]) / float(r["base_lr"]) for r in s.us.history
+               if isinstance(r.get("lr"), (int, float)) and isinstance(r.get("base_lr"), (int, float))
+               and math.isfinite(r["lr"]) and math.isfinite(r["base_lr"]) and r["lr"] > 0 and r["base_lr"] > 0]
+    return max(factors) if factors else None
 
 
 @rule("nonfinite_optimizer_state", priority=1040)
@@ -148,7 +159,7 @@ def _eps(s: UpdateSite) -> Diagnosis | None:
             f"In all, the update {_made(s)}.")
     start = 10.0 ** math.ceil(math.log10(fi.tiny))
     fixes = [Fix(FixKind.OPTIMIZER_EPS, s.optimizer_call(eps=e) + f"  # an eps {dt} represents", epsilon=e,
-                 variant={"update": {"hyper": {"eps": e}}, "label": f"with eps={e:g}"},
+                 variant={"update": {"hyper": {"eps": e}}, "label": f"with eps={e:g}"}, settings={"eps": e},
                  reasoning=f"eps ≥ {dt}'s smallest normal number {g(fi.tiny)} survives the rounding and keeps the "
                            "denominator away from 0")
              for e in (start, start * 10, start * 100) if e < 1.0]
@@ -199,6 +210,7 @@ def _overflow(s: UpdateSite) -> Diagnosis | None:
             if cand < lr:
                 fixes.append(Fix(FixKind.LOWER_LR_CLIP_GRADS, s.optimizer_call(lr=cand) + f"  # was lr={g(lr)}",
                                  variant={"update": {"hyper": {"lr": cand}}, "label": f"with lr={cand:g}"},
+                                 settings={"lr": cand},
                                  reasoning=f"lr scaled so that this update moves the weights by about 5% of their "
                                            f"norm instead of {g(size['ratio'])}×"))
     total = math.sqrt(sum(float(t.double().pow(2).sum()) for t in s.us.grads.values()))

@@ -178,7 +178,8 @@ def _fp16(s: Site) -> Diagnosis | None:
             " bfloat16 has float32's range; in backward, a GradScaler keeps scaled gradients in range and skips the "
             "step on overflow.")
     fixes = [Fix(FixKind.BF16_OR_GRAD_SCALER, code, variant=variant, alternatives=alternatives,
-                 reasoning="bfloat16 trades mantissa bits for float32's exponent range")]
+                 reasoning="bfloat16 trades mantissa bits for float32's exponent range",
+                 settings={"autocast_dtype": "bfloat16"} if auto else None)]
     fixes[:0] = [f for f in (upcast.float32_scores(s),) if f is not None]  # the edit that matches the code, first
     raw = _raw_batch_input(s)
     if raw is not None:  # the values that overflow are the batch itself: its range is the cause

@@ -1,0 +1,224 @@
+"""Where the run's optimizer, LR scheduler and autocast context were made: the snapshot's `sites` field.
+
+A learning rate, an Adam eps, a schedule or an autocast dtype is fixed on the line that wrote it, and that line
+is not in the step: the optimizer was made before the loop. So when the guard writes a snapshot (never on a
+healthy step), it reads the user's files on the call stack (the training loop's, and the file of the model's
+class: a LightningModule's `configure_optimizers`) and looks for the calls that made them, by name:
+
+* the optimizer: a call of its class (`torch.optim.SGD(...)`), or `TrainingArguments(learning_rate=...)`;
+* the scheduler: a call of its class (`LambdaLR(...)`);
+* autocast: an `autocast(...)` call that names the dtype the step ran in (`dtype=torch.float16`).
+
+A call is recorded only with evidence, and only when it is the one: an optimizer's call must pass
+a literal (`lr=3.0`, `eps=1e-8`) and every literal it passes must equal the run's value (the param group's
+`initial_lr` or `lr`, its `eps`); where several calls qualify equally none is recorded — never a guess.
+Each site is plain data: file, line, the statement's text, what it made, the class, the literal values and the
+evidence in words (docs/sites.md). The analysis checks it
+again before it rewrites the text (`diagnose/sitefix.py`).
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import math
+import os
+import sys
+import sysconfig
+from typing import Any
+
+import torch
+
+MAX_FILES = 8
+MAX_BYTES = 1_000_000
+MAX_LINES = 20  # the longest statement recorded
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_LIB_DIRS = tuple({p + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib")
+                   if (p := sysconfig.get_paths().get(k))} | {os.path.dirname(os.__file__) + os.sep})
+_KEYS = {"optimizer": ("lr", "eps", "learning_rate", "adam_epsilon", "momentum", "weight_decay")}
+_HALF_NAMES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16"}
+
+
+def _is_user(path: str) -> bool:
+    if not path.endswith(".py") or not os.path.isfile(path):
+        return False
+    if path.startswith((_TORCH_DIR, _OWN_DIR)) or path.startswith(_LIB_DIRS):
+        return False
+    return "site-packages" not in path and "dist-packages" not in path
+
+
+def user_files(model: Any, depth: int = 2) -> list[str]:
+    """The user's .py files: those of the frames on the stack (innermost first), then the model class's file."""
+    out: list[str] = []
+    f = sys._getframe(depth)
+    while f is not None and len(out) < MAX_FILES:
+        p = f.f_code.co_filename
+        if p not in out and _is_user(p):
+            out.append(p)
+        f = f.f_back
+    for cls in type(model).__mro__[:3]:  # a class's file from its own functions: its module may not be registered
+        codes = [getattr(f, "__code__", None) for f in vars(cls).values()]
+        p = next((c.co_filename for c in codes if c is not None), None)
+        if p and p not in out and _is_user(p) and len(out) < MAX_FILES:
+            out.append(p)
+    return out
+
+
+def call_name(node: ast.AST) -> str | None:
+    f = node.func if isinstance(node, ast.Call) else None
+    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+
+
+def literals(call: ast.Call, keys: tuple[str, ...], lr_position: int | None = None) -> dict[str, float]:
+    """The keyword arguments in `keys` given as number literals (and the rate given positionally)."""
+    out: dict[str, float] = {}
+    pairs = [(k.arg, k.value) for k in call.keywords if k.arg in keys]
+    if lr_position is not None and len(call.args) > lr_position:
+        pairs.append(("lr", call.args[lr_position]))
+    for k, v in pairs:
+        try:
+            val = ast.literal_eval(v)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            continue
+        if isinstance(val, (int, float)) and not isinstance(val, bool):
+            out[k] = float(val)
+    return out
+
+
+def dtypes_named(call: ast.Call) -> set[str]:
+    """The low-precision dtypes an autocast call names (`torch.float16`, `"float16"`, `torch.half`; both arms of
+    `torch.bfloat16 if bf16 else torch.float16`)."""
+    out = set()
+    for n in ast.walk(call):
+        if isinstance(n, ast.Attribute) and n.attr in _HALF_NAMES:
+            out.add(_HALF_NAMES[n.attr])
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in _HALF_NAMES:
+            out.add(_HALF_NAMES[n.value])
+    return out
+
+
+def _same(a: float, b: Any) -> bool:
+    return isinstance(b, (int, float)) and math.isfinite(float(b)) and math.isclose(a, float(b), rel_tol=1e-6)
+
+
+def statement_lines(stmt: ast.stmt) -> tuple[int, int]:
+    """A simple statement's lines; a compound one's header only (`with torch.autocast(...):`)."""
+    body = getattr(stmt, "body", None)
+    if isinstance(body, list) and body and not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                 ast.ClassDef)):
+        return stmt.lineno, max(stmt.lineno, body[0].lineno - 1)
+    return stmt.lineno, stmt.end_lineno or stmt.lineno
+
+
+def _calls(tree: ast.AST):
+    """(call, the innermost statement holding it) for every call in the file."""
+    stack: list[tuple[ast.AST, ast.stmt | None]] = [(tree, None)]
+    while stack:
+        node, stmt = stack.pop()
+        if isinstance(node, ast.stmt):
+            stmt = node
+        if isinstance(node, ast.Call) and stmt is not None:
+            yield node, stmt
+        stack.extend((c, stmt) for c in ast.iter_child_nodes(node))
+
+
+def _wanted(optimizer: Any, scheduler: Any, autocast: dict | None, history: list | None) -> dict[str, Any]:
+    want: dict[str, Any] = {}
+    if optimizer is not None and getattr(optimizer, "param_groups", None):
+        g = optimizer.param_groups[0]
+        logged = [r.get(k) for r in (history or [])[:1] if isinstance(r, dict) for k in ("base_lr", "lr")]
+        lrs = [v for v in (g.get("initial_lr"), g.get("lr"), *logged) if isinstance(v, (int, float))]
+        want["optimizer"] = {"class": type(optimizer).__name__, "lr": lrs, "eps": g.get("eps"),
+                             "momentum": g.get("momentum"), "weight_decay": g.get("weight_decay")}
+    if scheduler is not None:
+        want["scheduler"] = {"class": type(scheduler).__name__}
+    dt = str((autocast or {}).get("dtype", "")).removeprefix("torch.")
+    if autocast and dt in ("float16", "bfloat16"):
+        want["autocast"] = {"class": "autocast", "dtype": dt}
+    return want
+
+
+def _judge(what: str, want: dict, call: ast.Call) -> tuple[int, dict, str] | None:
+    """(how many literals agree, the literals, the evidence in words), or None where the call is not it."""
+    name = call_name(call)
+    if what == "optimizer":
+        hf = name == "TrainingArguments"
+        if name != want["class"] and not hf:
+            return None
+        vals = literals(call, _KEYS["optimizer"], None if hf else 1)
+        if hf:
+            vals = {{"learning_rate": "lr", "adam_epsilon": "eps"}.get(k, k): v for k, v in vals.items()
+                    if k in ("learning_rate", "adam_epsilon", "weight_decay")}
+            if "lr" not in vals:
+                return None  # TrainingArguments without a rate: nothing of the optimizer's on it
+        agree = []
+        for k, v in vals.items():
+            ok = any(_same(v, x) for x in want["lr"]) if k == "lr" else _same(v, want.get(k))
+            if not ok:
+                return None  # a literal the run's optimizer does not have: another optimizer's line
+            agree.append(f"{({'lr': 'learning_rate', 'eps': 'adam_epsilon'} if hf else {}).get(k, k)}={v:g}")
+        if not agree:
+            return None  # `lr=lr`: nothing on the line says it made this optimizer, and the line may make others
+        return len(agree), vals, f"`{name}(` with {', '.join(agree)}, as the run's {want['class']} has"
+    if what == "scheduler":
+        if name != want["class"]:
+            return None
+        return 0, {}, f"the `{name}(` call: the run's scheduler is a {name}"
+    if name != "autocast" or want["dtype"] not in dtypes_named(call):
+        return None
+    return 1, {}, f"`autocast(` naming {want['dtype']}; the step ran under {want['dtype']} autocast"
+
+
+def find(files: list[str], optimizer: Any, scheduler: Any, autocast: dict | None,
+         history: list | None = None) -> list[dict]:
+    """The construction sites in `files`, each with its evidence; none for a kind that is missing or ambiguous.
+    The rate on the line may be the one the first logged step trained at (`history`): the rate was changed since."""
+    want = _wanted(optimizer, scheduler, autocast, history)
+    if not want:
+        return []
+    found: dict[str, list[tuple[int, dict]]] = {k: [] for k in want}
+    budget = MAX_BYTES  # all files together: parsing costs ~4 µs a byte, paid only when a snapshot is written
+    for path in files:
+        lines = linecache.getlines(path)
+        size = sum(map(len, lines))
+        if not lines or size > budget:
+            continue
+        budget -= size
+        try:
+            tree = ast.parse("".join(lines))
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            continue
+        for call, stmt in _calls(tree):
+            for what, w in want.items():
+                j = _judge(what, w, call)
+                if j is None:
+                    continue
+                a, b = statement_lines(stmt)
+                if b - a + 1 > MAX_LINES:
+                    continue
+                score, vals, ev = j
+                rec = {"what": what, "class": call_name(call), "file": path, "line": a, "call_line": call.lineno,
+                       "text": "".join(lines[a - 1:b]).rstrip("\n")[:4000], "values": vals, "evidence": ev}
+                if all((r["file"], r["line"]) != (path, a) for _, r in found[what]):
+                    found[what].append((score, rec))
+    out = []
+    for what, recs in found.items():
+        if not recs:
+            continue
+        best = max(s for s, _ in recs)
+        top = [r for s, r in recs if s == best]
+        if what == "autocast":
+            out += top[:4]  # every autocast that names the dtype: a fix changes each of them
+        elif len(top) == 1:
+            out.append(top[0])  # two equal candidates: which one made it is a guess, so neither is recorded
+    return out
+
+
+def record(model: Any, optimizer: Any, scheduler: Any, autocast: dict | None,
+           history: list | None = None) -> list[dict] | None:
+    """The `sites` field, or None where it cannot be read (never raises into the loop)."""
+    try:
+        return find(user_files(model, depth=1), optimizer, scheduler, autocast, history)
+    except Exception:  # noqa: BLE001 - a snapshot without sites is still a snapshot
+        return None

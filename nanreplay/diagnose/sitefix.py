@@ -1,0 +1,234 @@
+"""A learning rate, an eps, a schedule or an autocast dtype fixed where the run made it: an edit of that line.
+
+The guard records where the run's optimizer, scheduler and autocast context were made (`capture/sites.py`, the
+snapshot's `sites`). A fix that sets one of them (`Fix.settings`: {"lr": 0.3}, {"eps": 1e-4},
+{"schedule_cap": 1.0}, {"autocast_dtype": "bfloat16"}) becomes an edit of that line, in the same shape as every
+other edit (`fix.edits`: file, line, before, after):
+
+    torch.optim.SGD(model.parameters(), lr=3.0)        ->  torch.optim.SGD(model.parameters(), lr=0.3)
+    torch.optim.Adam(model.parameters(), eps=1e-8)     ->  torch.optim.Adam(model.parameters(), eps=0.0001)
+    LambdaLR(opt, f)                                   ->  LambdaLR(opt, lambda s, _f=(f): max(0.0, min(1.0, _f(s))))
+    torch.autocast("cuda", dtype=torch.float16)        ->  torch.autocast("cuda", dtype=torch.bfloat16)
+
+A site is the snapshot's data, never code: its text is only parsed (`ast.parse`, never run), and it is used only
+where it still says what the capture found — a single statement holding a call of the recorded class, whose
+literals are the recorded values, in a `.py` file, with nothing in it that code could hide behind (dunder names,
+`eval`/`exec`/`open`/`__import__`...). Anything else is left out with one line in the analysis's warnings. The
+rewrite changes the argument's text and nothing else on the line. nanreplay never opens or writes that file:
+the edit is shown, the user applies it.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import os
+import re
+
+_DENY = frozenset({"eval", "exec", "compile", "open", "__import__", "getattr", "setattr", "delattr", "globals",
+                   "locals", "vars", "system", "popen", "input", "breakpoint", "exit", "quit"})
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+MAX_LINES = 20
+
+
+class _Site:
+    def __init__(self, d: dict, src: str, first_indent: str, tree: ast.stmt, call: ast.Call):
+        self.d, self.src, self.indent, self.stmt, self.call = d, src, first_indent, tree, call
+
+    @property
+    def where(self) -> str:
+        return f"{os.path.basename(self.d['file'])}:{self.d['line']}"
+
+
+def _name(node: ast.AST) -> str | None:
+    f = node.func if isinstance(node, ast.Call) else None
+    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+
+
+def _lit(v: float) -> str:
+    return repr(float(v))  # 0.3, 0.0001, 1.0, 1e-05: a float, as the user's literal was
+
+
+def _check(d: dict, optimizer_class: str | None) -> _Site | str:
+    """The site, parsed, or why it is left out."""
+    file, text, cls = d.get("file"), d.get("text"), d.get("class")
+    if not isinstance(file, str) or not file.endswith(".py") or _CONTROL.search(file):
+        return "its file is not a .py file"
+    if not isinstance(text, str) or not text.strip() or _CONTROL.search(text.replace("\t", " ")):
+        return "its text is empty or holds control characters"
+    if not isinstance(cls, str) or not cls.isidentifier() or _CONTROL.search(str(d.get("evidence") or "")):
+        return "its class is not a name, or its evidence holds control characters"
+    lines = text.split("\n")
+    if len(lines) > MAX_LINES:
+        return f"its text is {len(lines)} lines long"
+    indent = lines[0][: len(lines[0]) - len(lines[0].lstrip())]
+    body = "\n".join(x[len(indent):] if x.startswith(indent) else x for x in lines)
+    src = body + ("\n    pass" if body.rstrip().endswith(":") else "")
+    try:
+        mod = ast.parse(src)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return "its text is not a Python statement"
+    if len(mod.body) != 1 or not isinstance(mod.body[0], (ast.Assign, ast.AnnAssign, ast.Expr, ast.Return,
+                                                           ast.With, ast.AsyncWith)):
+        return "its text is not one assignment, call, return or with-statement"
+    for n in ast.walk(mod):
+        name = n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else None
+        if name and (name.startswith("__") or name in _DENY):
+            return f"its text names {name!r}"
+    what = d.get("what")
+    if what == "optimizer" and cls not in (optimizer_class, "TrainingArguments"):
+        return f"it makes a {cls}, not the run's {optimizer_class}"
+    if what == "autocast" and cls != "autocast":
+        return "it is not an autocast call"
+    calls = [n for n in ast.walk(mod.body[0]) if isinstance(n, ast.Call) and _name(n) == cls]
+    if len(calls) != 1:
+        return f"its text holds {len(calls)} calls of {cls}"
+    vals = d.get("values") or {}
+    got = _literals(calls[0], cls)
+    if any(k not in got or not math.isclose(got[k], float(v), rel_tol=1e-9) for k, v in vals.items()):
+        return "its literals are not the values recorded with it"
+    return _Site(d, body, indent, mod.body[0], calls[0])
+
+
+def _literals(call: ast.Call, cls: str) -> dict[str, float]:
+    alias = {"learning_rate": "lr", "adam_epsilon": "eps"}
+    out = {}
+    pairs = [(alias.get(k.arg, k.arg), k.value) for k in call.keywords if k.arg]
+    if cls != "TrainingArguments" and len(call.args) > 1:
+        pairs.append(("lr", call.args[1]))
+    for k, v in pairs:
+        try:
+            val = ast.literal_eval(v)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            continue
+        if isinstance(val, (int, float)) and not isinstance(val, bool):
+            out[k] = float(val)
+    return out
+
+
+def sites(raw: dict, warnings: list[str]) -> list[_Site]:
+    """The snapshot's sites that still say what the capture found; one warning line for each left out."""
+    opt = raw.get("optimizer") if isinstance(raw.get("optimizer"), dict) else {}
+    out = []
+    for d in raw.get("sites") or []:
+        s = _check(d, opt.get("class"))
+        if isinstance(s, str):
+            warnings.append(f"a recorded {d.get('what')} site was left out: {s}")
+        else:
+            out.append(s)
+    return out
+
+
+# ---------------------------------------------------------------- rewriting the argument's text, nothing else
+
+def _offsets(src: str):
+    starts, n = [], 0
+    for ln in src.split("\n"):
+        starts.append(n)
+        n += len(ln) + 1
+
+    def at(line: int, col: int) -> int:  # ast columns count UTF-8 bytes
+        text = src.split("\n")[line - 1]
+        return starts[line - 1] + len(text.encode()[:col].decode(errors="ignore"))
+    return at
+
+
+def _replace(src: str, changes: list[tuple[ast.AST | tuple[int, int], str]]) -> str:
+    """`src` with each node's text (or an insertion at (line, col)) replaced, last first."""
+    at = _offsets(src)
+    spans = []
+    for node, new in changes:
+        if isinstance(node, tuple):
+            i = at(*node)
+            spans.append((i, i, new))
+        else:
+            spans.append((at(node.lineno, node.col_offset), at(node.end_lineno, node.end_col_offset), new))
+    for a, b, new in sorted(spans, reverse=True):
+        src = src[:a] + new + src[b:]
+    return src
+
+
+def _set_keywords(s: _Site, values: dict[str, float]) -> str:
+    call, changes = s.call, []
+    hf = s.d["class"] == "TrainingArguments"
+    names = {"lr": "learning_rate", "eps": "adam_epsilon"} if hf else {}
+    for key, v in values.items():
+        kw = next((k for k in call.keywords if k.arg == names.get(key, key)), None)
+        if kw is not None:
+            changes.append((kw.value, _lit(v)))
+        elif key == "lr" and not hf and len(call.args) > 1:
+            changes.append((call.args[1], _lit(v)))
+        else:
+            before = s.src[:_offsets(s.src)(call.end_lineno, call.end_col_offset) - 1].rstrip()
+            sep = " " if before.endswith((",", "(")) else ", "
+            changes.append(((call.end_lineno, call.end_col_offset - 1), f"{sep}{names.get(key, key)}={_lit(v)}"))
+    return _replace(s.src, changes)
+
+
+def _clamp_schedule(s: _Site, cap: float) -> str | None:
+    call = s.call
+    arg = next((k.value for k in call.keywords if k.arg == "lr_lambda"), call.args[1] if len(call.args) > 1 else None)
+    if arg is None or isinstance(arg, (ast.List, ast.Tuple)):
+        return None  # one lambda per group: not rewritten
+    text = ast.get_source_segment(s.src, arg)
+    if not text:
+        return None
+    return _replace(s.src, [(arg, f"lambda s, _f=({text}): max(0.0, min({_lit(cap)}, _f(s)))")])
+
+
+def _bf16(s: _Site) -> str | None:
+    changes = []
+    for n in ast.walk(s.call):
+        if isinstance(n, ast.Attribute) and n.attr in ("float16", "half"):
+            changes.append((n, ast.get_source_segment(s.src, n).rsplit(".", 1)[0] + ".bfloat16"))
+        elif isinstance(n, ast.Constant) and n.value in ("float16", "half"):
+            changes.append((n, '"bfloat16"'))
+    return _replace(s.src, changes) if changes else None
+
+
+def _after(s: _Site, settings: dict) -> str | None:
+    what = s.d["what"]
+    if what == "optimizer":
+        vals = {k: float(settings[k]) for k in ("lr", "eps") if isinstance(settings.get(k), (int, float))}
+        if "schedule_cap" in settings:
+            return None
+        return _set_keywords(s, vals) if vals else None
+    if what == "scheduler" and s.d["class"] == "LambdaLR" and isinstance(settings.get("schedule_cap"), (int, float)):
+        return _clamp_schedule(s, float(settings["schedule_cap"]))
+    if what == "autocast" and settings.get("autocast_dtype") == "bfloat16":
+        return _bf16(s)
+    return None
+
+
+def attach(diagnosis: dict, raw: dict, warnings: list[str]) -> None:
+    """Turn the chosen fix's settings into edits of the lines the snapshot recorded (in place)."""
+    fix = diagnosis.get("fix") if isinstance(diagnosis, dict) else None
+    settings = fix.get("settings") if isinstance(fix, dict) else None
+    if not settings or fix.get("edits") or not raw.get("sites"):
+        return
+    want = "autocast" if "autocast_dtype" in settings else "scheduler" if "schedule_cap" in settings else "optimizer"
+    edits, used = [], []
+    for s in sites(raw, warnings):
+        if s.d["what"] != want:
+            continue
+        after = _after(s, settings)
+        if after is None or after == s.src:
+            continue
+        edits.append({"file": s.d["file"], "line": s.d["line"], "before": s.src, "after": after})
+        used.append(s)
+    if not edits:
+        return
+    fix["edits"] = edits
+    fix["before"], fix["after"] = edits[0]["before"], edits[0]["after"]
+    old = fix.get("code") or ""
+    notes = old if old and all(ln.startswith("#") for ln in old.splitlines()) else ""  # guidance: kept beside it
+    fix["code"] = "\n".join(f"# {os.path.basename(e['file'])}:{e['line']}\n{e['after']}" for e in edits) + \
+        ("\n" + notes if notes else "")
+    if want == "optimizer" and "lr" in settings and fix.get("verified") is None:
+        fix["verification"] = ((fix.get("verification") or "not replayed") + f"; the rate the edit sets "
+                               f"(lr={_lit(settings['lr'])}) is judged over the steps that follow, which only training "
+                               "them shows")
+    fix["sites"] = [{"what": s.d["what"], "file": s.d["file"], "line": s.d["line"],
+                     "evidence": s.d.get("evidence")} for s in used]
+    made = ", ".join(f"{s.where} ({s.d.get('evidence') or 'recorded'})" for s in used)
+    fix["reasoning"] = ((fix.get("reasoning") or "") + f"; the line that made the {want}: {made}").lstrip("; ")

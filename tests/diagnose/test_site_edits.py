@@ -1,0 +1,190 @@
+"""Fixes of the line that made the optimizer or the scheduler (#38): the guard records where they were made
+(capture/sites.py), the analysis turns a rate, an eps or a schedule into an edit of that line (diagnose/sitefix.py).
+Real loops (sitetrain.py) break under NanGuard, each snapshot is analyzed in a fresh python where the training code
+cannot be imported, the edits are applied to a copy of the file, and the copy trains on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from clirun import one_line_error
+from clirun import run as run_cli
+from isolation import ROOT, analyze_isolated
+
+from tolerance import close
+
+HERE = Path(__file__).resolve().parent
+KINDS = ("sgd", "adam", "sched", "autocast")
+ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+TEXT = (HERE / "sitetrain.py").read_text()
+
+
+def line_of(text: str) -> int:
+    return next(i for i, ln in enumerate(TEXT.splitlines(), 1) if text in ln)
+
+
+def apply(path: Path, edits: list[dict]) -> None:
+    for e in edits:
+        lines = path.read_text().splitlines(keepends=True)
+        want = [x.strip() for x in e["before"].splitlines()]
+        at = next((i for i in range(len(lines)) if [x.strip() for x in lines[i:i + len(want)]] == want), None)
+        assert at is not None, f"not in the training code: {e['before']!r}"
+        indent = lines[at][:len(lines[at]) - len(lines[at].lstrip())]
+        lines[at:at + len(want)] = [indent + x + "\n" for x in e["after"].splitlines()]
+        path.write_text("".join(lines))
+
+
+def losses(folder: Path) -> dict:
+    res = subprocess.run([sys.executable, "sitetrain.py", "--losses", *KINDS], cwd=folder, capture_output=True,
+                         text=True, timeout=300, env=ENV)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sites")
+    proj = root / "proj"
+    proj.mkdir()
+    (proj / "sitetrain.py").write_text(TEXT)
+    res = subprocess.run([sys.executable, "sitetrain.py", str(root / "snaps"), *KINDS], cwd=proj,
+                         capture_output=True, text=True, timeout=600, env=ENV)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = dict(ln.split()[:2] for ln in res.stdout.splitlines() if len(ln.split()) == 2 and ln.split()[0] in KINDS)
+    assert set(rows) == set(KINDS), res.stdout
+    out = analyze_isolated(list(rows.values()), root / "elsewhere", also_blocked=("sitetrain",))
+    out = {k: out[rows[k]] for k in KINDS}
+    fixed = root / "fixed"
+    fixed.mkdir()
+    (fixed / "sitetrain.py").write_text(TEXT)
+    for k in KINDS:
+        apply(fixed / "sitetrain.py", out[k]["diagnosis"]["fix"]["edits"])
+    return out, losses(proj), losses(fixed), rows
+
+
+def _edit(runs, kind: str, made: str) -> dict:
+    fix = runs[0][kind]["diagnosis"]["fix"]
+    (e,) = fix["edits"]
+    assert Path(e["file"]).name == "sitetrain.py" and e["line"] == line_of(made), e
+    assert (fix["before"], fix["after"]) == (e["before"], e["after"])
+    return e
+
+
+def test_a_sgd_rate_that_diverges_is_set_on_the_line_that_made_the_optimizer_and_the_run_trains(runs):
+    d = runs[0]["sgd"]["diagnosis"]
+    assert d["cause"] == "training_diverged" and d["fix"]["kind"] == "lower_lr_clip_grads"
+    e = _edit(runs, "sgd", "lr=3.0), None")
+    rate = d["fix"]["settings"]["lr"]
+    assert e["after"] == e["before"].replace("lr=3.0", f"lr={rate!r}") and rate < 3.0
+    assert d["fix"]["verified"] is None and "judged over the steps that follow" in d["fix"]["verification"]
+    before, after = runs[1]["sgd"], runs[2]["sgd"]
+    assert not before["finite"] and after["finite"] and len(after["losses"]) == 8, (before, after)
+    assert max(after["losses"]) < 2 * after["losses"][0], after  # no climb: the unpatched run is 10^19× by step 3
+    assert after["losses"][0] == before["losses"][0]  # the same model and batch before any update
+
+
+def test_an_adam_eps_that_float16_rounds_to_zero_is_raised_on_the_optimizers_line(runs):
+    d = runs[0]["adam"]["diagnosis"]
+    assert d["cause"] == "optimizer_eps" and d["fix"]["verified"] is True
+    e = _edit(runs, "adam", "eps=1e-8), None")
+    eps = d["fix"]["settings"]["eps"]
+    assert e["after"] == e["before"].replace("eps=1e-8", f"eps={eps!r}")
+    assert eps >= torch.finfo(torch.float16).tiny
+    before, after = runs[1]["adam"], runs[2]["adam"]
+    assert not before["finite"] and after["finite"] and len(after["losses"]) == 8, (before, after)
+    assert after["losses"][0] == before["losses"][0]
+
+
+def test_a_lambda_schedule_that_returns_inf_is_clamped_where_the_scheduler_is_made(runs):
+    d = runs[0]["sched"]["diagnosis"]
+    assert d["cause"] == "nonfinite_lr" and d["fix"]["kind"] == "lr_schedule" and d["fix"]["verified"] is True
+    e = _edit(runs, "sched", "LambdaLR(opt, lambda s")
+    assert "max(0.0, min(1.0, _f(s)))" in e["after"] and "rsqrt()" in e["after"]
+    before, after = runs[1]["sched"], runs[2]["sched"]
+    assert not before["finite"] and after["finite"] and len(after["losses"]) == 8, (before, after)
+    assert all(close(a, b) for a, b in zip(before["losses"][:3], after["losses"][:3], strict=True)), (before, after)
+
+
+
+def test_a_float16_autocast_that_overflows_becomes_bfloat16_on_the_autocast_line(runs):
+    d = runs[0]["autocast"]["diagnosis"]
+    assert d["cause"] == "fp16_overflow" and d["fix"]["kind"] == "bf16_or_grad_scaler" and d["fix"]["verified"] is True
+    e = _edit(runs, "autocast", 'with torch.autocast("cpu", dtype=torch.float16):')
+    assert e["after"] == 'with torch.autocast("cpu", dtype=torch.bfloat16):'
+    before, after = runs[1]["autocast"], runs[2]["autocast"]
+    assert not before["finite"] and after["finite"] and len(after["losses"]) == 8, (before, after)
+    # a dtype change moves every value by up to its rounding: the healthy losses agree to bfloat16's resolution
+    assert all(abs(a - b) <= 2 ** -7 * abs(a) for a, b in zip(before["losses"][:3], after["losses"][:3], strict=True))
+
+
+# ---------------------------------------------------------------- a crafted snapshot's sites are data, never code
+
+SITE = {"what": "optimizer", "class": "SGD", "file": "/home/u/train.py", "line": 12,
+        "text": "    opt = torch.optim.SGD(model.parameters(), lr=3.0)", "values": {"lr": 3.0}, "evidence": "lr=3"}
+
+
+def _attached(*sites: dict) -> tuple[dict, list[str]]:
+    from nanreplay.diagnose import sitefix
+    diag = {"cause": "training_diverged", "fix": {"kind": "lower_lr_clip_grads", "code": "# lower it",
+                                                   "edits": [], "settings": {"lr": 0.1}, "verified": None}}
+    warnings: list[str] = []
+    sitefix.attach(diag, {"optimizer": {"class": "SGD"}, "sites": list(sites)}, warnings)
+    return diag["fix"], warnings
+
+
+def test_a_recorded_optimizer_site_becomes_an_edit_of_its_literal_and_nothing_else():
+    fix, warnings = _attached(SITE)
+    assert warnings == [] and fix["edits"] == [{"file": "/home/u/train.py", "line": 12,
+                                                "before": "opt = torch.optim.SGD(model.parameters(), lr=3.0)",
+                                                "after": "opt = torch.optim.SGD(model.parameters(), lr=0.1)"}]
+    assert fix["code"].startswith("# train.py:12\nopt = torch.optim.SGD(") and fix["code"].endswith("# lower it")
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"text": "    opt = __import__('os').system('x') or torch.optim.SGD(p, lr=3.0)"}, "its text names"),
+    ({"text": "    opt = torch.optim.SGD(p, lr=3.0); eval(s)"}, "not one assignment"),
+    ({"text": "    import os"}, "not one assignment"),
+    ({"text": "    opt = torch.optim.SGD(p, lr=3.0"}, "not a Python statement"),
+    ({"file": "/etc/passwd"}, "not a .py file"),
+    ({"file": "train.py\x1b[2J"}, "not a .py file"),
+    ({"class": "Adam", "text": "    opt = torch.optim.Adam(p, lr=3.0)"}, "not the run's SGD"),
+    ({"values": {"lr": 0.5}}, "not the values recorded"),
+    ({"evidence": "lr=3\x1b]0;owned\x07"}, "evidence holds control characters"),
+    ({"class": "SGD(x); os"}, "class is not a name"),
+    ({"text": "\n".join(["    opt = torch.optim.SGD("] + ["        p,"] * 30 + ["        lr=3.0)"])}, "lines long"),
+])
+def test_a_crafted_site_is_left_out_with_one_line_saying_why(change, why):
+    fix, warnings = _attached({**SITE, **change})
+    assert fix["edits"] == [] and "before" not in fix, fix  # the advice stays advice
+    assert len(warnings) == 1 and why in warnings[0] and "\n" not in warnings[0], warnings
+
+
+def test_a_site_of_the_wrong_type_refuses_the_snapshot_with_one_line(tmp_path, runs):
+    path = tmp_path / "crafted.pt"
+    d = torch.load(runs[3]["sched"], weights_only=True)
+    d["sites"] = [{**SITE, "line": "12"}]
+    torch.save(d, path)
+    one_line_error(run_cli("analyze", path, cwd=tmp_path), 2, "sites[0].line")
+
+
+# ---------------------------------------------------------------- at capture: a site only with evidence, never a guess
+
+@pytest.mark.parametrize(("code", "found"), [
+    ("a = torch.optim.SGD(p, lr=0.1)\nb = torch.optim.SGD(q, lr=0.5)\n", 1),   # told apart by the literal rate
+    ("a = torch.optim.SGD(p, lr=0.1)\nb = torch.optim.SGD(q, lr=0.1)\n", None),  # two equal candidates: neither
+    ("a = torch.optim.SGD(p, lr=lr)\n", None),  # no literal: nothing says this line made this optimizer
+    ("a = torch.optim.SGD(p, 0.1, momentum=0.5)\n", None),  # a literal the run's optimizer does not have
+    ("a = torch.optim.Adam(p, lr=0.1)\nb = torch.optim.SGD(q, 0.1)\n", 2),  # another class; a positional rate
+])
+def test_the_guard_records_an_optimizer_site_only_where_one_call_has_the_runs_literals(tmp_path, code, found):
+    from nanreplay.capture import sites
+    f = tmp_path / "loop.py"
+    f.write_text(code)
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    got = [s for s in sites.find([str(f)], opt, None, None) if s["what"] == "optimizer"]
+    assert [s["line"] for s in got] == ([found] if found else []), got
