@@ -10,9 +10,8 @@ import math
 
 import torch
 
-from nanreplay import noop
+from nanreplay import noop, verify
 from nanreplay import torch_internals as ti
-from nanreplay import verify
 from nanreplay.diagnose import (
     finite,
     magnitude,

@@ -12,7 +12,7 @@ import pytest
 
 from nanreplay import noop, replay
 from nanreplay.analysis import analyze
-from tests.segmented import CASES, snapshot
+from tests.segmented import CASES, VERIFY_CASES, snapshot
 
 
 def _diagnosis(path, monkeypatch, deferred: bool) -> tuple[dict, list[int], int]:
@@ -40,7 +40,7 @@ def test_the_deferred_reference_gives_the_full_diagnosis(tmp_path, monkeypatch, 
     """dist: ε verifies, its probe at ε × 100 moves values beyond rounding (the reference is asked) and agrees on
     the loss: no float64 forward at all. over_zero: x / relu(...) — every ε sets the loss, the losses disagree, so
     the deferred check must not stand: the probe is replayed against the float64 step (made once)."""
-    path = snapshot(tmp_path, CASES[case])
+    path = snapshot(tmp_path, {**CASES, **VERIFY_CASES}[case])
     lean, asked, made = _diagnosis(path, monkeypatch, deferred=True)
     full, asked_full, made_full = _diagnosis(path, monkeypatch, deferred=False)
     assert lean == full
