@@ -38,6 +38,10 @@ class Float64Reference:
         self.subject, self.calls, self.names = subject, set(calls), names
         self._values: dict[int, tuple[str, object]] | None = None
 
+    @property
+    def made(self) -> bool:
+        return self._values is not None
+
     def at(self, c: int) -> list[torch.Tensor] | None:
         if self._values is None:
             self._values = {}
@@ -66,6 +70,21 @@ class Float64Reference:
         return _tensors(out)
 
 
+class Deferred:
+    """Stands in for the `Float64Reference` of a replay whose no-op check may never be read (the ε × 100 probe:
+    its check decides something only where its loss and the candidate's disagree): asked for a value, it gives
+    none and remembers it was asked. A check that never asked is exactly the check the reference would have made
+    (it is asked only where rounding alone does not answer); one that asked is not, and is made again against the
+    reference where it is read (diagnose/engine.py)."""
+
+    def __init__(self):
+        self.asked = False
+
+    def at(self, c: int) -> None:
+        self.asked = True
+        return None
+
+
 REF_ULPS = 4  # the rounding one op adds to a value, in units of its working precision, beside its input's error
 
 
@@ -87,7 +106,7 @@ class NoOp:
     worst: float = 0.0  # the largest move, relative to the output's scale
     where: str = ""  # the call that moved most
     seen: set = field(default_factory=set)  # call numbers compared
-    reference: Float64Reference | None = None
+    reference: Float64Reference | Deferred | None = None
     referenced: int = 0  # elements judged against a float64 value of the step
     closer: int = 0  # elements the fix moved beyond rounding, but towards the float64 value (within its error)
     how: str = ""  # "the step in float64" | "each call's own inputs in float64"

@@ -29,6 +29,8 @@ class Block(nn.Module):
         if self.on and self.fault == "masked_log":  # log of probabilities that underflow in float32 only, masked
             p = torch.softmax(200 * h, -1)          # in forward: backward divides by the zeros
             h = h + torch.where(p > 0, torch.log(p), 0.0).mean(-1, keepdim=True)
+        if self.on and self.fault == "over_zero":  # x / relu(...) with zeros: each ε sets the loss (x / ε)
+            h = h + (x[:, :1].abs() / F.relu(h[:, :1])).mean()
         if self.on and self.fault == "softmax":  # hands over probabilities that underflow in float32 only
             return torch.softmax(200 * h, -1)
         if self.on and self.fault == "relu_out":  # hands over a ReLU's exact zeros
@@ -52,6 +54,7 @@ class Net(nn.Module):
 
 CASES = {"relu_log": {2: "relu_log"}, "underflow": {1: "softmax", 2: "log_in"}, "relu_boundary": {1: "relu_out", 2: "log_in"},
          "dist": {2: "dist"}, "masked_log": {2: "masked_log"}, "relu_log_bf16": {2: "relu_log"}, "dist_bf16": {2: "dist"}}
+VERIFY_CASES = {"over_zero": {2: "over_zero"}}  # fix verification only (tests/diagnose/test_deferred_reference.py)
 
 
 def snapshot(tmp_path, faults: dict[int, str], autocast: bool = False):

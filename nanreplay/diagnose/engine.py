@@ -10,8 +10,8 @@ import math
 
 import torch
 
+from nanreplay import noop, verify
 from nanreplay import torch_internals as ti
-from nanreplay import verify
 from nanreplay.diagnose import (
     datafix,
     finite,
@@ -241,9 +241,19 @@ def _judge(fix: Fix, o: verify.Outcome, subject, same: plausible.SameStep, ref: 
     probe_loss, note = None, ""
     checked = o.noop is not None and o.noop.elements > 0 and o.noop.ok
     if fix.probe and fix.epsilon is not None:
+        # the probe's no-op check is read only where its loss and the candidate's disagree (below), and by the
+        # candidate at ε × 100 that reuses it: its float64 reference (a forward of its own) is deferred to then
+        deferred = noop.Deferred() if f64 is not None and not f64.made else None
         p = verify.try_patch(subject, _landing(fix.probe, step, []), label=label, noop=fix.noop_exempt is None,
-                             compare_at=fix.compare_at, reference=f64, shared=shared)
-        probes[(fix.kind, f"{fix.epsilon * 100:.0e}")] = p  # the same replay as the candidate at ε × 100
+                             compare_at=fix.compare_at, reference=deferred or f64, shared=shared)
+        if deferred is not None and deferred.asked and p.ok and p.loss is not None and o.loss is not None \
+                and not plausible.agree(o.loss, p.loss):  # read below: the same replay, checked against float64
+            p = verify.try_patch(subject, _landing(fix.probe, step, []), label=label, noop=fix.noop_exempt is None,
+                                 compare_at=fix.compare_at, reference=f64, shared=shared)
+            deferred = None
+        if deferred is None or not deferred.asked or not p.ok and fix.kind not in EXACT_KINDS:  # (a failed ε
+            # candidate's check is never read: _verify)
+            probes[(fix.kind, f"{fix.epsilon * 100:.0e}")] = p  # the same replay as the candidate at ε × 100
         probe_loss = p.loss if p.ok else None
         if probe_loss is not None and checked and p.noop is not None and not p.noop.ok and o.loss is not None \
                 and not plausible.agree(o.loss, probe_loss):

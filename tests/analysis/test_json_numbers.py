@@ -149,3 +149,21 @@ def test_grad_stats_of_nonfinite_gradients_equal_the_plain_float64_figures(dtype
         for k, v in want.items():  # float64 sums in another order: the last bit may differ
             assert got[k] == (pytest.approx(v, rel=1e-12) if isinstance(v, float) else v), (values, k)
         assert got["numel"] == len(values) and got["grad_shape"] == [len(values)]
+
+
+def test_input_statistics_of_a_broadcast_view_are_those_of_its_copy():
+    """tensor_stats reads a broadcast input (stride 0: a sum's gradient expanded) once per distinct element and
+    scales its counts: every field must be what the same values, materialized, give."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float16, torch.float64, torch.int64):
+        x = (torch.randn(5, 7, 3, generator=g) * 3).to(dtype)
+        if dtype.is_floating_point:
+            x[0, 0, 0], x[1, 2, 0], x[2, 1, 1], x[3, 3, 2] = float("nan"), float("inf"), 0.0, -0.0
+        for view in (x[:, :1].expand(5, 7, 3), x[:1, :, None].expand(4, 7, 6, 3), x[..., :1].expand(5, 7, 9),
+                     torch.zeros(3, 1, dtype=dtype).expand(3, 5), x.transpose(0, 2)):
+            assert stats.tensor_stats(view) == stats.tensor_stats(view.contiguous()), (dtype, view.shape)
+    nan = torch.full((3, 1), float("nan")).expand(3, 4)
+    assert stats.tensor_stats(nan) == stats.tensor_stats(nan.contiguous())
+    assert stats.tensor_stats(nan)["nan"] == 12 and stats.tensor_stats(nan)["min"] is None
