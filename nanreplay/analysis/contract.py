@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from nanreplay import seeded, stats
+from nanreplay.analysis import saved
 from nanreplay.analysis.arguments import name_inputs
 from nanreplay.analysis.result import SCHEMA, Analysis, precision_sentence  # noqa: F401 - re-exported
 from nanreplay.replay import Step, frame_json
@@ -78,8 +79,11 @@ def forward_inputs_json(subject, step: Step, ev) -> list[dict] | None:
     if ev.phase != "backward" or ev.fwd is None:
         return None
     rec = step.ops[ev.fwd]
-    kept = seeded.op_inputs(subject, rec.node, str(rec.op))  # from the segment's start, where it was kept
-    found = [stats.tensor_stats(t) for t in kept] if kept is not None else forward_op_inputs(subject, ev.fwd, str(rec.op))
+    found = saved.forward_inputs(ev, str(rec.op))  # the culprit's own argument, where its formula takes x as it was
+    if found is None:
+        kept = seeded.op_inputs(subject, rec.node, str(rec.op))  # from the segment's start, where it was kept
+        found = [stats.tensor_stats(t) for t in kept] if kept is not None else \
+            forward_op_inputs(subject, ev.fwd, str(rec.op))
     if found is None:
         return None
     call_name = step.call_names[rec.call] if 0 < rec.call < len(step.call_names) else None
