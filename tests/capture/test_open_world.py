@@ -18,6 +18,7 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from nanreplay import NanGuard
 from nanreplay.analysis import analyze
@@ -110,3 +111,57 @@ def test_sparse_and_complex_gradients_train_and_analyze(case, tmp_path):
     assert result["diagnosis"]["cause"] == "sqrt_at_zero"
     # the fix replayed, and judged against a float64 replay of the step (complex weights in complex128)
     assert result["diagnosis"]["fix"]["verified"] is True, result["diagnosis"]["fix"]["replay"]
+
+
+class Curriculum(nn.Module):
+    """Python state the forward changes: a call counter a schedule reads, a list it appends to, a cache it
+    reassigns (a tensor attribute, not a buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 16), nn.Linear(16, 1)
+        self.calls = 0
+        self.seen: list[int] = []
+        self.cache = torch.zeros(0, 16)
+
+    def forward(self, x):
+        self.calls += 1
+        self.seen.append(x.shape[0])
+        h = torch.relu(self.a(x)) * (1.0 + 0.01 * self.calls)
+        self.cache = torch.cat([self.cache, h.detach()[:1]])[-4:]
+        return self.b(h + self.cache.mean(0))
+
+
+def _curriculum(folder, guarded: bool):
+    torch.manual_seed(0)
+    model = Curriculum()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    guard = NanGuard(model, opt, loss_fn=F.mse_loss, folder=folder, spike_factor=5.0) if guarded else None
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(12):
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+        if step == 8:
+            x = x * 1e4  # a finite gradient spike: snapshots are written, and training goes on
+        if guard:
+            guard.begin(x, y, step=step)
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        assert guard is None or guard.loss_ok(loss)
+        loss.backward()
+        assert guard is None or guard.grads_ok()
+        opt.step()
+        losses.append(loss.detach().clone())
+    return losses, model, guard
+
+
+def test_a_forward_with_python_state_is_not_run_ahead_by_a_spike_snapshot(tmp_path):
+    """Before, each spike snapshot's re-run of the step counted one more call (and appended to the list), so
+    every step after the first spike computed with another scale than the unguarded run."""
+    plain, m0, _ = _curriculum(tmp_path / "off", False)
+    guarded, m1, guard = _curriculum(tmp_path / "on", True)
+    assert guard.spike_snapshots  # the re-runs happened
+    assert (m1.calls, m1.seen) == (m0.calls, m0.seen) == (12, [8] * 12)
+    assert all(torch.equal(a, b) for a, b in zip(plain, guarded, strict=True))
+    assert torch.equal(m0.cache, m1.cache)
+    assert all(torch.equal(p, q) for p, q in zip(m0.parameters(), m1.parameters(), strict=True))
