@@ -237,6 +237,8 @@ def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32
     sparse and complex tensors count their entries' real values (`real_values`)."""
     if any(t.layout is not torch.strided or t.is_complex() for t in tensors):
         tensors = [real_values(t) for t in tensors]
+    if dtype != torch.float64 and any(t.dtype == torch.float64 for t in tensors):
+        dtype = torch.float64  # a float64 model: a float32 norm would narrow it (torch refuses), and could overflow
     try:
         if dtype == torch.float32 and all(t.dtype == torch.float32 for t in tensors):
             return list(torch._foreach_norm(tensors))

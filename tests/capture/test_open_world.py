@@ -165,3 +165,51 @@ def test_a_forward_with_python_state_is_not_run_ahead_by_a_spike_snapshot(tmp_pa
     assert all(torch.equal(a, b) for a, b in zip(plain, guarded, strict=True))
     assert torch.equal(m0.cache, m1.cache)
     assert all(torch.equal(p, q) for p, q in zip(m0.parameters(), m1.parameters(), strict=True))
+
+
+class DoublePairs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+
+    def forward(self, a, b):
+        return ((self.enc(a) - self.enc(b)) ** 2).sum(-1).sqrt().mean()  # LINE: double
+
+
+def test_a_float64_model_is_guarded_and_analyzed(tmp_path):
+    """Before, `grads_ok()` raised into the loop on every step of a float64 model (`model.double()`, physics and
+    scientific code): the guard's norm asked torch for a float32 norm of float64 gradients, which it refuses."""
+    def train(folder, guarded, bad):
+        torch.manual_seed(0)
+        model = DoublePairs().double()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        guard = NanGuard(model, opt, folder=folder) if guarded else None
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for step in range(4):
+            a = torch.randn(4, 6, generator=g, dtype=torch.float64)
+            b = a + 0.1 * torch.randn(4, 6, generator=g, dtype=torch.float64)
+            if step == bad:
+                b[1] = a[1]
+            if guard:
+                guard.begin((a, b), step=step)
+            opt.zero_grad()
+            loss = model(a, b)
+            if guard and not guard.loss_ok(loss):
+                break
+            loss.backward()
+            if guard and not guard.grads_ok():
+                break
+            opt.step()
+            losses.append(loss.detach().clone())
+        return losses, guard
+
+    plain, _ = train(tmp_path / "off", False, None)
+    guarded, guard = train(tmp_path / "on", True, None)
+    assert len(guarded) == 4 and all(torch.equal(x, y) for x, y in zip(plain, guarded, strict=True))
+    _, guard = train(tmp_path / "bad", True, 2)
+    assert guard.last_snapshot and "_step000002_gradient_" in guard.last_snapshot
+    result = analyze(guard.last_snapshot, verify=False).to_json()
+    c = result["culprit"]
+    assert (result["verdict"], c["forward_op"], c["kind"]) == ("culprit_found", "aten.sqrt.default", "inf")
+    assert c["source"]["code"].endswith("# LINE: double")
