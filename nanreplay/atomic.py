@@ -105,6 +105,38 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     write_with(path, lambda f: f.write(text.encode("utf-8", "replace")))
 
 
+def write_texts(items: list[tuple[str | os.PathLike, str]]) -> None:
+    """Write several files as one set (a report and its JSON): each is written to its own temp file first, and
+    only once every one is complete are they moved into place. A write that fails (a full disk, a read-only
+    folder) leaves no new file of the set and no temp file. Raises OSError whose `filename` is the output that
+    could not be written; a destination that is not a regular file is refused as in `write_with`."""
+    staged: list[tuple[str, Path]] = []
+
+    def discard() -> None:
+        for tmp, _ in staged:
+            _unlink(tmp)
+
+    with interrupt.cleanup(discard):
+        try:
+            for path, text in items:
+                p = Path(path)
+                try:
+                    check_replaceable(p)
+                    fd, tmp = _temp_file(p.parent if str(p.parent) else Path("."), p.name)
+                    staged.append((tmp, p))
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(text.encode("utf-8", "replace"))
+                        f.flush()
+                        os.fsync(f.fileno())
+                except OSError as e:
+                    raise OSError(e.errno, e.strerror or str(e), str(p)) from None
+            for tmp, p in staged:
+                check_replaceable(p)  # again: it may have changed while we wrote
+                os.replace(tmp, p)
+        finally:
+            discard()  # (the ones moved into place are gone already)
+
+
 def clean_stale_temps(folder: str | os.PathLike, prefix: str, *, older_than: float = STALE_AFTER) -> list[str]:
     """Remove this module's temp files `.<prefix>*.tmp` in `folder` older than `older_than` seconds.
 

@@ -167,12 +167,12 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
                 raise ReplayError(f"{one_line(snapshot)}: the confined analysis sent back a result the report "
                                   f"cannot show ({type(e).__name__}); nothing was written") from None
         with interrupt.deferred():  # all of them or none: Ctrl-C here waits until the last one is written
-            if report_path:
-                write_atomic(report_path, html, "the report")
+            outputs = [(report_path, html, "the report")] if report_path else []
             if text is not None and json_dest is not None:
-                write_atomic(json_dest, text, "the JSON")
+                outputs.append((json_dest, text, "the JSON"))
             if md is not None and md_dest is not None:
-                write_atomic(md_dest, md, "the Markdown summary")
+                outputs.append((md_dest, md, "the Markdown summary"))
+            write_set(outputs)  # a full disk leaves none of them (and says nothing was written)
     except interrupt.DeadlineExceeded:  # only in-process (click's test runner): the command stops in interrupt.py
         _fail(TimeLimitError(message.removeprefix("nanreplay: error: ")))
     except NanReplayError as e:
@@ -457,6 +457,16 @@ def _emit(path: str, text: str, what: str, option: str) -> None:
         click.echo(text.rstrip("\n"))
     else:
         write_atomic(dest, text, what)
+
+
+def write_set(outputs: list[tuple[str, str, str]]) -> None:
+    """(path, text, what) written all or none (atomic.write_texts); one line naming the one that failed."""
+    try:
+        atomic.write_texts([(path, text) for path, text, _ in outputs])
+    except OSError as e:
+        what = next((w for path, _, w in outputs if str(path) == e.filename), "the output")
+        rest = "; nothing was written" if len(outputs) > 1 else ""
+        raise OutputError(f"{e.filename}: cannot write {what}: {e.strerror or e}{rest}") from None
 
 
 def write_atomic(path: str, text: str, what: str = "the output") -> None:

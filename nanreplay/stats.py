@@ -11,6 +11,14 @@ import math
 
 import torch
 
+from nanreplay.torch_internals import real_values
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a dense tensor whose entries can be checked: a sparse one's values, a complex one's real and
+    imaginary parts (a sparse embedding's or a complex parameter's gradient); any other tensor as it is."""
+    return real_values(t) if t.layout is not torch.strided or t.is_complex() else t
+
 
 def _count(mask: torch.Tensor) -> int:
     """Number of True elements (count_nonzero: several times faster than a bool sum)."""
@@ -25,7 +33,11 @@ def finite_fast(t: torch.Tensor) -> bool:
     sum is not finite (a NaN/Inf, or an overflow of huge finite values) do we
     pay for a second pass.
     """
-    if not t.is_floating_point() or t.numel() == 0:
+    if not t.is_floating_point() or t.layout is not torch.strided:
+        if not (t.is_complex() or t.layout is not torch.strided):
+            return True
+        t = _plain(t)
+    if t.numel() == 0:
         return True
     if math.isfinite(t.sum().item()):
         return True
@@ -40,6 +52,7 @@ def kinds_slow(t: torch.Tensor) -> tuple[bool, bool]:
     With a NaN present has_inf is reported False: nothing downstream depends on
     Inf next to NaN (a NaN decides both the kind and the role), so we skip the pass.
     """
+    t = _plain(t)
     lo, hi = (float(v) for v in torch.aminmax(t.reshape(-1)))
     if math.isnan(lo) or math.isnan(hi):
         return True, False
@@ -68,6 +81,7 @@ def absmax(t: torch.Tensor) -> float | str:
 @torch.no_grad()
 def kinds(t: torch.Tensor) -> tuple[bool, bool]:
     """(has_nan, has_inf) of a tensor, exact."""
+    t = _plain(t)
     if not t.is_floating_point() or t.numel() == 0 or math.isfinite(t.sum().item()):
         return False, False
     return kinds_slow(t)
@@ -84,6 +98,7 @@ def counts(t: torch.Tensor, known: tuple[bool, bool] | None = None, total: float
     the -Inf (an attention mask's common case); +Inf likewise.
     """
     out = {"numel": t.numel(), "nan": 0, "posinf": 0, "neginf": 0}
+    t = _plain(t)
     if not t.is_floating_point():
         return out
     if total is not None and math.isinf(total):
@@ -224,7 +239,7 @@ def grad_stats(name: str, p: torch.Tensor) -> dict:
         row.update(mean=None, std=None, max_abs=None, nan=0, inf=0, grad_shape=None, finite=0, finite_mean=None,
                    finite_std=None, finite_max_abs=None)
         return row
-    gd = g.detach()
+    gd = _plain(g.detach())
     n = gd.numel()
     if not gd.is_floating_point():
         gd = gd.double()

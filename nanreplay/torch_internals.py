@@ -220,8 +220,25 @@ def is_random_op(func: Any) -> bool:
     return torch.Tag.nondeterministic_seeded in op_tags(func)
 
 
+def real_values(t: torch.Tensor) -> torch.Tensor:
+    """The entries of `t` as a dense real tensor with the same 2-norm and the same non-finite entries: a sparse
+    tensor's values (a COO one coalesced first: its duplicates add), a complex one's real and imaginary parts
+    (`view_as_real`). A dense real tensor is returned as it is. (A sparse embedding's gradient and a complex
+    parameter's are both what real training hands the guard; `isfinite` and the norms do not take them.)"""
+    if t.layout is not torch.strided:
+        t = t.coalesce().values() if t.layout is torch.sparse_coo else t.values()
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    return t
+
+
 def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-    """The 2-norm of each tensor, computed in `dtype` (one fused kernel where torch has `_foreach_norm`)."""
+    """The 2-norm of each tensor, computed in `dtype` (one fused kernel where torch has `_foreach_norm`);
+    sparse and complex tensors count their entries' real values (`real_values`)."""
+    if any(t.layout is not torch.strided or t.is_complex() for t in tensors):
+        tensors = [real_values(t) for t in tensors]
+    if dtype != torch.float64 and any(t.dtype == torch.float64 for t in tensors):
+        dtype = torch.float64  # a float64 model: a float32 norm would narrow it (torch refuses), and could overflow
     try:
         if dtype == torch.float32 and all(t.dtype == torch.float32 for t in tensors):
             return list(torch._foreach_norm(tensors))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -89,3 +91,28 @@ def test_concurrent_writers_never_share_a_temp_file(tmp_path):
     assert not errors
     text = (tmp_path / "same.txt").read_text()
     assert len(text) == 1000 and len(set(text)) == 1
+
+
+def test_a_set_of_outputs_is_written_whole_or_not_at_all(tmp_path):
+    """A report and its JSON on a disk that fills up while they are written: before, the report was left new
+    beside no JSON (or an old one); now neither changes and no temp file stays. The disk's end is a real
+    file-size limit in a child (RLIMIT_FSIZE: writes past it fail with EFBIG, as a full disk fails with ENOSPC)."""
+    (tmp_path / "report.html").write_text("old report")
+    code = f"""
+import resource, signal, sys
+sys.path.insert(0, {str(atomic.__file__.rsplit('/nanreplay/', 1)[0])!r})
+from nanreplay import atomic
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    atomic.write_texts([({str(tmp_path / 'report.html')!r}, "new report"), ({str(tmp_path / 'r.json')!r}, "x" * 10000)])
+except OSError as e:
+    print(e.filename, e.errno)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == [str(tmp_path / "r.json"), "27"], out  # EFBIG, naming the output that failed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html"]
+    assert (tmp_path / "report.html").read_text() == "old report"
+    atomic.write_texts([(tmp_path / "report.html", "new report"), (tmp_path / "r.json", "{}")])
+    assert (tmp_path / "report.html").read_text() == "new report" and (tmp_path / "r.json").read_text() == "{}"
+    assert not list(tmp_path.glob(".*.tmp"))

@@ -45,7 +45,7 @@ def total_norm(model: nn.Module, dtype: torch.dtype = torch.float32) -> float:
 def all_grads_finite(model: nn.Module) -> bool:
     """Every gradient entry finite (False when there are no gradients to look at)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return bool(grads) and all(bool(torch.isfinite(g).all()) for g in grads)
+    return bool(grads) and all(bool(torch.isfinite(ti.real_values(g)).all()) for g in grads)
 
 
 def autocast_state(model: nn.Module) -> dict | None:

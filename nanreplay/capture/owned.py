@@ -19,7 +19,12 @@ has been modified by an inplace operation". So a re-run never writes into a live
 * every parameter's `.grad` slot is emptied for the re-run and the user's gradient objects put back after, so
   anything the re-run accumulates lands in fresh tensors;
 * torch's CPU and CUDA generators, Python's `random` and numpy's global generator are set to the step's begin()
-  state for the re-run and to their live state after.
+  state for the re-run and to their live state after;
+* a module's own plain Python attributes — numbers, strings, None, tuples of them (a forward-call counter
+  `self.calls += 1`, a curriculum's `self.step`), and the contents of its lists and dicts (`self.maps.append`)
+  — are put back as they were, and plain attributes the re-run created are removed: a forward that counts its
+  calls is not one call ahead after a spike snapshot or a re-run on which training goes on. (Objects the forward
+  reaches outside the modules, and what lies inside a list's elements, are not restored.)
 
 This module imports only torch.
 """
@@ -115,6 +120,48 @@ def _swap_state(model: nn.Module, begin: dict[str, torch.Tensor], swaps: _Swaps)
                 swaps.put(m.__dict__, key, memo[id(v)])
 
 
+_TORCH_OWN = frozenset(vars(nn.Module()))  # `_parameters`, `_buffers`, the hook dicts, `training`: torch's own
+_SCALAR = (int, float, complex, bool, str, bytes, type(None))
+
+
+def _plain_value(v: Any) -> bool:
+    return isinstance(v, _SCALAR) or (type(v) is tuple and len(v) <= 64 and all(isinstance(x, _SCALAR) for x in v))
+
+
+class _PythonState:
+    """Each module's plain Python attributes as the re-run found them (see the module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.kept: list[tuple[dict, str, Any, Any]] = []  # (module __dict__, key, object, shallow copy or None)
+        self.keys: list[tuple[dict, frozenset]] = []
+        for m in model.modules():
+            d = m.__dict__
+            self.keys.append((d, frozenset(d)))
+            for k, v in d.items():
+                if k in _TORCH_OWN:
+                    continue
+                if _plain_value(v):
+                    self.kept.append((d, k, v, None))
+                elif type(v) is list:
+                    self.kept.append((d, k, v, list(v)))
+                elif type(v) is dict:
+                    self.kept.append((d, k, v, dict(v)))
+
+    def restore(self) -> None:
+        for d, before in self.keys:
+            for k in [k for k in d if k not in before and k not in _TORCH_OWN]:
+                if _plain_value(d[k]) or isinstance(d[k], (list, dict, torch.Tensor)):
+                    del d[k]
+        for d, k, v, copy in self.kept:
+            if d.get(k, d) is not v:
+                d[k] = v
+            if type(v) is list and (len(v) != len(copy) or any(a is not b for a, b in zip(v, copy, strict=True))):
+                v[:] = copy
+            elif type(v) is dict and (v.keys() != copy.keys() or any(v[x] is not copy[x] for x in copy)):
+                v.clear()
+                v.update(copy)
+
+
 def clone_tensors(obj: Any) -> Any:
     """`obj` (nested dicts, lists, tuples) with every tensor replaced by a clone the re-run may write (a forward
     that writes its inputs in place: FSMT's `shift_tokens_right` masks the labels with `masked_fill_`); anything
@@ -204,6 +251,7 @@ def rerun_state(model: nn.Module, rng: dict | None = None,
     swaps = _Swaps()
     params = list(model.parameters())
     grads = [p.grad for p in params]
+    python = _PythonState(model)
     try:
         _swap_state(model, begin or {}, swaps)
         for p in params:
@@ -216,6 +264,7 @@ def rerun_state(model: nn.Module, rng: dict | None = None,
         yield
     finally:
         swaps.undo()
+        python.restore()
         for p, g in zip(params, grads, strict=True):
             if p.grad is not g:
                 p.grad = g

@@ -57,6 +57,8 @@ def data(x: Any, *, keep_tuples: bool = False, unknown: Callable[[Any], Any] = _
     if _depth > MAX_DEPTH:
         return unknown(x)
     if isinstance(x, torch.Tensor):
+        if x.layout is not torch.strided:  # (SGD's momentum for a sparse gradient): a snapshot holds dense tensors
+            x = x.detach().to_dense()
         return tensor(x) if tensor is not None else x.detach().to("cpu", copy=True)
     if x is None or type(x) in (bool, int, float, str):
         return x

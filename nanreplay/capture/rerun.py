@@ -51,7 +51,7 @@ def grads_summary(grads: list[torch.Tensor | None]) -> dict:
         return {"grad_norm": None, "grads_nonfinite": None, "grads_hash": None}
     parts: list[torch.Tensor] = []
     for g in gs:
-        flat = g.reshape(-1)
+        flat = ti.real_values(g).reshape(-1)
         bad = (~torch.isfinite(flat)).sum() if flat.is_floating_point() else flat.new_zeros((), dtype=torch.int64)
         ints = flat.view(_BITS[flat.dtype]) if flat.dtype in _BITS else flat.double().view(torch.int64)
         s1 = torch.zeros((), dtype=torch.int64, device=flat.device)

@@ -226,6 +226,9 @@ def node_work(name: str, args: list, meta: list) -> int:
     elif packet == "einsum" and args and isinstance(args[0], str) and len(args) > 1:
         touched += _einsum_work(args[0], [t for t in args[1] if isinstance(t, torch.Tensor)]
                                 if isinstance(args[1], (list, tuple)) else [])
+    elif packet in _CUBIC and ts and ts[0].dim() >= 2:  # a factorisation or solve: n^3 per matrix, plus n^2 per rhs
+        n = max(ts[0].shape[-1], ts[0].shape[-2])
+        touched += ts[0].numel() * n + sum(t.numel() for t in ts[1:]) * n
     elif "attention" in packet and len(ts) >= 3:
         q, k = ts[0], ts[1]
         if q.dim() >= 2 and k.dim() >= 2:
@@ -247,6 +250,10 @@ def _einsum_work(equation: str, operands: list) -> int:
     return math.prod(sizes.values())
 
 
+_CUBIC = frozenset({"linalg_cholesky_ex", "cholesky", "_linalg_solve_ex", "_linalg_svd", "_linalg_eigh", "linalg_eig",
+                    "linalg_inv_ex", "_linalg_det", "_linalg_slogdet", "linalg_qr", "cholesky_solve",
+                    "_cholesky_solve_helper", "cholesky_inverse", "triangular_solve", "logdet", "geqrf",
+                    "linalg_householder_product", "linalg_solve_triangular", "matrix_exp", "linalg_matrix_exp"})
 _CONTRACT_LAST = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot",
                             "vdot", "_grouped_mm", "inner"})
 

@@ -104,11 +104,20 @@ binary_cross_entropy_backward
 """.split())
 PACKETS = PACKETS | DOUBLE_BACKWARD
 
-# ---- Added for issue 38 (the real-bug benchmark's spectral losses): torch.linalg.eigh records `_linalg_eigh`. Its
-# kernel checks its own input (a square float matrix or a batch of them) before LAPACK sees it, and its one string,
-# UPLO, is checked below as well; its backward is made of elementwise ops and matmuls already on the list.
-LINALG_38 = frozenset("_linalg_eigh".split())
-PACKETS = PACKETS | LINALG_38
+# ---- Added by the open-world audit: the dense linear algebra real models run in their step —
+# torch.distributions.MultivariateNormal (cholesky, then a triangular solve), Gaussian processes (cholesky_solve),
+# normalizing flows (slogdet, det, inv), whitening and orthogonality penalties (eigh, svd, qr), least squares (solve).
+# LAPACK kernels read their matrices' values and nothing else: they check square/batch shapes themselves and raise.
+# `_linalg_check_errors` is how `torch.linalg.cholesky` and friends raise on a failed factorisation (its
+# api_name is a fixed word). The LU family (`lu_solve`, `lu_unpack`, `linalg_lu*`) stays out: it reads pivot
+# *indices* a crafted file could aim anywhere. The dry run counts their cubic work (formats/dryrun.py).
+LINALG = frozenset("""
+linalg_cholesky_ex cholesky _linalg_solve_ex _linalg_svd _linalg_eigh linalg_eig linalg_inv_ex _linalg_det
+_linalg_slogdet linalg_qr cholesky_solve _cholesky_solve_helper cholesky_inverse triangular_solve logdet
+_linalg_check_errors geqrf linalg_householder_product
+bitwise_and_ bitwise_or_ bitwise_xor_ bitwise_not_
+""".split())  # bitwise_*_: MultivariateNormal's argument validation combines its checks with `&=` on bool masks
+PACKETS = PACKETS | LINALG
 
 # (op packet, argument) -> allowed values (a frozenset) or a full-match regex.
 STRING_ARGS: dict[tuple[str, str], frozenset[str] | re.Pattern] = {
@@ -129,6 +138,9 @@ STRING_ARGS: dict[tuple[str, str], frozenset[str] | re.Pattern] = {
     ("norm", "p"): frozenset({"fro"}),
     ("linalg_norm", "ord"): frozenset({"fro", "nuc"}),
     ("_linalg_eigh", "UPLO"): frozenset({"L", "U"}),
+    ("linalg_qr", "mode"): frozenset({"reduced", "complete", "r"}),
+    ("_linalg_svd", "driver"): frozenset({"gesvd", "gesvdj", "gesvda"}),
+    ("_linalg_check_errors", "api_name"): re.compile(r"[a-z_]{1,32}(\.[a-z_]{1,32})?"),
 }
 
 

@@ -96,6 +96,9 @@ def check_tensors(obj: Any, path: str | Path, max_memory: int | None) -> None:
         if isinstance(v, torch.Tensor):
             if v.device.type != "cpu":
                 continue  # refused by the schema, with its own line
+            if v.layout is not torch.strided:  # (no storage to measure; torch checks its indices only on request)
+                raise SnapshotError(f"{path}: the snapshot holds a {str(v.layout).removeprefix('torch.')} tensor; "
+                                    "a snapshot holds dense tensors only (a crafted or foreign file?)")
             held = v.untyped_storage().nbytes()
             storages[v.untyped_storage().data_ptr()] = held
             extra += max(0, v.numel() * v.element_size() - held)  # what a copy adds beyond the stored bytes

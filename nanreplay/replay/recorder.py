@@ -172,14 +172,21 @@ class Recorder:
             outs = list(_written_tensors(func, args, kwargs))
         lazy = self.counted is not None
         for t in outs:
-            if t.is_floating_point() and t.numel() and not math.isfinite(total := t.sum().item()):
+            if t.is_complex() and t.numel():  # (rotary embeddings, spectra: checked on their real parts)
+                total = _complex_total(t)
+            elif not (t.is_floating_point() and t.numel()):
+                total = 0.0
+            else:
+                total = t.sum().item()
+            if not math.isfinite(total):
                 if lazy:  # past the failure's event: the kinds, not the counts
                     n, i = stats.kinds_after(t, total)
                     if n or i:
                         bad.append((t, {"numel": t.numel(), "nan": None, "posinf": None, "neginf": None}, n, i))
                         continue
                 else:
-                    c = stats.counts(t, (True, True), total)  # exact counts straight away: most such sums are NaN/Inf
+                    # exact counts straight away: most such sums are NaN/Inf
+                    c = stats.counts(t, (True, True), None if t.is_complex() else total)
                     if c["nan"] or c["posinf"] or c["neginf"]:
                         bad.append((t, c, c["nan"] > 0, c["posinf"] + c["neginf"] > 0))
                         continue
@@ -216,7 +223,7 @@ class Recorder:
                         scalars.append(_simple(t))
                     continue
                 inputs.append(t)
-                if not t.is_floating_point():
+                if not (t.is_floating_point() or t.is_complex()):
                     continue
                 hit = self.nonfinite.get(t)
                 if hit is not None:  # computed by an op we saw: provenance link
@@ -433,6 +440,14 @@ def _before_write(rec: Recorder, func, args: tuple) -> dict | None:
         if isinstance(a, torch.Tensor) and a.is_floating_point() and a not in rec.nonfinite:
             out[id(a)] = a.detach().clone()
     return out or None
+
+
+def _complex_total(t: torch.Tensor) -> float:
+    """A complex output's check sum as one float: the sum of its real and imaginary parts (finite exactly when
+    both parts' sums are; NaN when either is NaN). Not a count: counts look at `view_as_real(t)` itself."""
+    z = t.sum().item()
+    return z.real + z.imag if math.isfinite(z.real) and math.isfinite(z.imag) else (
+        math.nan if math.isnan(z.real) or math.isnan(z.imag) else math.inf)
 
 
 class _CallMode(TorchFunctionMode):

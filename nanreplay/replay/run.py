@@ -208,7 +208,9 @@ def _finite_or_stop(p: torch.Tensor, rec: Recorder) -> None:
 def grad_norm(g: torch.Tensor) -> float:
     """The L2 norm of a gradient: a cascaded float32 sum of squares (float32's own vector_norm accumulates less
     exactly; a float64 norm converts the whole tensor, several times slower), in float64 where the squares
-    under- or overflow float32."""
+    under- or overflow float32. A sparse or complex gradient counts its entries' real values."""
+    if g.layout is not torch.strided or g.is_complex():
+        g = ti.real_values(g)
     if g.dtype == torch.float32 and g.numel():
         v = math.sqrt(float(g.square().sum()))
         if math.isfinite(v) and v * v > 1e-30 * g.numel():  # (typical squares far from float32's subnormals)

@@ -76,7 +76,7 @@ class Subject:
         loss_fn = self.loss_fn
         if self.program:
             low = (self.autocast or {}).get("dtype")
-            all_map = {self.step_dtype(): dtype} if dtype is not None else {}
+            all_map = _with_complex({self.step_dtype(): dtype}) if dtype is not None else {}
             cast_map = {}
             if autocast != "same" and low is not None:
                 cast_map = {low: autocast["dtype"] if autocast else (dtype or torch.float32)}
@@ -87,8 +87,9 @@ class Subject:
             if self.program and mixed:  # a body the code cast to half beside float32 layers: the program's own
                 # casts map only the step's dtype (its .float() stays float32), so only those weights change
                 model._apply(lambda t: t.to(dtype) if t.dtype == src else t)
-            else:
-                model.to(dtype)
+            else:  # (not model.to(dtype): that casts a complex weight to a real dtype, dropping its imaginary part)
+                cmap = _with_complex({src: dtype})
+                model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t.to(cmap.get(t.dtype, t.dtype)))
             if isinstance(loss_fn, nn.Module):  # e.g. CrossEntropyLoss(weight=...)
                 loss_fn = copy.deepcopy(loss_fn).to(dtype)
 
@@ -228,3 +229,16 @@ def _unshare(copy: nn.Module, original: nn.Module) -> None:
         for k, b in list(m._buffers.items()):
             if b is not None and (id(b) in mine or (b.numel() and b.data_ptr() in ptrs)):
                 m._buffers[k] = b.detach().clone()
+
+
+_COMPLEX = {torch.float16: torch.complex32, torch.float32: torch.complex64, torch.float64: torch.complex128}
+
+
+def _with_complex(dtype_map: dict) -> dict:
+    """A real dtype change and its complex counterpart (float32 -> float64: complex64 -> complex128), so that a
+    complex weight, constant or cast of the step follows a float64 or half replay (bfloat16 has none: left)."""
+    out = dict(dtype_map)
+    for a, b in dtype_map.items():
+        if a in _COMPLEX and b in _COMPLEX:
+            out[_COMPLEX[a]] = _COMPLEX[b]
+    return out

@@ -71,9 +71,9 @@ def tally(rows: list[dict], ignored: int) -> dict:
 def save(outdir: Path, doc: dict, rows: list[dict], what: str) -> Result:
     """groups.json, summary.csv and index.html in `outdir`, each written atomically."""
     try:
-        atomic.write_text(outdir / "groups.json", json.dumps(doc, indent=2, allow_nan=False))
-        atomic.write_text(outdir / "summary.csv", summary_csv(rows))
-        atomic.write_text(outdir / "index.html", render_index(doc))
+        atomic.write_texts([(outdir / "groups.json", json.dumps(doc, indent=2, allow_nan=False)),
+                            (outdir / "summary.csv", summary_csv(rows)),
+                            (outdir / "index.html", render_index(doc))])  # all three or none (a full disk)
     except OSError as e:
         raise UsageError(f"{outdir}: cannot write the {what}: {e.strerror or e}") from None
     return Result(rows=rows, groups=doc["groups"], failures=doc["failures"], ranks=doc["ranks"],

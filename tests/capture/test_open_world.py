@@ -1,0 +1,215 @@
+"""The guard and the analysis on what real training hands them that a dense float32 model never does
+(found by the open-world audit, docs/guard.md "Gradients that are not dense real tensors"):
+
+* a sparse gradient (`nn.Embedding(sparse=True)`, with SparseAdam or SGD): `grads_ok()` raised into the loop
+  (`linalg_vector_norm` / `isfinite` have no sparse kernel); the analysis crashed reading the replayed gradient;
+* a complex parameter (`nn.Parameter(torch.randn(..., dtype=torch.cfloat))`, Adam and SGD): `grads_ok()` raised
+  (a float32 norm of a complex tensor), the guard's re-run counted no non-finite entry, and the replay saw no
+  op make the complex gradient non-finite ("not reproduced").
+
+Each runs a few steps guarded and unguarded (bitwise equal, nothing raised), then a step whose gradient is
+Inf (sqrt at zero: a duplicated pair), analyzed to its culprit.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanreplay import NanGuard
+from nanreplay.analysis import analyze
+
+
+class SparsePairs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 4, sparse=True)
+        self.proj = nn.Linear(4, 3)
+
+    def forward(self, a, b):
+        d = self.proj(self.emb(a).mean(1)) - self.proj(self.emb(b).mean(1))
+        return (d ** 2).sum(-1).sqrt().mean()  # LINE: sparse
+
+
+class ComplexPairs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 6, dtype=torch.cfloat) * 0.3)
+
+    def forward(self, a, b):
+        d = a.to(torch.cfloat) @ self.w - b.to(torch.cfloat) @ self.w
+        return (d.abs() ** 2).sum(-1).sqrt().mean()  # LINE: complex
+
+
+def _ids(g):
+    return torch.randint(0, 20, (4, 5), generator=g)
+
+
+def _reals(g):
+    return torch.randn(4, 6, generator=g)
+
+
+CASES = {
+    "sparse_sparseadam": (SparsePairs, _ids, lambda m: torch.optim.SparseAdam(list(m.emb.parameters()), lr=0.01)),
+    "sparse_sgd": (SparsePairs, _ids, lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)),
+    "complex_adam": (ComplexPairs, _reals, lambda m: torch.optim.Adam(m.parameters(), lr=0.01)),
+}
+
+
+def _train(case: str, folder, guarded: bool, bad_step: int | None):
+    make, batch, opt = CASES[case]
+    torch.manual_seed(0)
+    model = make()
+    optimizer = opt(model)
+    guard = NanGuard(model, optimizer, folder=folder, check_flow=False) if guarded else None
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(4):
+        a, b = batch(g), batch(g)
+        if step == bad_step:
+            b = b.clone()
+            b[1] = a[1]  # a duplicated pair: distance 0, sqrt's gradient Inf
+        if guard:
+            guard.begin((a, b), step=step)
+        optimizer.zero_grad()
+        loss = model(a, b)
+        if guard and not guard.loss_ok(loss):
+            break
+        loss.backward()
+        if guard and not guard.grads_ok():
+            break
+        optimizer.step()
+        if guard and not guard.update_ok():
+            break
+        losses.append(loss.detach().clone())
+    return losses, model, guard
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sparse_and_complex_gradients_train_and_analyze(case, tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the guard warns when it cannot check: none here
+        plain, m0, _ = _train(case, tmp_path / "off", False, None)
+        guarded, m1, guard = _train(case, tmp_path / "on", True, None)
+    assert len(plain) == len(guarded) == 4 and all(torch.equal(x, y) for x, y in zip(plain, guarded, strict=True))
+    assert all(torch.equal(p, q) for p, q in zip(m0.parameters(), m1.parameters(), strict=True))
+    assert guard.last_snapshot is None
+
+    _, _, guard = _train(case, tmp_path / "bad", True, bad_step=2)
+    assert guard.last_snapshot and "_step000002_gradient_" in guard.last_snapshot
+    snap = torch.load(guard.last_snapshot, weights_only=True)
+    assert snap["program_error"] is None and snap["rerun"]["training"]["grads_nonfinite"] > 0
+    result = analyze(guard.last_snapshot).to_json()
+    assert result["verdict"] == "culprit_found", result.get("warnings")
+    c = result["culprit"]
+    assert (c["phase"], c["forward_op"], c["kind"]) == ("backward", "aten.sqrt.default", "inf")
+    assert c["source"]["code"].endswith(f"# LINE: {case.split('_')[0]}")
+    assert result["diagnosis"]["cause"] == "sqrt_at_zero"
+    # the fix replayed, and judged against a float64 replay of the step (complex weights in complex128)
+    assert result["diagnosis"]["fix"]["verified"] is True, result["diagnosis"]["fix"]["replay"]
+
+
+class Curriculum(nn.Module):
+    """Python state the forward changes: a call counter a schedule reads, a list it appends to, a cache it
+    reassigns (a tensor attribute, not a buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 16), nn.Linear(16, 1)
+        self.calls = 0
+        self.seen: list[int] = []
+        self.cache = torch.zeros(0, 16)
+
+    def forward(self, x):
+        self.calls += 1
+        self.seen.append(x.shape[0])
+        h = torch.relu(self.a(x)) * (1.0 + 0.01 * self.calls)
+        self.cache = torch.cat([self.cache, h.detach()[:1]])[-4:]
+        return self.b(h + self.cache.mean(0))
+
+
+def _curriculum(folder, guarded: bool):
+    torch.manual_seed(0)
+    model = Curriculum()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    guard = NanGuard(model, opt, loss_fn=F.mse_loss, folder=folder, spike_factor=5.0) if guarded else None
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(12):
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 1, generator=g)
+        if step == 8:
+            x = x * 1e4  # a finite gradient spike: snapshots are written, and training goes on
+        if guard:
+            guard.begin(x, y, step=step)
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        assert guard is None or guard.loss_ok(loss)
+        loss.backward()
+        assert guard is None or guard.grads_ok()
+        opt.step()
+        losses.append(loss.detach().clone())
+    return losses, model, guard
+
+
+def test_a_forward_with_python_state_is_not_run_ahead_by_a_spike_snapshot(tmp_path):
+    """Before, each spike snapshot's re-run of the step counted one more call (and appended to the list), so
+    every step after the first spike computed with another scale than the unguarded run."""
+    plain, m0, _ = _curriculum(tmp_path / "off", False)
+    guarded, m1, guard = _curriculum(tmp_path / "on", True)
+    assert guard.spike_snapshots  # the re-runs happened
+    assert (m1.calls, m1.seen) == (m0.calls, m0.seen) == (12, [8] * 12)
+    assert all(torch.equal(a, b) for a, b in zip(plain, guarded, strict=True))
+    assert torch.equal(m0.cache, m1.cache)
+    assert all(torch.equal(p, q) for p, q in zip(m0.parameters(), m1.parameters(), strict=True))
+
+
+class DoublePairs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+
+    def forward(self, a, b):
+        return ((self.enc(a) - self.enc(b)) ** 2).sum(-1).sqrt().mean()  # LINE: double
+
+
+def test_a_float64_model_is_guarded_and_analyzed(tmp_path):
+    """Before, `grads_ok()` raised into the loop on every step of a float64 model (`model.double()`, physics and
+    scientific code): the guard's norm asked torch for a float32 norm of float64 gradients, which it refuses."""
+    def train(folder, guarded, bad):
+        torch.manual_seed(0)
+        model = DoublePairs().double()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        guard = NanGuard(model, opt, folder=folder) if guarded else None
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for step in range(4):
+            a = torch.randn(4, 6, generator=g, dtype=torch.float64)
+            b = a + 0.1 * torch.randn(4, 6, generator=g, dtype=torch.float64)
+            if step == bad:
+                b[1] = a[1]
+            if guard:
+                guard.begin((a, b), step=step)
+            opt.zero_grad()
+            loss = model(a, b)
+            if guard and not guard.loss_ok(loss):
+                break
+            loss.backward()
+            if guard and not guard.grads_ok():
+                break
+            opt.step()
+            losses.append(loss.detach().clone())
+        return losses, guard
+
+    plain, _ = train(tmp_path / "off", False, None)
+    guarded, guard = train(tmp_path / "on", True, None)
+    assert len(guarded) == 4 and all(torch.equal(x, y) for x, y in zip(plain, guarded, strict=True))
+    _, guard = train(tmp_path / "bad", True, 2)
+    assert guard.last_snapshot and "_step000002_gradient_" in guard.last_snapshot
+    result = analyze(guard.last_snapshot, verify=False).to_json()
+    c = result["culprit"]
+    assert (result["verdict"], c["forward_op"], c["kind"]) == ("culprit_found", "aten.sqrt.default", "inf")
+    assert c["source"]["code"].endswith("# LINE: double")
