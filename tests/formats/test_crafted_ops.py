@@ -121,6 +121,12 @@ REFUSED: dict[str, tuple[dict, list, tuple]] = {
         {"g": G34, "x": X34},
         [("aten.gelu_backward.default", [R("g"), R("x")], {"approximate": "exact"}, [[[3, 4], F32]])],
         ("approximate",)),
+    "_linalg_eigh with a UPLO it does not know": (
+        {"a": torch.eye(3)},
+        [("aten._linalg_eigh.default", [R("a")], {"UPLO": "X"}, [[[3], F32], [[3, 3], F32]])], ("UPLO",)),
+    "_linalg_eigh of a matrix that is not square": (
+        {"a": X34},
+        [("aten._linalg_eigh.default", [R("a")], {}, [[[3], F32], [[3, 3], F32]])], ("square",)),
     "_assert_async from a validation": (
         {"b": torch.ones((), dtype=torch.bool)}, [("aten._assert_async.msg", [R("b"), "x"], {}, [])], ("allowlist",)),
     # ---- computed index values: refused by the replay, before the kernel
