@@ -180,10 +180,29 @@ def compute_loss(output: Any, target: Any, loss_fn: Callable | None) -> torch.Te
     if target is None and torch_loss:
         raise UsageError("the loss needs a target, but the snapshot holds no target (y / targets / labels)")
     pred = _prediction(output) if torch_loss else output
-    loss = loss_fn(pred, target) if target is not None else loss_fn(pred)
+    loss = loss_fn(pred, target) if target is not None or _takes_target(loss_fn) else loss_fn(pred)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise UsageError(f"the loss returned {_describe(loss)}, not a scalar (use a reduction such as 'mean')")
     return loss if loss.dim() == 0 else loss.reshape(())
+
+
+def _takes_target(loss_fn: Callable) -> bool:
+    """Whether a loss called with no target must still be given one (`None`): `def loss(out, y)` cannot be called
+    as `loss(out)`, and the training loop called it `loss(out, None)`. A loss whose signature cannot be read, or that
+    accepts one argument, is called with the output alone, as before."""
+    try:
+        sig = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return False
+    try:
+        sig.bind(object())
+    except TypeError:
+        try:
+            sig.bind(object(), None)
+        except TypeError:
+            return False
+        return True
+    return False
 
 
 def forward_parameter_names(model: nn.Module) -> list[str] | None:

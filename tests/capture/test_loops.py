@@ -299,3 +299,25 @@ def test_ranks_agree_on_the_step_to_snapshot(tmp_path):
     for rank, _, path in lines:
         d = torch.load(path, weights_only=True)
         assert d["rank"] == int(rank) and d["world_size"] == 2 and d["nonfinite_ranks"] == [1]
+
+
+def _two_argument_loss(out, target):
+    """A loss written with a target parameter the loop passes as None (an unsupervised head): loss_fn(out, None)."""
+    assert target is None
+    return out.log().mean()  # log of a relu output: -inf at its zeros
+
+
+def test_a_loss_called_with_none_as_target_is_recorded_as_called(tmp_path):
+    # found by the real-bug benchmark's loops: the guard re-recorded `loss_fn(out)` where the loop called
+    # `loss_fn(out, None)`, the re-run raised TypeError and the snapshot had no step program
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3), nn.ReLU())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = NanGuard(model, opt, loss_fn=_two_argument_loss, folder=tmp_path)
+    x = torch.randn(16, 4)
+    guard.begin(x)
+    assert guard.step(_two_argument_loss(model(x), None)) is False
+    snap = torch.load(guard.last_snapshot, weights_only=True)
+    assert snap.get("step_program"), snap.get("program_error")
+    result = analyze(guard.last_snapshot, verify=False).to_json()
+    assert result["verdict"] == "culprit_found" and result["culprit"]["op"].startswith("aten.log")
