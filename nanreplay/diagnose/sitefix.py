@@ -25,6 +25,8 @@ import math
 import os
 import re
 
+from nanreplay.capture import ratesource
+
 _DENY = frozenset({"eval", "exec", "compile", "open", "__import__", "getattr", "setattr", "delattr", "globals",
                    "locals", "vars", "system", "popen", "input", "breakpoint", "exit", "quit"})
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
@@ -32,8 +34,10 @@ MAX_LINES = 20
 
 
 class _Site:
-    def __init__(self, d: dict, src: str, first_indent: str, tree: ast.stmt, call: ast.Call):
+    def __init__(self, d: dict, src: str, first_indent: str, tree: ast.stmt, call: ast.Call | None,
+                 literal: ast.AST | None = None):
         self.d, self.src, self.indent, self.stmt, self.call = d, src, first_indent, tree, call
+        self.literal = literal  # a rate set by name (`LR = 3.0` for `lr=LR`): the literal the edit changes
 
     @property
     def where(self) -> str:
@@ -68,8 +72,10 @@ def _check(d: dict, optimizer_class: str | None) -> _Site | str:
         mod = ast.parse(src)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return "its text is not a Python statement"
+    via = d.get("via")
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef) if via else ()
     if len(mod.body) != 1 or not isinstance(mod.body[0], (ast.Assign, ast.AnnAssign, ast.Expr, ast.Return,
-                                                           ast.With, ast.AsyncWith)):
+                                                           ast.With, ast.AsyncWith, *kinds)):
         return "its text is not one assignment, call, return or with-statement"
     for n in ast.walk(mod):
         name = n.id if isinstance(n, ast.Name) else n.attr if isinstance(n, ast.Attribute) else None
@@ -80,6 +86,8 @@ def _check(d: dict, optimizer_class: str | None) -> _Site | str:
         return f"it makes a {cls}, not the run's {optimizer_class}"
     if what == "autocast" and cls != "autocast":
         return "it is not an autocast call"
+    if via is not None:
+        return _check_via(d, via, body, indent, mod.body[0])
     calls = [n for n in ast.walk(mod.body[0]) if isinstance(n, ast.Call) and _name(n) == cls]
     if len(calls) != 1:
         return f"its text holds {len(calls)} calls of {cls}"
@@ -88,6 +96,22 @@ def _check(d: dict, optimizer_class: str | None) -> _Site | str:
     if any(k not in got or not math.isclose(got[k], float(v), rel_tol=1e-9) for k, v in vals.items()):
         return "its literals are not the values recorded with it"
     return _Site(d, body, indent, mod.body[0], calls[0])
+
+
+def _check_via(d: dict, via, body: str, indent: str, stmt: ast.stmt) -> _Site | str:
+    """A rate set by name: the statement gives that name one number literal, the rate recorded."""
+    if d.get("what") != "optimizer" or not isinstance(via, dict) or via.get("kind") not in ("name", "attribute", "key") \
+            or not isinstance(via.get("name"), str) or _CONTROL.search(via["name"]):
+        return "its rate's source is not a name"
+    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) and (stmt.decorator_list or len(stmt.body) != 1
+                                                                     or not isinstance(stmt.body[0], ast.Pass)):
+        return "its text is not a function's header"
+    lit = ratesource.literal_in(stmt, via["kind"], via["name"])
+    rate = (d.get("values") or {}).get("lr")
+    if lit is None or not isinstance(rate, (int, float)) or \
+            not math.isclose(ratesource.number(lit), float(rate), rel_tol=1e-9):
+        return f"its text does not set {via['name']} to the rate recorded with it"
+    return _Site(d, body, indent, stmt, None, lit)
 
 
 def _literals(call: ast.Call, cls: str) -> dict[str, float]:
@@ -188,6 +212,10 @@ def _bf16(s: _Site) -> str | None:
 
 def _after(s: _Site, settings: dict) -> str | None:
     what = s.d["what"]
+    if s.literal is not None:
+        if "schedule_cap" in settings or not isinstance(settings.get("lr"), (int, float)):
+            return None
+        return _replace(s.src, [(s.literal, _lit(float(settings["lr"])))])
     if what == "optimizer":
         vals = {k: float(settings[k]) for k in ("lr", "eps") if isinstance(settings.get(k), (int, float))}
         if "schedule_cap" in settings:
@@ -208,10 +236,12 @@ def attach(diagnosis: dict, raw: dict, warnings: list[str]) -> None:
         return
     want = "autocast" if "autocast_dtype" in settings else "scheduler" if "schedule_cap" in settings else "optimizer"
     edits, used = [], []
-    for s in sites(raw, warnings):
-        if s.d["what"] != want:
-            continue
-        after = _after(s, settings)
+    found = [s for s in sites(raw, warnings) if s.d["what"] == want]
+    by_name = "lr" in settings and any(s.literal is not None for s in found)
+    # a rate set by name is edited where the name is assigned; the optimizer's own line keeps the name
+    rest = {k: v for k, v in settings.items() if k != "lr"} if by_name else settings
+    for s in found:
+        after = _after(s, settings if s.literal is not None else rest)
         if after is None or after == s.src:
             continue
         edits.append({"file": s.d["file"], "line": s.d["line"], "before": s.src, "after": after})
@@ -230,5 +260,9 @@ def attach(diagnosis: dict, raw: dict, warnings: list[str]) -> None:
                                "them shows")
     fix["sites"] = [{"what": s.d["what"], "file": s.d["file"], "line": s.d["line"],
                      "evidence": s.d.get("evidence")} for s in used]
-    made = ", ".join(f"{s.where} ({s.d.get('evidence') or 'recorded'})" for s in used)
-    fix["reasoning"] = ((fix.get("reasoning") or "") + f"; the line that made the {want}: {made}").lstrip("; ")
+    made = ", ".join(f"{s.where} ({s.d.get('evidence') or 'recorded'})" for s in used if s.literal is None)
+    rate = ", ".join(f"{s.where}, which sets {s.d['via']['name']} ({s.d.get('evidence')})" for s in used
+                     if s.literal is not None)
+    said = (f"; the line that made the {want}: {made}" if made else "") + \
+        (f"; the line that sets the {want}'s rate: {rate}" if rate else "")
+    fix["reasoning"] = ((fix.get("reasoning") or "") + said).lstrip("; ")

@@ -93,7 +93,10 @@ def _state_dict(v, where):
 _SITE = S.record({"what": S.one_of("optimizer", "scheduler", "autocast"), "class": S.string(100),
                   "file": S.string(4096), "line": S.integer(1, 10**7), "call_line": S.optional(S.integer(1, 10**7)),
                   "text": S.string(4000), "values": S.optional(S.dict_of(S.number, limit=16)),
-                  "evidence": S.optional(S.string(1000))}, required=("what", "class", "file", "line", "text"))
+                  "evidence": S.optional(S.string(1000)),
+                  "via": S.optional(S.record({"kind": S.one_of("name", "attribute", "key"), "name": S.string(200)},
+                                             required=("kind", "name")))},
+                 required=("what", "class", "file", "line", "text"))
 _FRAME = S.record({"file": S.string(4096), "line": S.integer(0), "function": S.optional(S.string(1000)),
                    "code": S.optional(S.string(2000))})  # a source line the guard saw (capture/flow.py)
 FIELDS_V2: dict[str, S.Checker] = {

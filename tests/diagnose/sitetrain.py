@@ -51,6 +51,13 @@ def make_sgd(model):
     return torch.optim.SGD(model.parameters(), lr=3.0), None
 
 
+CONFIG = {"lr": 2.5, "steps": STEPS}  # the rate given by name (`lr=CONFIG["lr"]`), as training scripts do
+
+
+def make_sgd_cfg(model):
+    return torch.optim.SGD(model.parameters(), lr=CONFIG["lr"]), None
+
+
 def make_adam(model):
     model.half()
     return torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8), None
@@ -104,7 +111,8 @@ def autocast_run(folder=None):
     return {"losses": losses, "finite": all(math.isfinite(v) for v in losses)}
 
 
-LOOPS = {"sgd": (AutoEncoder, make_sgd, ae_batch), "adam": (Net, make_adam, batch), "sched": (Net, make_sched, batch)}
+LOOPS = {"sgd": (AutoEncoder, make_sgd, ae_batch), "sgdcfg": (AutoEncoder, make_sgd_cfg, ae_batch),
+         "adam": (Net, make_adam, batch), "sched": (Net, make_sched, batch)}
 
 
 def run(kind, folder=None):

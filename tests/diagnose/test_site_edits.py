@@ -19,7 +19,7 @@ from isolation import ROOT, analyze_isolated
 from tolerance import close
 
 HERE = Path(__file__).resolve().parent
-KINDS = ("sgd", "adam", "sched", "autocast")
+KINDS = ("sgd", "sgdcfg", "adam", "sched", "autocast")
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 TEXT = (HERE / "sitetrain.py").read_text()
 
@@ -88,6 +88,22 @@ def test_a_sgd_rate_that_diverges_is_set_on_the_line_that_made_the_optimizer_and
     assert after["losses"][0] == before["losses"][0]  # the same model and batch before any update
 
 
+def test_a_rate_given_by_name_is_set_where_the_name_is_assigned_and_the_run_trains(runs):
+    d = runs[0]["sgdcfg"]["diagnosis"]
+    assert d["cause"] == "training_diverged" and d["fix"]["kind"] == "lower_lr_clip_grads"
+    e = _edit(runs, "sgdcfg", 'CONFIG = {"lr": 2.5')  # the dict entry, not the optimizer's line (`lr=CONFIG["lr"]`)
+    rate = d["fix"]["settings"]["lr"]
+    assert e["after"] == e["before"].replace('"lr": 2.5', f'"lr": {rate!r}') and rate < 2.5
+    (site,) = d["fix"]["sites"]
+    made = line_of('lr=CONFIG["lr"]), None')
+    assert f"sitetrain.py:{made})" in site["evidence"] and "nothing else sets it" in site["evidence"]
+    assert f"sitetrain.py:{e['line']}, which sets lr" in d["fix"]["reasoning"]
+    before, after = runs[1]["sgdcfg"], runs[2]["sgdcfg"]
+    assert not before["finite"] and after["finite"] and len(after["losses"]) == 8, (before, after)
+    assert max(after["losses"]) < 2 * after["losses"][0], after
+    assert after["losses"][0] == before["losses"][0]
+
+
 def test_an_adam_eps_that_float16_rounds_to_zero_is_raised_on_the_optimizers_line(runs):
     d = runs[0]["adam"]["diagnosis"]
     assert d["cause"] == "optimizer_eps" and d["fix"]["verified"] is True
@@ -128,10 +144,10 @@ SITE = {"what": "optimizer", "class": "SGD", "file": "/home/u/train.py", "line":
         "text": "    opt = torch.optim.SGD(model.parameters(), lr=3.0)", "values": {"lr": 3.0}, "evidence": "lr=3"}
 
 
-def _attached(*sites: dict) -> tuple[dict, list[str]]:
+def _attached(*sites: dict, lr: float = 0.1) -> tuple[dict, list[str]]:
     from nanreplay.diagnose import sitefix
     diag = {"cause": "training_diverged", "fix": {"kind": "lower_lr_clip_grads", "code": "# lower it",
-                                                   "edits": [], "settings": {"lr": 0.1}, "verified": None}}
+                                                   "edits": [], "settings": {"lr": lr}, "verified": None}}
     warnings: list[str] = []
     sitefix.attach(diag, {"optimizer": {"class": "SGD"}, "sites": list(sites)}, warnings)
     return diag["fix"], warnings
@@ -188,3 +204,47 @@ def test_the_guard_records_an_optimizer_site_only_where_one_call_has_the_runs_li
     opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     got = [s for s in sites.find([str(f)], opt, None, None) if s["what"] == "optimizer"]
     assert [s["line"] for s in got] == ([found] if found else []), got
+
+
+@pytest.mark.parametrize(("code", "found"), [
+    ("LR = 0.1\ndef main():\n    a = torch.optim.SGD(p, lr=LR)\n", 1),  # a module constant
+    ("LR = 0.5\ndef main():\n    lr = 0.1\n    a = torch.optim.SGD(p, lr)\n", 3),  # a local, positional
+    ("def main(steps=3, lr=0.1):\n    a = torch.optim.SGD(p, lr=lr)\n", 1),  # a default argument
+    ("def main(steps=3, lr=0.1):\n    a = torch.optim.SGD(p, lr=lr)\nmain(lr=0.1)\n", None),  # a caller passes it
+    ("def main(lr):\n    a = torch.optim.SGD(p, lr=lr)\n", None),  # the caller's value
+    ("ap.add_argument('--learning-rate', type=float, default=0.1)\na = torch.optim.SGD(p, lr=args.learning_rate)\n",
+     1),  # an argparse default
+    ("class Cfg:\n    lr: float = 0.1\na = torch.optim.SGD(p, lr=Cfg().lr)\n", 2),  # a config class
+    ("config = {'lr': 0.1}\na = torch.optim.SGD(p, lr=config['lr'])\n", 1),  # a dict entry
+    ("config = {'lr': 0.1}\nconfig['lr'] = 0.1\na = torch.optim.SGD(p, lr=config['lr'])\n", None),  # two
+    ("LR = 0.1\nif x:\n    LR = 0.1\na = torch.optim.SGD(p, lr=LR)\n", None),  # two assignments
+    ("for lr in (0.1, 0.5):\n    a = torch.optim.SGD(p, lr=lr)\n", None),  # a loop over rates
+    ("LR = 0.05 * 2\na = torch.optim.SGD(p, lr=LR)\n", None),  # computed: no literal says it
+    ("LR = 0.5\na = torch.optim.SGD(p, lr=LR)\n", None),  # another rate than the run's
+    ("LR = 0.1\na = torch.optim.SGD(p, lr=LR, momentum=0.5)\n", None),  # another optimizer's literal
+    ("LR = 0.1\na = torch.optim.SGD(p, lr=LR)\nb = torch.optim.SGD(q, lr=0.1)\n", None),  # by name and literal
+])
+def test_a_rate_given_by_name_is_followed_to_its_one_literal_assignment(tmp_path, code, found):
+    from nanreplay.capture import sites
+    f = tmp_path / "loop.py"
+    f.write_text(code)
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    got = [s for s in sites.find([str(f)], opt, None, None) if s["what"] == "optimizer"]
+    assert [s["line"] for s in got] == ([found] if found else []), got
+    if got:
+        fix, warnings = _attached({**got[0], "values": {"lr": 3.0}}, lr=0.01)
+        assert len(warnings) == 1 and fix["edits"] == [], (fix, warnings)  # another rate: left out, one line
+        fix, warnings = _attached(got[0], lr=0.01)
+        (e,) = fix["edits"]
+        line = code.splitlines()[found - 1].strip()
+        assert (e["line"], e["before"], e["after"]) == (found, line, line.replace("0.1", "0.01", 1)), e
+
+
+def test_a_crafted_rate_by_name_site_is_left_out_with_one_line():
+    site = {**SITE, "text": "def train(lr=3.0):", "via": {"kind": "name", "name": "lr"}}
+    fix, warnings = _attached(site)
+    assert [e["after"] for e in fix["edits"]] == ["def train(lr=0.1):"] and warnings == []
+    for change in ({"text": "@evil\ndef train(lr=3.0):"}, {"text": "LR = 3.0", "via": {"kind": "name", "name": "X"}},
+                   {"text": "LR = 0.5"}, {"via": {"kind": "code", "name": "lr"}}):
+        fix, warnings = _attached({**site, **change})
+        assert fix["edits"] == [] and len(warnings) == 1, (change, fix, warnings)
