@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from nanreplay.capture import ratesource
+from nanreplay.capture import lrwrites, ratesource
 
 MAX_FILES = 8
 MAX_BYTES = 1_000_000
@@ -136,6 +136,9 @@ def _wanted(optimizer: Any, scheduler: Any, autocast: dict | None, history: list
                              "momentum": g.get("momentum"), "weight_decay": g.get("weight_decay")}
     if scheduler is not None:
         want["scheduler"] = {"class": type(scheduler).__name__}
+    moved = lrwrites.changed(optimizer, scheduler, history) if optimizer is not None else None
+    if moved:
+        want["lr_write"] = moved
     dt = str((autocast or {}).get("dtype", "")).removeprefix("torch.")
     if autocast and dt in ("float16", "bfloat16"):
         want["autocast"] = {"class": "autocast", "dtype": dt}
@@ -242,13 +245,15 @@ def find(files: list[str], optimizer: Any, scheduler: Any, autocast: dict | None
             tree = ast.parse("".join(lines))
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             continue
+        if "lr_write" in want:
+            found["lr_write"] += [(1, r) for r in lrwrites.find(tree, lines, path, want["lr_write"])]
         for call, stmt, scope in _calls(tree):
             if "optimizer" in want:
                 rec = _rate_site(want["optimizer"], call, tree, scope, lines, path)
                 if rec and all((r["file"], r["line"]) != (path, rec["line"]) for _, r in found["rate"]):
                     found["rate"].append((1, rec))
             for what, w in want.items():
-                j = _judge(what, w, call)
+                j = _judge(what, w, call) if what != "lr_write" else None
                 if j is None:
                     continue
                 a, b = statement_lines(stmt)
@@ -269,6 +274,8 @@ def find(files: list[str], optimizer: Any, scheduler: Any, autocast: dict | None
         top = [r for s, r in recs if s == best]
         if what == "autocast":
             out += top[:4]  # every autocast that names the dtype: a fix changes each of them
+        elif what == "lr_write" and len(top) <= lrwrites.MAX_WRITES:
+            out += top  # every statement that writes a group's rate: the fix bounds each
         elif len(top) == 1:
             out.append(top[0])  # two equal candidates: which one made it is a guess, so neither is recorded
     return out

@@ -25,7 +25,7 @@ import math
 import os
 import re
 
-from nanreplay.capture import ratesource
+from nanreplay.capture import lrwrites, ratesource
 
 _DENY = frozenset({"eval", "exec", "compile", "open", "__import__", "getattr", "setattr", "delattr", "globals",
                    "locals", "vars", "system", "popen", "input", "breakpoint", "exit", "quit"})
@@ -73,7 +73,7 @@ def _check(d: dict, optimizer_class: str | None) -> _Site | str:
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return "its text is not a Python statement"
     via = d.get("via")
-    kinds = (ast.FunctionDef, ast.AsyncFunctionDef) if via else ()
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef) if via else (ast.AugAssign,) if d.get("what") == "lr_write" else ()
     if len(mod.body) != 1 or not isinstance(mod.body[0], (ast.Assign, ast.AnnAssign, ast.Expr, ast.Return,
                                                            ast.With, ast.AsyncWith, *kinds)):
         return "its text is not one assignment, call, return or with-statement"
@@ -88,6 +88,12 @@ def _check(d: dict, optimizer_class: str | None) -> _Site | str:
         return "it is not an autocast call"
     if via is not None:
         return _check_via(d, via, body, indent, mod.body[0])
+    if what == "lr_write":
+        st = mod.body[0]
+        t = st.targets if isinstance(st, ast.Assign) else [st.target] if isinstance(st, ast.AugAssign) else []
+        if cls != "param_groups" or len(t) != 1 or not lrwrites.is_group_lr(t[0], None):
+            return "it does not write a param group's rate"
+        return _Site(d, body, indent, st, None)
     calls = [n for n in ast.walk(mod.body[0]) if isinstance(n, ast.Call) and _name(n) == cls]
     if len(calls) != 1:
         return f"its text holds {len(calls)} calls of {cls}"
@@ -210,8 +216,28 @@ def _bf16(s: _Site) -> str | None:
     return _replace(s.src, changes) if changes else None
 
 
+def _bound_write(s: _Site, bound) -> str | None:
+    """`g["lr"] = min(<what it wrote>, bound)`: `=` keeps its value, `*=` and the like their arithmetic."""
+    if not isinstance(bound, (int, float)) or not math.isfinite(bound) or bound <= 0:
+        return None
+    st = s.stmt
+    target = ast.get_source_segment(s.src, st.targets[0] if isinstance(st, ast.Assign) else st.target)
+    value = ast.get_source_segment(s.src, st.value)
+    if not target or not value:
+        return None
+    if isinstance(st, ast.AugAssign):
+        ops = {ast.Mult: "*", ast.Div: "/", ast.Add: "+", ast.Sub: "-", ast.Pow: "**", ast.FloorDiv: "//"}
+        op = ops.get(type(st.op))
+        if op is None:
+            return None
+        value = f"{target} {op} ({value})"
+    return _replace(s.src, [(st, f"{target} = min({value}, {_lit(bound)})")])
+
+
 def _after(s: _Site, settings: dict) -> str | None:
     what = s.d["what"]
+    if what == "lr_write":
+        return _bound_write(s, settings.get("lr_bound"))
     if s.literal is not None:
         if "schedule_cap" in settings or not isinstance(settings.get("lr"), (int, float)):
             return None
@@ -234,7 +260,8 @@ def attach(diagnosis: dict, raw: dict, warnings: list[str]) -> None:
     settings = fix.get("settings") if isinstance(fix, dict) else None
     if not settings or fix.get("edits") or not raw.get("sites"):
         return
-    want = "autocast" if "autocast_dtype" in settings else "scheduler" if "schedule_cap" in settings else "optimizer"
+    want = "autocast" if "autocast_dtype" in settings else "scheduler" if "schedule_cap" in settings else \
+        "lr_write" if "lr_bound" in settings else "optimizer"
     edits, used = [], []
     found = [s for s in sites(raw, warnings) if s.d["what"] == want]
     by_name = "lr" in settings and any(s.literal is not None for s in found)
@@ -254,6 +281,10 @@ def attach(diagnosis: dict, raw: dict, warnings: list[str]) -> None:
     notes = old if old and all(ln.startswith("#") for ln in old.splitlines()) else ""  # guidance: kept beside it
     fix["code"] = "\n".join(f"# {os.path.basename(e['file'])}:{e['line']}\n{e['after']}" for e in edits) + \
         ("\n" + notes if notes else "")
+    if want == "lr_write" and fix.get("verified") is None:
+        fix["verification"] = ((fix.get("verification") or "not replayed") + f"; the bound the edit sets "
+                               f"(lr <= {_lit(settings['lr_bound'])}, the rate the history trained at) is judged "
+                               "over the steps that follow, which only training them shows")
     if want == "optimizer" and "lr" in settings and fix.get("verified") is None:
         fix["verification"] = ((fix.get("verification") or "not replayed") + f"; the rate the edit sets "
                                f"(lr={_lit(settings['lr'])}) is judged over the steps that follow, which only training "
@@ -263,6 +294,10 @@ def attach(diagnosis: dict, raw: dict, warnings: list[str]) -> None:
     made = ", ".join(f"{s.where} ({s.d.get('evidence') or 'recorded'})" for s in used if s.literal is None)
     rate = ", ".join(f"{s.where}, which sets {s.d['via']['name']} ({s.d.get('evidence')})" for s in used
                      if s.literal is not None)
-    said = (f"; the line that made the {want}: {made}" if made else "") + \
-        (f"; the line that sets the {want}'s rate: {rate}" if rate else "")
+    if want == "lr_write":
+        made = ", ".join(f"{s.where}" for s in used)
+        said = f"; the line(s) that wrote the rate: {made} ({used[0].d.get('evidence') or 'recorded'})"
+    else:
+        said = (f"; the line that made the {want}: {made}" if made else "") + \
+            (f"; the line that sets the {want}'s rate: {rate}" if rate else "")
     fix["reasoning"] = ((fix.get("reasoning") or "") + said).lstrip("; ")

@@ -90,7 +90,7 @@ def _state_dict(v, where):
     return S.batch_tree(v, where)
 
 # where the optimizer, scheduler and autocast were made (capture/sites.py): data, re-checked before any rewrite
-_SITE = S.record({"what": S.one_of("optimizer", "scheduler", "autocast"), "class": S.string(100),
+_SITE = S.record({"what": S.one_of("optimizer", "scheduler", "autocast", "lr_write"), "class": S.string(100),
                   "file": S.string(4096), "line": S.integer(1, 10**7), "call_line": S.optional(S.integer(1, 10**7)),
                   "text": S.string(4000), "values": S.optional(S.dict_of(S.number, limit=16)),
                   "evidence": S.optional(S.string(1000)),

@@ -58,6 +58,10 @@ def make_sgd_cfg(model):
     return torch.optim.SGD(model.parameters(), lr=CONFIG["lr"]), None
 
 
+def make_spike(model):
+    return torch.optim.SGD(model.parameters(), lr=0.02), None
+
+
 def make_adam(model):
     model.half()
     return torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-8), None
@@ -112,6 +116,7 @@ def autocast_run(folder=None):
 
 
 LOOPS = {"sgd": (AutoEncoder, make_sgd, ae_batch), "sgdcfg": (AutoEncoder, make_sgd_cfg, ae_batch),
+         "spike": (AutoEncoder, make_spike, ae_batch),
          "adam": (Net, make_adam, batch), "sched": (Net, make_sched, batch)}
 
 
@@ -130,6 +135,9 @@ def run(kind, folder=None):
     losses, finite = [], True
     for step in range(STEPS):
         x, y = batch_of(step, dtype)
+        if kind == "spike" and step == BAD:  # the rate written in the loop, no scheduler: 10^6 too large
+            for g in opt.param_groups:
+                g["lr"] *= 10 ** 6
         if guard:
             guard.begin(x, y, step=step)
         opt.zero_grad()

@@ -19,7 +19,7 @@ from isolation import ROOT, analyze_isolated
 from tolerance import close
 
 HERE = Path(__file__).resolve().parent
-KINDS = ("sgd", "sgdcfg", "adam", "sched", "autocast")
+KINDS = ("sgd", "sgdcfg", "spike", "adam", "sched", "autocast")
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 TEXT = (HERE / "sitetrain.py").read_text()
 
@@ -102,6 +102,18 @@ def test_a_rate_given_by_name_is_set_where_the_name_is_assigned_and_the_run_trai
     assert not before["finite"] and after["finite"] and len(after["losses"]) == 8, (before, after)
     assert max(after["losses"]) < 2 * after["losses"][0], after
     assert after["losses"][0] == before["losses"][0]
+
+
+def test_a_rate_written_in_the_loop_is_bounded_on_the_line_that_wrote_it_and_the_run_trains(runs):
+    d = runs[0]["spike"]["diagnosis"]
+    assert d["cause"] == "training_diverged" and d["fix"]["settings"] == {"lr_bound": 0.02}
+    e = _edit(runs, "spike", 'g["lr"] *= 10 ** 6')  # the loop's write, not the optimizer's line (lr=0.02 is right)
+    assert e["after"] == 'g["lr"] = min(g["lr"] * (10 ** 6), 0.02)', e
+    assert "went from 0.02" in d["fix"]["sites"][0]["evidence"] and "judged over the steps" in d["fix"]["verification"]
+    before, after = runs[1]["spike"], runs[2]["spike"]
+    assert not before["finite"] and after["finite"] and len(after["losses"]) == 8, (before, after)
+    assert max(after["losses"]) < 2 * after["losses"][0], after
+    assert all(close(a, b) for a, b in zip(before["losses"][:4], after["losses"][:4], strict=True)), (before, after)
 
 
 def test_an_adam_eps_that_float16_rounds_to_zero_is_raised_on_the_optimizers_line(runs):
@@ -248,3 +260,35 @@ def test_a_crafted_rate_by_name_site_is_left_out_with_one_line():
                    {"text": "LR = 0.5"}, {"via": {"kind": "code", "name": "lr"}}):
         fix, warnings = _attached({**site, **change})
         assert fix["edits"] == [] and len(warnings) == 1, (change, fix, warnings)
+
+
+@pytest.mark.parametrize(("code", "found"), [
+    ("for g in opt.param_groups:\n    g['lr'] *= 10\n", [2]),
+    ("for i, g in enumerate(opt.param_groups):\n    g['lr'] = warm(i)\nopt.param_groups[0]['lr'] = 1.0\n", [2, 3]),
+    ("config = {}\nconfig['lr'] = 10.0\nfor g in groups:\n    g['lr'] = 1.0\n", []),  # dicts, not param groups
+    ("".join(f"opt.param_groups[0]['lr'] = {k}.0\n" for k in range(5)), []),  # five writes: which one is a guess
+])
+def test_the_guard_records_the_statements_that_write_a_param_groups_rate(tmp_path, code, found):
+    from nanreplay.capture import sites
+    f = tmp_path / "loop.py"
+    f.write_text(code)
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    history = [{"step": 0, "lr": 0.1}]
+    assert not [s for s in sites.find([str(f)], opt, None, None, history) if s["what"] == "lr_write"]  # unchanged
+    opt.param_groups[0]["lr"] = 10.0
+    got = [s for s in sites.find([str(f)], opt, None, None, history) if s["what"] == "lr_write"]
+    assert [s["line"] for s in got] == found, got
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)  # its last rate is the rate now: it set it
+    assert not [s for s in sites.find([str(f)], opt, sched, None, history) if s["what"] == "lr_write"]
+
+
+def test_a_crafted_lr_write_site_is_left_out_and_a_recorded_one_is_bounded():
+    from nanreplay.diagnose import sitefix
+    site = {"what": "lr_write", "class": "param_groups", "file": "/home/u/t.py", "line": 9, "text": "    g['lr'] /= 1e-6"}
+    for change, after in (({}, "g['lr'] = min(g['lr'] / (1e-6), 0.01)"), ({"text": "cfg.lr = 5"}, None),
+                          ({"text": "g['lr'] = os.system('x')"}, None), ({"class": "SGD"}, None)):
+        diag = {"fix": {"kind": "lower_lr_clip_grads", "code": "", "edits": [], "settings": {"lr_bound": 0.01}}}
+        warnings: list[str] = []
+        sitefix.attach(diag, {"optimizer": {"class": "SGD"}, "sites": [{**site, **change}]}, warnings)
+        assert [e["after"] for e in diag["fix"]["edits"]] == ([after] if after else []), (change, diag)
+        assert len(warnings) == (0 if after else 1), warnings
