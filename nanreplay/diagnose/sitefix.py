@@ -254,10 +254,40 @@ def _after(s: _Site, settings: dict) -> str | None:
     return None
 
 
+def no_bf16(raw: dict) -> str | None:
+    """Why the run's device has no bfloat16 (CUDA before compute capability 8.0), or None: the CPU has it, and a
+    CUDA device whose capability the snapshot does not record is not judged."""
+    auto = raw.get("autocast") if isinstance(raw.get("autocast"), dict) else {}
+    machine = raw.get("machine") if isinstance(raw.get("machine"), dict) else {}
+    cap = machine.get("capability")
+    if str(auto.get("device_type", "")) != "cuda" or not isinstance(cap, str) or not re.fullmatch(r"\d{1,3}\.\d{1,3}", cap):
+        return None
+    major, minor = map(int, cap.split("."))
+    if (major, minor) >= (8, 0):
+        return None
+    name = str(machine.get("device_name") or "this GPU")[:80]
+    return f"{_CONTROL.sub('', name)} (compute capability {cap}) has no bfloat16: it needs 8.0 (Ampere) or newer"
+
+
+def _without_bf16(fix: dict, why: str) -> None:
+    """The device cannot run the bfloat16 edit: float16 stays, with the loss scaled, or the op in float32."""
+    fix["device"] = why
+    alt = [a for a in fix.get("alternatives") or [] if "GradScaler" in a or "float32" in a]
+    fix["code"] = "\n".join([f"# {why}. Instead:", *(f"# {a}" for a in alt or [
+        "keep float16 autocast and scale the loss: scaler = torch.amp.GradScaler('cuda'), or compute the "
+        "overflowing op in float32 (x.float() before it)"])])
+    fix["verification"] = ((fix.get("verification") or "") + "; bfloat16 was replayed on this machine, but the "
+                           "run's GPU cannot use it").lstrip("; ")
+    fix["reasoning"] = ((fix.get("reasoning") or "") + f"; {why}").lstrip("; ")
+
+
 def attach(diagnosis: dict, raw: dict, warnings: list[str]) -> None:
     """Turn the chosen fix's settings into edits of the lines the snapshot recorded (in place)."""
     fix = diagnosis.get("fix") if isinstance(diagnosis, dict) else None
     settings = fix.get("settings") if isinstance(fix, dict) else None
+    if settings and settings.get("autocast_dtype") == "bfloat16" and (why := no_bf16(raw)):
+        _without_bf16(fix, why)  # with or without a recorded autocast line
+        return
     if not settings or fix.get("edits") or not raw.get("sites"):
         return
     want = "autocast" if "autocast_dtype" in settings else "scheduler" if "schedule_cap" in settings else \

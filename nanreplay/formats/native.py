@@ -79,7 +79,8 @@ _RERUN = S.record({
     "compiled": S.optional(S.boolean), "seconds": S.optional(S.number)})
 _MACHINE = S.record({"host": S.optional(S.string(200)), "device": S.optional(S.string(100)),
                      "device_name": S.optional(S.string(200)), "device_index": S.optional(S.integer(0, 10**6)),
-                     "local_rank": S.optional(S.integer(0, 10**7)), "run": S.optional(S.string(200))})
+                     "local_rank": S.optional(S.integer(0, 10**7)), "run": S.optional(S.string(200)),
+                     "capability": S.optional(S.string(20))})  # a CUDA device's compute capability, "8.6"
 
 
 def _state_dict(v, where):

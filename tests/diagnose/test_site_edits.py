@@ -292,3 +292,30 @@ def test_a_crafted_lr_write_site_is_left_out_and_a_recorded_one_is_bounded():
         sitefix.attach(diag, {"optimizer": {"class": "SGD"}, "sites": [{**site, **change}]}, warnings)
         assert [e["after"] for e in diag["fix"]["edits"]] == ([after] if after else []), (change, diag)
         assert len(warnings) == (0 if after else 1), warnings
+
+
+AUTOCAST_SITE = {"what": "autocast", "class": "autocast", "file": "/home/u/t.py", "line": 7,
+                 "text": "        with torch.autocast('cuda', dtype=torch.float16):"}
+
+
+@pytest.mark.parametrize(("device", "capability", "edited"), [
+    ("cuda", "7.5", False), ("cuda", "6.1", False),  # Turing, Pascal: no bfloat16
+    ("cuda", "8.0", True), ("cuda", "9.0", True), ("cpu", None, True),  # Ampere, Hopper, the CPU
+    ("cuda", None, True),  # a snapshot that does not record the capability is not judged
+])
+def test_the_bfloat16_autocast_edit_is_made_only_where_the_runs_device_has_bfloat16(device, capability, edited):
+    from nanreplay.diagnose import sitefix
+    diag = {"fix": {"kind": "bf16_or_grad_scaler", "code": "with torch.autocast('cuda', dtype=torch.bfloat16):",
+                    "edits": [], "settings": {"autocast_dtype": "bfloat16"}, "verified": True,
+                    "alternatives": ["keep float16 autocast and scale the loss: scaler = torch.amp.GradScaler('cuda')"]}}
+    raw = {"autocast": {"device_type": device, "dtype": "float16"}, "sites": [AUTOCAST_SITE],
+           "machine": {"device_name": "Tesla T4", "capability": capability}}
+    warnings: list[str] = []
+    sitefix.attach(diag, raw, warnings)
+    fix = diag["fix"]
+    assert warnings == [] and bool(fix["edits"]) == edited, fix
+    if edited:
+        assert fix["edits"][0]["after"] == "with torch.autocast('cuda', dtype=torch.bfloat16):"
+    else:
+        assert f"compute capability {capability}) has no bfloat16" in fix["device"]
+        assert "bfloat16" not in fix["code"].replace("has no bfloat16", "") and "GradScaler('cuda')" in fix["code"]
