@@ -163,6 +163,10 @@ def follow(tree: ast.Module, scope: ast.AST, expr: ast.AST) -> tuple[ast.AST, as
         found = _name_bindings(scope, name)
         if not found and scope is not tree:
             found = _name_bindings(tree, name)
+        for fn in ast.walk(tree):  # `global LR` then `LR = ...` in some function: another binding of the module's
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn is not scope and any(
+                    isinstance(g, ast.Global) and name in g.names for g in _walk_scope(fn)):
+                found += _name_bindings(fn, name)
     elif kind == "attribute":
         found = _attribute_bindings(tree, name)
     else:

@@ -230,6 +230,7 @@ def test_the_guard_records_an_optimizer_site_only_where_one_call_has_the_runs_li
     ("config = {'lr': 0.1}\na = torch.optim.SGD(p, lr=config['lr'])\n", 1),  # a dict entry
     ("config = {'lr': 0.1}\nconfig['lr'] = 0.1\na = torch.optim.SGD(p, lr=config['lr'])\n", None),  # two
     ("LR = 0.1\nif x:\n    LR = 0.1\na = torch.optim.SGD(p, lr=LR)\n", None),  # two assignments
+    ("LR = 0.1\ndef f():\n    global LR\n    LR = 1.0\na = torch.optim.SGD(p, lr=LR)\n", None),  # a global write
     ("for lr in (0.1, 0.5):\n    a = torch.optim.SGD(p, lr=lr)\n", None),  # a loop over rates
     ("LR = 0.05 * 2\na = torch.optim.SGD(p, lr=LR)\n", None),  # computed: no literal says it
     ("LR = 0.5\na = torch.optim.SGD(p, lr=LR)\n", None),  # another rate than the run's
