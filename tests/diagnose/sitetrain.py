@@ -3,6 +3,7 @@
 and prints `KIND path-of-its-snapshot`; `python sitetrain.py --losses KIND...` trains each without the guard and
 prints its losses and whether every step was finite."""
 
+import argparse
 import json
 import math
 import sys
@@ -56,6 +57,13 @@ CONFIG = {"lr": 2.5, "steps": STEPS}  # the rate given by name (`lr=CONFIG["lr"]
 
 def make_sgd_cfg(model):
     return torch.optim.SGD(model.parameters(), lr=CONFIG["lr"]), None
+
+
+def make_sgd_args(model):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--learning-rate", type=float, default=2.0)  # the rate as a command-line option's default
+    args, _ = ap.parse_known_args()
+    return torch.optim.SGD(model.parameters(), lr=args.learning_rate), None
 
 
 def make_spike(model):
@@ -116,7 +124,7 @@ def autocast_run(folder=None):
 
 
 LOOPS = {"sgd": (AutoEncoder, make_sgd, ae_batch), "sgdcfg": (AutoEncoder, make_sgd_cfg, ae_batch),
-         "spike": (AutoEncoder, make_spike, ae_batch),
+         "spike": (AutoEncoder, make_spike, ae_batch), "sgdargs": (AutoEncoder, make_sgd_args, ae_batch),
          "adam": (Net, make_adam, batch), "sched": (Net, make_sched, batch)}
 
 

@@ -19,7 +19,7 @@ from isolation import ROOT, analyze_isolated
 from tolerance import close
 
 HERE = Path(__file__).resolve().parent
-KINDS = ("sgd", "sgdcfg", "spike", "adam", "sched", "autocast")
+KINDS = ("sgd", "sgdcfg", "sgdargs", "spike", "adam", "sched", "autocast")
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 TEXT = (HERE / "sitetrain.py").read_text()
 
@@ -88,17 +88,23 @@ def test_a_sgd_rate_that_diverges_is_set_on_the_line_that_made_the_optimizer_and
     assert after["losses"][0] == before["losses"][0]  # the same model and batch before any update
 
 
-def test_a_rate_given_by_name_is_set_where_the_name_is_assigned_and_the_run_trains(runs):
-    d = runs[0]["sgdcfg"]["diagnosis"]
+@pytest.mark.parametrize(("kind", "assigned", "literal", "made"), [
+    ("sgdcfg", 'CONFIG = {"lr": 2.5', '"lr": 2.5', 'lr=CONFIG["lr"]), None'),  # a config dict's entry
+    ("sgdargs", 'add_argument("--learning-rate"', "default=2.0", "lr=args.learning_rate), None"),  # argparse
+])
+def test_a_rate_given_by_name_is_set_where_the_name_is_assigned_and_the_run_trains(runs, kind, assigned, literal,
+                                                                                     made):
+    d = runs[0][kind]["diagnosis"]
     assert d["cause"] == "training_diverged" and d["fix"]["kind"] == "lower_lr_clip_grads"
-    e = _edit(runs, "sgdcfg", 'CONFIG = {"lr": 2.5')  # the dict entry, not the optimizer's line (`lr=CONFIG["lr"]`)
+    e = _edit(runs, kind, assigned)  # where the name is assigned, not the optimizer's line
     rate = d["fix"]["settings"]["lr"]
-    assert e["after"] == e["before"].replace('"lr": 2.5', f'"lr": {rate!r}') and rate < 2.5
+    old = float(literal.rsplit(" ", 1)[-1].rsplit("=", 1)[-1])
+    assert e["after"] == e["before"].replace(literal, literal.replace(str(old), repr(rate))) and rate < old
     (site,) = d["fix"]["sites"]
-    made = line_of('lr=CONFIG["lr"]), None')
+    made = line_of(made)
     assert f"sitetrain.py:{made})" in site["evidence"] and "nothing else sets it" in site["evidence"]
-    assert f"sitetrain.py:{e['line']}, which sets lr" in d["fix"]["reasoning"]
-    before, after = runs[1]["sgdcfg"], runs[2]["sgdcfg"]
+    assert f"sitetrain.py:{e['line']}, which sets " in d["fix"]["reasoning"]
+    before, after = runs[1][kind], runs[2][kind]
     assert not before["finite"] and after["finite"] and len(after["losses"]) == 8, (before, after)
     assert max(after["losses"]) < 2 * after["losses"][0], after
     assert after["losses"][0] == before["losses"][0]
@@ -320,3 +326,13 @@ def test_the_bfloat16_autocast_edit_is_made_only_where_the_runs_device_has_bfloa
     else:
         assert f"compute capability {capability}) has no bfloat16" in fix["device"]
         assert "bfloat16" not in fix["code"].replace("has no bfloat16", "") and "GradScaler('cuda')" in fix["code"]
+
+
+def test_an_argparse_default_given_on_the_command_line_is_not_the_rates_source(tmp_path, monkeypatch):
+    from nanreplay.capture import sites
+    f = tmp_path / "loop.py"
+    f.write_text("ap.add_argument('--lr', type=float, default=0.1)\na = torch.optim.SGD(p, lr=args.lr)\n")
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    for argv, found in ((["train.py"], [1]), (["train.py", "--lr", "0.1"], []), (["train.py", "--lr=0.1"], [])):
+        monkeypatch.setattr("sys.argv", argv)
+        assert [s["line"] for s in sites.find([str(f)], opt, None, None)] == found, argv
