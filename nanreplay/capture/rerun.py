@@ -143,12 +143,13 @@ def identity(model: torch.nn.Module, given: dict | None) -> dict:
     p = next(model.parameters(), None)
     dev = p.device if p is not None else torch.device("cpu")
     index = dev.index if dev.index is not None else (torch.cuda.current_device() if dev.type == "cuda" else None)
-    name = None
+    name = capability = None
     if dev.type == "cuda":
         try:
             name = torch.cuda.get_device_name(index)
+            capability = "{}.{}".format(*torch.cuda.get_device_capability(index))  # bfloat16 needs 8.0 (Ampere)
         except Exception:  # noqa: BLE001 - a name is a courtesy
-            name = None
+            pass
     device = f"{dev.type}:{index}" if index is not None else dev.type
     local = os.environ.get("LOCAL_RANK")
     return {"host": str(given.get("host") or socket.gethostname())[:200],
@@ -156,7 +157,7 @@ def identity(model: torch.nn.Module, given: dict | None) -> dict:
             "device_name": str(given["device_name"])[:200] if given.get("device_name") else name,
             "device_index": index if "device" not in given else None,
             "local_rank": int(local) if local and local.isdigit() else None,
-            "run": str(given.get("run") or default_run())[:200]}
+            "run": str(given.get("run") or default_run())[:200], "capability": capability}
 
 
 _RUN: list[str] = []

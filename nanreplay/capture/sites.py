@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from nanreplay.capture import lrwrites, ratesource
+
 MAX_FILES = 8
 MAX_BYTES = 1_000_000
 MAX_LINES = 20  # the longest statement recorded
@@ -112,15 +114,16 @@ def statement_lines(stmt: ast.stmt) -> tuple[int, int]:
 
 
 def _calls(tree: ast.AST):
-    """(call, the innermost statement holding it) for every call in the file."""
-    stack: list[tuple[ast.AST, ast.stmt | None]] = [(tree, None)]
+    """(call, the innermost statement holding it, the innermost function holding it or the module)."""
+    stack: list[tuple[ast.AST, ast.stmt | None, ast.AST]] = [(tree, None, tree)]
     while stack:
-        node, stmt = stack.pop()
+        node, stmt, scope = stack.pop()
         if isinstance(node, ast.stmt):
             stmt = node
         if isinstance(node, ast.Call) and stmt is not None:
-            yield node, stmt
-        stack.extend((c, stmt) for c in ast.iter_child_nodes(node))
+            yield node, stmt, scope
+        inner = node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else scope
+        stack.extend((c, stmt, inner) for c in ast.iter_child_nodes(node))
 
 
 def _wanted(optimizer: Any, scheduler: Any, autocast: dict | None, history: list | None) -> dict[str, Any]:
@@ -133,6 +136,9 @@ def _wanted(optimizer: Any, scheduler: Any, autocast: dict | None, history: list
                              "momentum": g.get("momentum"), "weight_decay": g.get("weight_decay")}
     if scheduler is not None:
         want["scheduler"] = {"class": type(scheduler).__name__}
+    moved = lrwrites.changed(optimizer, scheduler, history) if optimizer is not None else None
+    if moved:
+        want["lr_write"] = moved
     dt = str((autocast or {}).get("dtype", "")).removeprefix("torch.")
     if autocast and dt in ("float16", "bfloat16"):
         want["autocast"] = {"class": "autocast", "dtype": dt}
@@ -170,6 +176,56 @@ def _judge(what: str, want: dict, call: ast.Call) -> tuple[int, dict, str] | Non
     return 1, {}, f"`autocast(` naming {want['dtype']}; the step ran under {want['dtype']} autocast"
 
 
+def _rate_site(want: dict, call: ast.Call, tree: ast.Module, scope: ast.AST, lines: list[str],
+               path: str) -> dict | None:
+    """The one literal a rate passed as a name was set by (`lr=LR` -> `LR = 3.0`), as a site, or None."""
+    name = call_name(call)
+    hf = name == "TrainingArguments"
+    if name != want["class"] and not hf:
+        return None
+    key = "learning_rate" if hf else "lr"
+    expr = next((k.value for k in call.keywords if k.arg == key), None)
+    if expr is None and not hf and len(call.args) > 1:
+        expr = call.args[1]
+    if expr is None or ratesource.number(expr) is not None:
+        return None
+    others = literals(call, ("eps", "momentum", "weight_decay", "adam_epsilon"))
+    if any(not _same(v, want.get({"adam_epsilon": "eps"}.get(k, k))) for k, v in others.items()):
+        return None  # a literal the run's optimizer does not have: another optimizer's line
+    got = ratesource.follow(tree, scope, expr)
+    if got is None:
+        return None
+    node, lit, kind, label = got
+    given = [o for a in (node.args if isinstance(node, ast.Call) else []) if isinstance(a, ast.Constant)
+             and isinstance(o := a.value, str) and o.startswith("-")]
+    if any(x == o or x.startswith(o + "=") for x in sys.argv[1:] for o in given):
+        return None  # the option was given on the command line: the default is not what set the rate
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+            call_name(c) == node.name and any(k.arg in (label, None) for k in c.keywords) for c in ast.walk(tree)
+            if isinstance(c, ast.Call)):
+        return None  # a call passes the rate: the default may not be what set it
+    value = ratesource.number(lit)
+    if value is None or not any(_same(value, x) for x in want["lr"]):
+        return None  # the literal is not the run's rate: the rate came from somewhere else
+    stmt = node if isinstance(node, ast.stmt) else None
+    if stmt is None:  # an add_argument / set_defaults call: the statement holding it
+        stmt = next((s for c, s, _ in _calls(tree) if c is node), None)
+    if stmt is None:
+        return None
+    header = isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))  # a default argument: the def's header
+    a, b = (stmt.lineno, max(stmt.lineno, stmt.body[0].lineno - 1)) if header else statement_lines(stmt)
+    if b - a + 1 > MAX_LINES or (header and stmt.body[0].lineno == a):
+        return None
+    how = f"the default of {label} in `def {stmt.name}(`" if header else \
+        f"the default of `{call_name(node)}(`" if isinstance(node, ast.Call) else "its one assignment"
+    written = ast.get_source_segment("".join(lines), expr) or label
+    held = "".join(lines[a - 1:b]).rstrip("\n")
+    return {"what": "optimizer", "class": name, "file": path, "line": a, "call_line": call.lineno,
+            "text": held[:4000], "values": {"lr": value}, "via": {"kind": kind, "name": label},
+            "evidence": f"`{key}={written[:80]}` on the {name}( line ({os.path.basename(path)}:{call.lineno}); "
+                        f"{how} sets {value:g}, as the run's {want['class']} has, and nothing else sets it"}
+
+
 def find(files: list[str], optimizer: Any, scheduler: Any, autocast: dict | None,
          history: list | None = None) -> list[dict]:
     """The construction sites in `files`, each with its evidence; none for a kind that is missing or ambiguous.
@@ -177,7 +233,7 @@ def find(files: list[str], optimizer: Any, scheduler: Any, autocast: dict | None
     want = _wanted(optimizer, scheduler, autocast, history)
     if not want:
         return []
-    found: dict[str, list[tuple[int, dict]]] = {k: [] for k in want}
+    found: dict[str, list[tuple[int, dict]]] = {k: [] for k in (*want, "rate")}
     budget = MAX_BYTES  # all files together: parsing costs ~4 µs a byte, paid only when a snapshot is written
     for path in files:
         lines = linecache.getlines(path)
@@ -189,9 +245,15 @@ def find(files: list[str], optimizer: Any, scheduler: Any, autocast: dict | None
             tree = ast.parse("".join(lines))
         except (SyntaxError, ValueError, RecursionError, MemoryError):
             continue
-        for call, stmt in _calls(tree):
+        if "lr_write" in want:
+            found["lr_write"] += [(1, r) for r in lrwrites.find(tree, lines, path, want["lr_write"])]
+        for call, stmt, scope in _calls(tree):
+            if "optimizer" in want:
+                rec = _rate_site(want["optimizer"], call, tree, scope, lines, path)
+                if rec and all((r["file"], r["line"]) != (path, rec["line"]) for _, r in found["rate"]):
+                    found["rate"].append((1, rec))
             for what, w in want.items():
-                j = _judge(what, w, call)
+                j = _judge(what, w, call) if what != "lr_write" else None
                 if j is None:
                     continue
                 a, b = statement_lines(stmt)
@@ -203,6 +265,8 @@ def find(files: list[str], optimizer: Any, scheduler: Any, autocast: dict | None
                 if all((r["file"], r["line"]) != (path, a) for _, r in found[what]):
                     found[what].append((score, rec))
     out = []
+    if found["rate"] and any("lr" in r["values"] for _, r in found.get("optimizer", [])):
+        found["rate"], found["optimizer"] = [], []  # a literal rate and a named one, each the run's: a guess
     for what, recs in found.items():
         if not recs:
             continue
@@ -210,6 +274,8 @@ def find(files: list[str], optimizer: Any, scheduler: Any, autocast: dict | None
         top = [r for s, r in recs if s == best]
         if what == "autocast":
             out += top[:4]  # every autocast that names the dtype: a fix changes each of them
+        elif what == "lr_write" and len(top) <= lrwrites.MAX_WRITES:
+            out += top  # every statement that writes a group's rate: the fix bounds each
         elif len(top) == 1:
             out.append(top[0])  # two equal candidates: which one made it is a guess, so neither is recorded
     return out

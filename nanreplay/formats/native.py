@@ -79,7 +79,8 @@ _RERUN = S.record({
     "compiled": S.optional(S.boolean), "seconds": S.optional(S.number)})
 _MACHINE = S.record({"host": S.optional(S.string(200)), "device": S.optional(S.string(100)),
                      "device_name": S.optional(S.string(200)), "device_index": S.optional(S.integer(0, 10**6)),
-                     "local_rank": S.optional(S.integer(0, 10**7)), "run": S.optional(S.string(200))})
+                     "local_rank": S.optional(S.integer(0, 10**7)), "run": S.optional(S.string(200)),
+                     "capability": S.optional(S.string(20))})  # a CUDA device's compute capability, "8.6"
 
 
 def _state_dict(v, where):
@@ -114,10 +115,13 @@ def _construction(v, where):
 
 
 # where the optimizer, scheduler and autocast were made (capture/sites.py): data, re-checked before any rewrite
-_SITE = S.record({"what": S.one_of("optimizer", "scheduler", "autocast"), "class": S.string(100),
+_SITE = S.record({"what": S.one_of("optimizer", "scheduler", "autocast", "lr_write"), "class": S.string(100),
                   "file": S.string(4096), "line": S.integer(1, 10**7), "call_line": S.optional(S.integer(1, 10**7)),
                   "text": S.string(4000), "values": S.optional(S.dict_of(S.number, limit=16)),
-                  "evidence": S.optional(S.string(1000))}, required=("what", "class", "file", "line", "text"))
+                  "evidence": S.optional(S.string(1000)),
+                  "via": S.optional(S.record({"kind": S.one_of("name", "attribute", "key"), "name": S.string(200)},
+                                             required=("kind", "name")))},
+                 required=("what", "class", "file", "line", "text"))
 _FRAME = S.record({"file": S.string(4096), "line": S.integer(0), "function": S.optional(S.string(1000)),
                    "code": S.optional(S.string(2000))})  # a source line the guard saw (capture/flow.py)
 FIELDS_V2: dict[str, S.Checker] = {

@@ -3,6 +3,7 @@
 and prints `KIND path-of-its-snapshot`; `python sitetrain.py --losses KIND...` trains each without the guard and
 prints its losses and whether every step was finite."""
 
+import argparse
 import json
 import math
 import sys
@@ -49,6 +50,24 @@ def ae_batch(step, dtype=torch.float32):
 
 def make_sgd(model):
     return torch.optim.SGD(model.parameters(), lr=3.0), None
+
+
+CONFIG = {"lr": 2.5, "steps": STEPS}  # the rate given by name (`lr=CONFIG["lr"]`), as training scripts do
+
+
+def make_sgd_cfg(model):
+    return torch.optim.SGD(model.parameters(), lr=CONFIG["lr"]), None
+
+
+def make_sgd_args(model):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--learning-rate", type=float, default=2.0)  # the rate as a command-line option's default
+    args, _ = ap.parse_known_args()
+    return torch.optim.SGD(model.parameters(), lr=args.learning_rate), None
+
+
+def make_spike(model):
+    return torch.optim.SGD(model.parameters(), lr=0.02), None
 
 
 def make_adam(model):
@@ -104,7 +123,9 @@ def autocast_run(folder=None):
     return {"losses": losses, "finite": all(math.isfinite(v) for v in losses)}
 
 
-LOOPS = {"sgd": (AutoEncoder, make_sgd, ae_batch), "adam": (Net, make_adam, batch), "sched": (Net, make_sched, batch)}
+LOOPS = {"sgd": (AutoEncoder, make_sgd, ae_batch), "sgdcfg": (AutoEncoder, make_sgd_cfg, ae_batch),
+         "spike": (AutoEncoder, make_spike, ae_batch), "sgdargs": (AutoEncoder, make_sgd_args, ae_batch),
+         "adam": (Net, make_adam, batch), "sched": (Net, make_sched, batch)}
 
 
 def run(kind, folder=None):
@@ -122,6 +143,9 @@ def run(kind, folder=None):
     losses, finite = [], True
     for step in range(STEPS):
         x, y = batch_of(step, dtype)
+        if kind == "spike" and step == BAD:  # the rate written in the loop, no scheduler: 10^6 too large
+            for g in opt.param_groups:
+                g["lr"] *= 10 ** 6
         if guard:
             guard.begin(x, y, step=step)
         opt.zero_grad()
