@@ -242,3 +242,29 @@ def test_loss_ok_takes_a_number_or_per_sample_losses_without_raising(tmp_path):
         assert guard.loss_ok(F.mse_loss(model(x), y_bad).item()) is False
     result = analyze(guard.last_snapshot, verify=False).to_json()  # the number's step, recorded with loss_fn
     assert result["verdict"] == "culprit_found" and result["culprit"]["module"] == "<loss>"
+
+
+def test_an_update_that_breaks_a_complex_weight_is_caught_and_analyzed(tmp_path):
+    """The check after optimizer.step() looked at floating weights only: a complex weight an infinite learning
+    rate broke went unseen (and, once seen, its record could not be counted: `isposinf` takes no complex)."""
+    torch.manual_seed(0)
+    model = ComplexPairs()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = NanGuard(model, opt, folder=tmp_path, check_flow=False)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        a, b = _reals(g), _reals(g)
+        if step == 2:
+            opt.param_groups[0]["lr"] = float("inf")
+        guard.begin((a, b), step=step)
+        loss = model(a, b)
+        assert guard.loss_ok(loss)
+        loss.backward()
+        assert guard.grads_ok()
+        opt.step()
+        opt.zero_grad()
+        if not guard.update_ok():
+            break
+    assert step == 2 and guard.last_snapshot and "_step000002_update_" in guard.last_snapshot
+    result = analyze(guard.last_snapshot, verify=False).to_json()
+    assert result["diagnosis"]["cause"] == "nonfinite_lr"
