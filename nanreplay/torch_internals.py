@@ -234,17 +234,27 @@ def real_values(t: torch.Tensor) -> torch.Tensor:
 
 def foreach_norm(tensors: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """The 2-norm of each tensor, computed in `dtype` (one fused kernel where torch has `_foreach_norm`);
-    sparse and complex tensors count their entries' real values (`real_values`)."""
-    if any(t.layout is not torch.strided or t.is_complex() for t in tensors):
-        tensors = [real_values(t) for t in tensors]
-    if dtype != torch.float64 and any(t.dtype == torch.float64 for t in tensors):
-        dtype = torch.float64  # a float64 model: a float32 norm would narrow it (torch refuses), and could overflow
+    sparse and complex tensors count their entries' real values (`real_values`), and float64 ones are normed in
+    float64 (a float32 norm would narrow them: torch refuses). Those cases are found by the fused kernel refusing
+    them, so that the common one (dense float32) pays for no extra pass over the list."""
     try:
         if dtype == torch.float32 and all(t.dtype == torch.float32 for t in tensors):
             return list(torch._foreach_norm(tensors))
         return list(torch._foreach_norm(tensors, 2, dtype=dtype))
     except Exception as e:  # noqa: BLE001
+        if any(t.layout is not torch.strided or t.is_complex() or t.dtype == torch.float64 for t in tensors):
+            return _value_norms(tensors, dtype)
         _note("foreach_norm", e)
+        return [torch.linalg.vector_norm(t, dtype=dtype) for t in tensors]
+
+
+def _value_norms(tensors: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    tensors = [real_values(t) for t in tensors]
+    if any(t.dtype == torch.float64 for t in tensors):
+        dtype = torch.float64
+    try:
+        return list(torch._foreach_norm(tensors, 2, dtype=dtype))
+    except Exception:  # noqa: BLE001
         return [torch.linalg.vector_norm(t, dtype=dtype) for t in tensors]
 
 

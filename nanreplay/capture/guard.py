@@ -241,7 +241,10 @@ class NanGuard:
         """
         if not self._in_step:  # begin() was not called: still count steps
             self._new_step(None)
-        value = float(loss.detach().float())  # the one host sync; most loops log this value anyway
+        if not isinstance(loss, torch.Tensor):  # a number (`loss.item()`): checked as it is, no graph to look at
+            loss = torch.tensor(float(loss))
+        # the one host sync (most loops log this value anyway); per-sample losses: their mean, non-finite if one is
+        value = float(loss.detach().float() if loss.numel() == 1 else loss.detach().float().mean())
         factor = float(scaled_by) if scaled_by is not None else 1.0
         if factor != 1.0 and factor != 0.0 and math.isfinite(factor):
             value = value / factor

@@ -49,10 +49,10 @@ def implementation(optimizer: torch.optim.Optimizer) -> str:
 
 
 def by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """The floating, non-empty tensors, one list per device (a fused kernel runs on one device)."""
+    """The floating (or complex), non-empty tensors, one list per device (a fused kernel runs on one device)."""
     out: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
-        if t.is_floating_point() and t.numel():
+        if (t.is_floating_point() or t.is_complex()) and t.numel():
             out.setdefault(t.device, []).append(t)
     return list(out.values())
 
@@ -215,8 +215,9 @@ def _remove(handles: list) -> None:
 
 
 def _counts(t: torch.Tensor) -> dict:
-    t = t.detach()
-    return {"numel": t.numel(), "nan": int(torch.isnan(t).sum()), "posinf": int(torch.isposinf(t).sum()),
+    n = t.numel()
+    t = ti.real_values(t.detach())  # (a complex weight: its real and imaginary parts)
+    return {"numel": n, "nan": int(torch.isnan(t).sum()), "posinf": int(torch.isposinf(t).sum()),
             "neginf": int(torch.isneginf(t).sum())}
 
 

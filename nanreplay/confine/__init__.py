@@ -417,8 +417,8 @@ def _result(job: dict, status: int, text: bytes, page: int, timeout: float | Non
         text = str(body.get("message"))[:SHOWN_MESSAGE].replace(job["path"], shown)
         raise cls(one_line(text, SHOWN_MESSAGE))
     if kind == "memory":
-        raise LimitError(f"{shown}: the analysis ran out of memory under --max-memory {_size(max_memory)} (its "
-                         f"address space was capped there, plus torch's own); nothing was written")
+        raise LimitError(f"{shown}: the analysis ran out of memory under {_memory_cap(max_memory)}; nothing was "
+                         "written")
     if kind == "bug":  # each line of the child's traceback escaped and indented: none can pass for one of ours
         lines = str(body)[-SHOWN_MESSAGE:].splitlines()[-60:]
         shown_tb = "\n".join("  | " + one_line(ln, 300) for ln in lines)
@@ -481,7 +481,7 @@ def _died(shown: str, status: int, page: int, timeout: float | None, max_memory:
                               "threads) and was stopped; nothing was written")
     if sig == signal.SIGKILL:
         return LimitError(f"{shown}: the analysis was killed (SIGKILL: out of memory, or past its CPU time) under "
-                          f"--max-memory {_size(max_memory)}; nothing was written")
+                          f"{_memory_cap(max_memory)}; nothing was written")
     where = progress.read(page)
     if where is not None and where[1] >= 0 and where[2] and sig in _CRASH_SIGNALS:
         phase, node, op = where
@@ -497,6 +497,19 @@ def _signal_name(sig: int) -> str:
         return signal.Signals(sig).name
     except ValueError:
         return f"signal {sig}"
+
+
+def _memory_cap(max_memory: int | None) -> str:
+    """The limit the child's address space had: --max-memory, or the smaller one this process already runs under
+    (`ulimit -v` on a cluster node), which the child inherits and cannot raise."""
+    import resource
+
+    inherited = [v for v in resource.getrlimit(resource.RLIMIT_AS) if v != resource.RLIM_INFINITY]
+    cap = min(inherited) if inherited else None
+    if cap is not None and (not max_memory or cap < max_memory):
+        return (f"the address-space limit this command inherited ({_size(cap)}: `ulimit -v`, below --max-memory "
+                f"{_size(max_memory)}); raise it with `ulimit -v`, or analyze where it is higher")
+    return f"--max-memory {_size(max_memory)} (its address space was capped there, plus torch's own)"
 
 
 def _size(n: int | None) -> str:

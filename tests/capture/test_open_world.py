@@ -213,3 +213,58 @@ def test_a_float64_model_is_guarded_and_analyzed(tmp_path):
     c = result["culprit"]
     assert (result["verdict"], c["forward_op"], c["kind"]) == ("culprit_found", "aten.sqrt.default", "inf")
     assert c["source"]["code"].endswith("# LINE: double")
+
+
+def test_loss_ok_takes_a_number_or_per_sample_losses_without_raising(tmp_path):
+    """`guard.loss_ok(loss.item())` and `guard.loss_ok(per_sample_losses)` (reduction="none") raised into the loop
+    (AttributeError / ValueError). A number is checked as it is; per-sample losses fail when any is non-finite."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = NanGuard(model, opt, loss_fn=F.mse_loss, folder=tmp_path, check_flow=False)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+    guard.begin(x, y, step=0)
+    loss = F.mse_loss(model(x), y)
+    assert guard.loss_ok(loss.item()) is True
+    guard.begin(x, y, step=1)
+    per_sample = F.mse_loss(model(x), y, reduction="none")
+    assert guard.loss_ok(per_sample) is True and guard.last_snapshot is None
+    y_bad = y.clone()
+    y_bad[3] = 1e30  # one sample's squared error overflows
+    guard.begin(x, y_bad, step=2)
+    per_sample = F.mse_loss(model(x), y_bad, reduction="none")
+    assert guard.loss_ok(per_sample) is False
+    assert guard.last_snapshot and "_step000002_loss_" in guard.last_snapshot
+    guard.begin(x, y_bad, step=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert guard.loss_ok(F.mse_loss(model(x), y_bad).item()) is False
+    result = analyze(guard.last_snapshot, verify=False).to_json()  # the number's step, recorded with loss_fn
+    assert result["verdict"] == "culprit_found" and result["culprit"]["module"] == "<loss>"
+
+
+def test_an_update_that_breaks_a_complex_weight_is_caught_and_analyzed(tmp_path):
+    """The check after optimizer.step() looked at floating weights only: a complex weight an infinite learning
+    rate broke went unseen (and, once seen, its record could not be counted: `isposinf` takes no complex)."""
+    torch.manual_seed(0)
+    model = ComplexPairs()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = NanGuard(model, opt, folder=tmp_path, check_flow=False)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        a, b = _reals(g), _reals(g)
+        if step == 2:
+            opt.param_groups[0]["lr"] = float("inf")
+        guard.begin((a, b), step=step)
+        loss = model(a, b)
+        assert guard.loss_ok(loss)
+        loss.backward()
+        assert guard.grads_ok()
+        opt.step()
+        opt.zero_grad()
+        if not guard.update_ok():
+            break
+    assert step == 2 and guard.last_snapshot and "_step000002_update_" in guard.last_snapshot
+    result = analyze(guard.last_snapshot, verify=False).to_json()
+    assert result["diagnosis"]["cause"] == "nonfinite_lr"

@@ -90,3 +90,16 @@ def test_sigterm_during_triage_leaves_no_temporary_folder(tmp_path):
     while [p for p in tmp.iterdir() if p.name.startswith("nanreplay-")] and time.monotonic() < end:
         time.sleep(0.1)
     assert [p.name for p in tmp.iterdir() if p.name.startswith("nanreplay-")] == []
+
+
+def test_out_of_memory_under_ulimit_v_names_that_limit_not_max_memory():
+    """Under a `ulimit -v` far below --max-memory (a cluster node), an analysis that ran out of memory said "under
+    --max-memory 13 GiB": the limit that stopped it was the inherited one, and only raising that helps."""
+    code = ("import resource; from nanreplay import confine; "
+            "print(confine._memory_cap(8 << 30)); "
+            f"resource.setrlimit(resource.RLIMIT_AS, ({CAP}, {CAP})); print(confine._memory_cap(8 << 30))")
+    res = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=120)
+    free, capped = res.stdout.strip().splitlines()
+    assert free.startswith("--max-memory 8 GiB") and "ulimit" not in free
+    assert "ulimit -v" in capped and "6 GiB" in capped and "below --max-memory 8 GiB" in capped
