@@ -18,7 +18,8 @@ from nanreplay.formats.dryrun import node_work
 
 
 class GaussianHead(nn.Module):
-    """A full-covariance Gaussian likelihood (MultivariateNormal with validation on, torch's default)."""
+    """A full-covariance Gaussian likelihood (MultivariateNormal with validation on: torch's default, but said
+    explicitly, because torch._dynamo turns the default off for the whole process the first time anything compiles)."""
 
     def __init__(self):
         super().__init__()
@@ -28,7 +29,7 @@ class GaussianHead(nn.Module):
     def forward(self, x, y):
         c = self.cf(x).view(-1, 3, 3)
         cov = c @ c.mT + 1e-3 * torch.eye(3)
-        nll = -torch.distributions.MultivariateNormal(self.mu(x), covariance_matrix=cov).log_prob(y).mean()
+        nll = -torch.distributions.MultivariateNormal(self.mu(x), covariance_matrix=cov, validate_args=True).log_prob(y).mean()
         return nll + torch.log(x[:, 0].abs()).mean()  # LINE: gaussian
 
 
