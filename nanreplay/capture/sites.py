@@ -14,7 +14,7 @@ a literal (`lr=3.0`, `eps=1e-8`) and every literal it passes must equal the run'
 `initial_lr` or `lr`, its `eps`); where several calls qualify equally none is recorded — never a guess.
 Each site is plain data: file, line, the statement's text, what it made, the class, the literal values and the
 evidence in words (docs/sites.md). The analysis checks it
-again before it rewrites the text (`diagnose/sitefix.py`).
+again before it rewrites the text (`diagnose/edits/sitefix.py`).
 """
 
 from __future__ import annotations
