@@ -29,7 +29,8 @@ from nanreplay.analysis.contract import (
     forward_inputs_json,
     precision_sentence,
 )
-from nanreplay.diagnose import broadcast, sitefix
+from nanreplay.diagnose import broadcast
+from nanreplay.diagnose.edits import sitefix
 from nanreplay.diagnose.plausible import history_rows
 from nanreplay.diagnose.site import finite_float
 from nanreplay.diagnose.update import diagnose_update

@@ -9,20 +9,18 @@ when its positional arguments are calls of exactly the module's children's class
 only where exactly one call in those files matches it. The record is the statement that holds the call (its lines,
 at most 31), where the call starts in it, and the container's path; nothing else.
 
-This module imports only torch and the standard library.
+This module imports only torch, the standard library and usersource.py (which reads and parses the files).
 """
 
 from __future__ import annotations
 
 import ast
-import inspect
-import linecache
-import os
 
 import torch.nn as nn
 
+from nanreplay.capture.usersource import Sources, module_class_files, readable
+
 MAX_FILES = 20
-MAX_BYTES = 2_000_000
 MAX_LINES = 31  # the statement's lines kept (a snapshot frame's context holds at most this many)
 MAX_RECORDS = 50
 
@@ -33,27 +31,15 @@ def _callee(node: ast.AST) -> str:
 
 
 def _files(model: nn.Module, program: dict | None) -> list[str]:
-    out: list[str] = []
-    for f in (program or {}).get("frames") or []:
-        if isinstance(f, dict) and isinstance(f.get("file"), str):
-            out.append(f["file"])
-    for m in model.modules():
-        cls = type(m)
-        if cls.__module__.split(".")[0] == "torch":
-            continue
-        try:
-            out.append(inspect.getsourcefile(cls) or "")
-        except (TypeError, OSError):
-            continue
+    """The files the step's recorded frames name, then those of the model's classes (usersource.py)."""
+    out = [f["file"] for f in (program or {}).get("frames") or [] if isinstance(f, dict)
+           and isinstance(f.get("file"), str)]
     seen, files = set(), []
-    for f in out:
-        if f and f.endswith(".py") and f not in seen and os.path.isfile(f):
+    for f in out + module_class_files(model):
+        if f and f not in seen:
             seen.add(f)
-            try:
-                if os.path.getsize(f) <= MAX_BYTES:
-                    files.append(f)
-            except OSError:
-                continue
+            if readable(f):
+                files.append(f)
     return files[:MAX_FILES]
 
 
@@ -75,7 +61,7 @@ def _matches(call: ast.Call, seq: nn.Sequential) -> bool:
     return all(isinstance(a, ast.Call) and _callee(a) == type(k).__name__ for a, k in zip(call.args, kids, strict=True))
 
 
-def records(model: nn.Module, program: dict | None) -> list[dict] | None:
+def records(model: nn.Module, program: dict | None, sources: Sources | None = None) -> list[dict] | None:
     """[{module, file, line, function, code, context: [first, lines], call: [line, col]}] for each Sequential of
     the model whose construction is found in exactly one place; None when there is none. Never raises."""
     try:
@@ -83,12 +69,12 @@ def records(model: nn.Module, program: dict | None) -> list[dict] | None:
         if not seqs:
             return None
         found: dict[str, list] = {name: [] for name, _ in seqs}
+        sources = sources or Sources()
         for path in _files(model, program):
-            lines = linecache.getlines(path)
-            try:
-                tree = ast.parse("".join(lines))
-            except (SyntaxError, ValueError):
+            got = sources.parse(path)
+            if got is None:
                 continue
+            lines, tree = got
             for call, stmt in _statements(tree):
                 for name, m in seqs:
                     if _matches(call, m):

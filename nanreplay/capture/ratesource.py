@@ -12,7 +12,7 @@ line to its assignments in the same file:
 
 Every binding found is a candidate, a literal or not. Only where there is exactly one, and it is a number literal,
 is it the rate's source: two candidates, or one that computes the rate, and the source is a guess.
-`literal_in` finds the literal again in a recorded statement's text (the analysis's check, diagnose/sitefix.py).
+`literal_in` finds the literal again in a recorded statement's text (the analysis's check, diagnose/edits/sitefix.py).
 """
 
 from __future__ import annotations

@@ -14,57 +14,29 @@ a literal (`lr=3.0`, `eps=1e-8`) and every literal it passes must equal the run'
 `initial_lr` or `lr`, its `eps`); where several calls qualify equally none is recorded — never a guess.
 Each site is plain data: file, line, the statement's text, what it made, the class, the literal values and the
 evidence in words (docs/sites.md). The analysis checks it
-again before it rewrites the text (`diagnose/sitefix.py`).
+again before it rewrites the text (`diagnose/edits/sitefix.py`).
 """
 
 from __future__ import annotations
 
 import ast
-import linecache
 import math
 import os
 import sys
-import sysconfig
 from typing import Any
 
-import torch
-
-from nanreplay.capture import lrwrites, ratesource
+from nanreplay.capture import lrwrites, ratesource, usersource
 
 MAX_FILES = 8
-MAX_BYTES = 1_000_000
+MAX_BYTES = 1_000_000  # all files together: parsing costs ~4 µs a byte, paid only when a snapshot is written
 MAX_LINES = 20  # the longest statement recorded
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_LIB_DIRS = tuple({p + os.sep for k in ("stdlib", "platstdlib", "purelib", "platlib")
-                   if (p := sysconfig.get_paths().get(k))} | {os.path.dirname(os.__file__) + os.sep})
 _KEYS = {"optimizer": ("lr", "eps", "learning_rate", "adam_epsilon", "momentum", "weight_decay")}
 _HALF_NAMES = {"float16": "float16", "half": "float16", "bfloat16": "bfloat16"}
 
 
-def _is_user(path: str) -> bool:
-    if not path.endswith(".py") or not os.path.isfile(path):
-        return False
-    if path.startswith((_TORCH_DIR, _OWN_DIR)) or path.startswith(_LIB_DIRS):
-        return False
-    return "site-packages" not in path and "dist-packages" not in path
-
-
 def user_files(model: Any, depth: int = 2) -> list[str]:
     """The user's .py files: those of the frames on the stack (innermost first), then the model class's file."""
-    out: list[str] = []
-    f = sys._getframe(depth)
-    while f is not None and len(out) < MAX_FILES:
-        p = f.f_code.co_filename
-        if p not in out and _is_user(p):
-            out.append(p)
-        f = f.f_back
-    for cls in type(model).__mro__[:3]:  # a class's file from its own functions: its module may not be registered
-        codes = [getattr(f, "__code__", None) for f in vars(cls).values()]
-        p = next((c.co_filename for c in codes if c is not None), None)
-        if p and p not in out and _is_user(p) and len(out) < MAX_FILES:
-            out.append(p)
-    return out
+    return usersource.model_class_files(model, usersource.stack_files(depth, MAX_FILES), MAX_FILES)
 
 
 def call_name(node: ast.AST) -> str | None:
@@ -227,24 +199,22 @@ def _rate_site(want: dict, call: ast.Call, tree: ast.Module, scope: ast.AST, lin
 
 
 def find(files: list[str], optimizer: Any, scheduler: Any, autocast: dict | None,
-         history: list | None = None) -> list[dict]:
+         history: list | None = None, sources: usersource.Sources | None = None) -> list[dict]:
     """The construction sites in `files`, each with its evidence; none for a kind that is missing or ambiguous.
     The rate on the line may be the one the first logged step trained at (`history`): the rate was changed since."""
     want = _wanted(optimizer, scheduler, autocast, history)
     if not want:
         return []
     found: dict[str, list[tuple[int, dict]]] = {k: [] for k in (*want, "rate")}
-    budget = MAX_BYTES  # all files together: parsing costs ~4 µs a byte, paid only when a snapshot is written
+    sources = sources or usersource.Sources()
+    budget = MAX_BYTES
     for path in files:
-        lines = linecache.getlines(path)
-        size = sum(map(len, lines))
-        if not lines or size > budget:
+        got = sources.parse(path)
+        size = sum(map(len, got[0])) if got else 0
+        if got is None or size > budget:
             continue
         budget -= size
-        try:
-            tree = ast.parse("".join(lines))
-        except (SyntaxError, ValueError, RecursionError, MemoryError):
-            continue
+        lines, tree = got
         if "lr_write" in want:
             found["lr_write"] += [(1, r) for r in lrwrites.find(tree, lines, path, want["lr_write"])]
         for call, stmt, scope in _calls(tree):
@@ -282,9 +252,9 @@ def find(files: list[str], optimizer: Any, scheduler: Any, autocast: dict | None
 
 
 def record(model: Any, optimizer: Any, scheduler: Any, autocast: dict | None,
-           history: list | None = None) -> list[dict] | None:
+           history: list | None = None, sources: usersource.Sources | None = None) -> list[dict] | None:
     """The `sites` field, or None where it cannot be read (never raises into the loop)."""
     try:
-        return find(user_files(model, depth=1), optimizer, scheduler, autocast, history)
+        return find(user_files(model, depth=1), optimizer, scheduler, autocast, history, sources)
     except Exception:  # noqa: BLE001 - a snapshot without sites is still a snapshot
         return None

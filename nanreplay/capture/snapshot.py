@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from nanreplay import __version__
-from nanreplay.capture import construct, owned, plain, recipe, sites
+from nanreplay.capture import construct, owned, plain, recipe, sites, usersource
 from nanreplay.capture.owned import storage_freed
 from nanreplay.capture.program import FREED, ModuleHooks, NotRecordable, frame_record, record_step
 from nanreplay.errors import first_line
@@ -275,6 +275,7 @@ def build(*, model: nn.Module, wrapped: nn.Module, state: StepState, trigger: st
     for name, b in model.named_buffers():  # non-persistent buffers too: the program may read them
         b = state.buffers.get(name, b)  # as the step began
         state_dict[name] = b.detach().to("cpu", copy=True)
+    sources = usersource.Sources()  # the user's files, each read and parsed once for this snapshot
     spec = loss_spec(loss_fn) if step_fn is None else {"kind": "step_fn", "spec": _qualname(step_fn)}
     d = {
         "format": FORMAT,
@@ -315,12 +316,12 @@ def build(*, model: nn.Module, wrapped: nn.Module, state: StepState, trigger: st
                         "wrapper": type(wrapped).__name__ if wrapped is not model else None},
         "history": [dict(h) for h in history],
         "notes": notes,
-        "constructions": construct.records(model, program),  # where each nn.Sequential was built (construct.py)
+        "constructions": construct.records(model, program, sources),  # where each nn.Sequential was built (construct.py)
         "entry": entry_record(state.entry),  # the line that gave begin() the batch (a data remedy's edit goes there)
         "rerun": extra.get("rerun"),  # the guard's re-run beside the training step (capture/rerun.py)
         "machine": extra.get("machine"),  # which host, device and run wrote it
         # where the optimizer, scheduler and autocast were made, with evidence (capture/sites.py)
-        "sites": sites.record(model, optimizer, scheduler, autocast, history),
+        "sites": sites.record(model, optimizer, scheduler, autocast, history, sources),
     }
     # only data: whatever training code left in these fields (numpy scalars from a schedule, enums, ...) becomes
     # plain values, so the file loads with weights_only=True and no pickled object (the batch is copied above)

@@ -231,7 +231,7 @@ def lr_clip_fix(d: Divergence | None, info: dict) -> Fix:
                    verification="not replayed: the change is to the training of earlier steps (learning rate, "
                                 "clipping); replaying this step cannot test it",
                    reasoning="numbers from the snapshot's history: the rate it trained at before the jump",
-                   settings={"lr_bound": j.before})  # an edit of the line that wrote the rate (diagnose/sitefix.py)
+                   settings={"lr_bound": j.before})  # an edit of the line that wrote the rate (diagnose/edits/sitefix.py)
     typo = _typo(base if base is not None else lr) if (base or lr) else None
     lines = []
     if typo:

@@ -13,12 +13,12 @@ import torch
 from nanreplay import noop, verify
 from nanreplay import torch_internals as ti
 from nanreplay.diagnose import (
-    datafix,
     finite,
     magnitude,
     plausible,
     rules,  # noqa: F401  (importing the families registers every rule)
 )
+from nanreplay.diagnose.edits import datafix
 from nanreplay.diagnose.late import late_update
 from nanreplay.diagnose.model import EXACT_KINDS, RULES, Diagnosis, Fix
 from nanreplay.diagnose.prose import anomaly_sentence

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nanreplay.diagnose import codefix
+from nanreplay.diagnose.edits import codefix
 from nanreplay.diagnose.model import Fix
 from nanreplay.diagnose.site import Site, finite_float, packet
 from nanreplay.enums import FixKind

@@ -18,7 +18,7 @@ from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from nanreplay import torch_internals as ti
-from nanreplay.diagnose import codefix
+from nanreplay.diagnose.edits import codefix
 from nanreplay.enums import FixKind
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class Fix:
                                                      # before, after}; before/after above is the culprit line's
     settings: dict | None = None  # what the fix sets where the run's optimizer / scheduler / autocast was made
                                   # ({"lr": 0.3}, {"eps": 1e-4}, {"schedule_cap": 1.0}, {"autocast_dtype": ...}):
-                                  # an edit of that line where the snapshot recorded it (diagnose/sitefix.py)
+                                  # an edit of that line where the snapshot recorded it (diagnose/edits/sitefix.py)
     rewrite: InitVar[codefix.Rewrite | None] = None  # the user's line rewritten: becomes code/before/after
 
     def __post_init__(self, rewrite: codefix.Rewrite | None) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from nanreplay.diagnose import codefix
+from nanreplay.diagnose.edits import codefix
 from nanreplay.replay import Event, OpRecord, Step, frame_json
 
 

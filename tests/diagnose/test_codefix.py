@@ -19,7 +19,7 @@ import torch
 import causes
 import nanmodels
 from nanreplay import formats, verify
-from nanreplay.diagnose import codefix
+from nanreplay.diagnose.edits import codefix
 from nanreplay.diagnose.fixes import fmt
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:std\(\):UserWarning")

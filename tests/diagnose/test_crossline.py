@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nanreplay.diagnose import crossline
+from nanreplay.diagnose.edits import crossline
 
 CODE = """def loss_fn(out, y):
     pi, mu, sigma = out

@@ -113,7 +113,7 @@ def test_segment_softmax_fix_is_an_applied_edit_of_the_exp_line(tmp_path):
 def test_the_segment_max_is_spelled_from_the_users_own_scatter(line, want):
     import ast
 
-    from nanreplay.diagnose import codefix, segfix
+    from nanreplay.diagnose.edits import codefix, segfix
 
     parsed = codefix._Parsed(ast.parse(line), line, 1)
     div = parsed.tree.body[0].value

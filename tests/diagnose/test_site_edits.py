@@ -1,5 +1,5 @@
 """Fixes of the line that made the optimizer or the scheduler (#38): the guard records where they were made
-(capture/sites.py), the analysis turns a rate, an eps or a schedule into an edit of that line (diagnose/sitefix.py).
+(capture/sites.py), the analysis turns a rate, an eps or a schedule into an edit of that line (diagnose/edits/sitefix.py).
 Real loops (sitetrain.py) break under NanGuard, each snapshot is analyzed in a fresh python where the training code
 cannot be imported, the edits are applied to a copy of the file, and the copy trains on."""
 
@@ -163,7 +163,7 @@ SITE = {"what": "optimizer", "class": "SGD", "file": "/home/u/train.py", "line":
 
 
 def _attached(*sites: dict, lr: float = 0.1) -> tuple[dict, list[str]]:
-    from nanreplay.diagnose import sitefix
+    from nanreplay.diagnose.edits import sitefix
     diag = {"cause": "training_diverged", "fix": {"kind": "lower_lr_clip_grads", "code": "# lower it",
                                                    "edits": [], "settings": {"lr": lr}, "verified": None}}
     warnings: list[str] = []
@@ -290,7 +290,7 @@ def test_the_guard_records_the_statements_that_write_a_param_groups_rate(tmp_pat
 
 
 def test_a_crafted_lr_write_site_is_left_out_and_a_recorded_one_is_bounded():
-    from nanreplay.diagnose import sitefix
+    from nanreplay.diagnose.edits import sitefix
     site = {"what": "lr_write", "class": "param_groups", "file": "/home/u/t.py", "line": 9, "text": "    g['lr'] /= 1e-6"}
     for change, after in (({}, "g['lr'] = min(g['lr'] / (1e-6), 0.01)"), ({"text": "cfg.lr = 5"}, None),
                           ({"text": "g['lr'] = os.system('x')"}, None), ({"class": "SGD"}, None)):
@@ -311,7 +311,7 @@ AUTOCAST_SITE = {"what": "autocast", "class": "autocast", "file": "/home/u/t.py"
     ("cuda", None, True),  # a snapshot that does not record the capability is not judged
 ])
 def test_the_bfloat16_autocast_edit_is_made_only_where_the_runs_device_has_bfloat16(device, capability, edited):
-    from nanreplay.diagnose import sitefix
+    from nanreplay.diagnose.edits import sitefix
     diag = {"fix": {"kind": "bf16_or_grad_scaler", "code": "with torch.autocast('cuda', dtype=torch.bfloat16):",
                     "edits": [], "settings": {"autocast_dtype": "bfloat16"}, "verified": True,
                     "alternatives": ["keep float16 autocast and scale the loss: scaler = torch.amp.GradScaler('cuda')"]}}

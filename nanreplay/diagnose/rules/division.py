@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from nanreplay import stats  # stats.num: `num` is a local name (the numerator) in several rules here
-from nanreplay.diagnose import codefix, datafix
+from nanreplay.diagnose.edits import codefix, datafix
 from nanreplay.diagnose.fixes import (
     choose_eps,
     clamp_eps,

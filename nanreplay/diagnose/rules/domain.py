@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanreplay.diagnose import codefix
+from nanreplay.diagnose.edits import codefix
 from nanreplay.diagnose.fixes import edge_fix, fmt
 from nanreplay.diagnose.model import Diagnosis, rule
 from nanreplay.diagnose.prose import count

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from nanreplay.diagnose import codefix, crossline, segfix
+from nanreplay.diagnose.edits import codefix, crossline, segfix
 from nanreplay.diagnose.forms import TABLE
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.prose import count

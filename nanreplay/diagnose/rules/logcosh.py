@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from nanreplay.diagnose import codefix
+from nanreplay.diagnose.edits import codefix
 from nanreplay.diagnose.forms import TABLE
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.site import Site, packet

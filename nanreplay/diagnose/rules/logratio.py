@@ -5,7 +5,7 @@ NT-Xent loss as lightning-bolts first wrote it (pos = exp(sim_ii / t), neg = exp
 The composition is a log-softmax entry: log(exp(a) / sum(exp(S))) = a - logsumexp(S, d), exact for every input.
 A max-subtraction in one exp (handwritten_softmax's answer for a lone `exp(x) / exp(x).sum()`) leaves the other
 overflowing. The edit is the log's line, in the user's own expressions: each name it divides (`pos`, `neg`) is
-followed to its assignment in the lines the snapshot recorded (diagnose/crossline.py); those assignments stay
+followed to its assignment in the lines the snapshot recorded (diagnose/edits/crossline.py); those assignments stay
 (their exps no longer reach the loss). Replayed by remembering both exps' arguments and answering the log call.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from nanreplay.diagnose import codefix, crossline
+from nanreplay.diagnose.edits import codefix, crossline
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.site import Site, packet
 from nanreplay.enums import FixKind

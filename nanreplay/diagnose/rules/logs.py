@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from nanreplay.diagnose import bcefix, codefix, lsmfix
+from nanreplay.diagnose.edits import bcefix, codefix, lsmfix
 from nanreplay.diagnose.fixes import (
     choose_eps,
     clamp_eps,

@@ -81,7 +81,7 @@ def _nonfinite_lr(s: UpdateSite) -> Diagnosis | None:
 
 def _schedule_cap(s: UpdateSite) -> float | None:
     """The largest factor the schedule gave (lr / the configured lr) on the steps the history logged finite: a
-    LambdaLR clamped to it gives every healthy step its rate and this one a finite rate (diagnose/sitefix.py)."""
+    LambdaLR clamped to it gives every healthy step its rate and this one a finite rate (diagnose/edits/sitefix.py)."""
     factors = [float(r["lr"]) / float(r["base_lr"]) for r in s.us.history
                if isinstance(r.get("lr"), (int, float)) and isinstance(r.get("base_lr"), (int, float))
                and math.isfinite(r["lr"]) and math.isfinite(r["base_lr"]) and r["lr"] > 0 and r["base_lr"] > 0]

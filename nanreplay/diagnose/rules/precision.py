@@ -10,8 +10,9 @@ import math
 
 import torch
 
-from nanreplay.diagnose import magnitude, plausible, upcast
+from nanreplay.diagnose import magnitude, plausible
 from nanreplay.diagnose.divergence import divergence, lr_clip_fix, remedy
+from nanreplay.diagnose.edits import upcast
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.site import Site, finite_float, packet
 from nanreplay.enums import FixKind

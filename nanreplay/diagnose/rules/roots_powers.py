@@ -9,7 +9,7 @@ import math
 import torch
 
 from nanreplay import replay
-from nanreplay.diagnose import codefix
+from nanreplay.diagnose.edits import codefix
 from nanreplay.diagnose.fixes import HALF, clamp_eps, edge_fix, fmt, nonneg_eps, operand_fn, plus_eps, replace_arg
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.prose import count, count_in

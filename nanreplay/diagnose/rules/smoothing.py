@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from nanreplay.diagnose import codefix
+from nanreplay.diagnose.edits import codefix
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.site import Site
 from nanreplay.enums import FixKind

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from nanreplay.diagnose import codefix, exproot
+from nanreplay.diagnose.edits import codefix, exproot
 from nanreplay.diagnose.fixes import finite_mask, operand_fn, replace_arg
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.site import Site, library_of, packet

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from nanreplay.diagnose import codefix
+from nanreplay.diagnose.edits import codefix
 from nanreplay.diagnose.fixes import operand_fn, replace_arg
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.site import Site, packet

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from nanreplay.diagnose import codefix
+from nanreplay.diagnose.edits import codefix
 from nanreplay.diagnose.fixes import denominator_index, operand_fn, replace_arg
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.site import Site

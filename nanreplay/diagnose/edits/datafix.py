@@ -19,7 +19,7 @@ import re
 
 import torch
 
-from nanreplay.diagnose import codefix
+from nanreplay.diagnose.edits import codefix
 from nanreplay.replay.frames import RecordedFrame, frame_json
 
 ast = codefix.ast

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from nanreplay.diagnose import codefix
+from nanreplay.diagnose.edits import codefix
 from nanreplay.diagnose.model import Fix
 from nanreplay.diagnose.site import Site, packet
 from nanreplay.enums import FixKind

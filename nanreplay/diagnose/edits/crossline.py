@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from nanreplay.diagnose import codefix
+from nanreplay.diagnose.edits import codefix
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ast
 
-from nanreplay.diagnose import codefix
+from nanreplay.diagnose.edits import codefix
 
 _SUM_REDUCES = ("sum", "add")
 

@@ -10,7 +10,7 @@ computes exactly the edited values at the log (log_softmax of the softmax's own 
 
 from __future__ import annotations
 
-from nanreplay.diagnose import codefix
+from nanreplay.diagnose.edits import codefix
 from nanreplay.diagnose.site import Site, packet
 from nanreplay.replay import OpRecord, frame_json
 

@@ -19,7 +19,7 @@ logsigmoid of the sigmoid's own input at each log call (fixes.stable_log_patch),
 
 from __future__ import annotations
 
-from nanreplay.diagnose import codefix, construction, crossline
+from nanreplay.diagnose.edits import codefix, construction, crossline
 from nanreplay.diagnose.site import Site, packet
 from nanreplay.replay import OpRecord, frame_json
 

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from nanreplay.diagnose import codefix
+from nanreplay.diagnose.edits import codefix
 from nanreplay.diagnose.model import Fix
 from nanreplay.diagnose.site import Site, _passes_through, library_of, packet
 from nanreplay.enums import FixKind

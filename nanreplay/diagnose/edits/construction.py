@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ast
 
-from nanreplay.diagnose import codefix
+from nanreplay.diagnose.edits import codefix
 from nanreplay.replay import OpRecord
 from nanreplay.replay.frames import RecordedFrame, frame_json
 
