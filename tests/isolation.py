@@ -130,6 +130,19 @@ def train_then_analyze(root: Path, training: str, kinds,
     return {k: (paths[k], out[paths[k]]) for k in kinds}
 
 
+def apply_edits(path: Path, edits: list[dict]) -> None:
+    """Each edit's `before` statement (its lines, indent removed) replaced in the file by its `after`, indented where
+    it was: a fix applied as a user would apply it."""
+    for e in edits:
+        lines = path.read_text().splitlines(keepends=True)
+        want = [x.strip() for x in e["before"].splitlines()]
+        at = next((i for i in range(len(lines)) if [x.strip() for x in lines[i:i + len(want)]] == want), None)
+        assert at is not None, f"not in the training code: {e['before']!r}"
+        indent = lines[at][:len(lines[at]) - len(lines[at].lstrip())]
+        lines[at:at + len(want)] = [indent + x + "\n" for x in e["after"].splitlines()]
+        path.write_text("".join(lines))
+
+
 def apply_and_train(folder: Path, training: str, script: str, kind: str, fix: dict, *, bad: int, env: dict,
                     coarse: bool = False) -> None:
     """Judge a fix by applying it: put the shown `after` in place of `before` in a copy of the training file

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from isolation import ROOT, analyze_isolated
+from isolation import ROOT, analyze_isolated, apply_edits
 
 from tolerance import close
 
@@ -24,18 +24,6 @@ ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 def marked(kind: str) -> int:
     return next(i for i, ln in enumerate((HERE / "applytrain.py").read_text().splitlines(), 1)
                 if ln.rstrip().endswith(f"# CULPRIT: {kind}"))
-
-
-def apply(path: Path, edits: list[dict]) -> None:
-    """Each edit's `before` statement (its lines, indent removed) replaced by its `after`, indented where it was."""
-    for e in edits:
-        lines = path.read_text().splitlines(keepends=True)
-        want = [x.strip() for x in e["before"].splitlines()]
-        at = next((i for i in range(len(lines)) if [x.strip() for x in lines[i:i + len(want)]] == want), None)
-        assert at is not None, f"not in the training code: {e['before']!r}"
-        indent = lines[at][:len(lines[at]) - len(lines[at].lstrip())]
-        lines[at:at + len(want)] = [indent + x + "\n" for x in e["after"].splitlines()]
-        path.write_text("".join(lines))
 
 
 def losses(folder: Path) -> dict:
@@ -62,7 +50,7 @@ def runs(tmp_path_factory):
     fixed.mkdir()
     (fixed / "applytrain.py").write_text((HERE / "applytrain.py").read_text())
     for k in KINDS:
-        apply(fixed / "applytrain.py", out[k]["diagnosis"]["fix"]["edits"])
+        apply_edits(fixed / "applytrain.py", out[k]["diagnosis"]["fix"]["edits"])
     advised = re.search(r"group\['lr'\] = ([0-9.e+-]+)", out["lr"]["diagnosis"]["fix"]["code"])
     assert advised, out["lr"]["diagnosis"]["fix"]["code"]  # the lr is advice (its line is not in the snapshot): by hand
     code = (fixed / "applytrain.py").read_text()

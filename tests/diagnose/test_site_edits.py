@@ -14,7 +14,7 @@ import pytest
 import torch
 from clirun import one_line_error
 from clirun import run as run_cli
-from isolation import ROOT, analyze_isolated
+from isolation import ROOT, analyze_isolated, apply_edits
 
 from tolerance import close
 
@@ -26,17 +26,6 @@ TEXT = (HERE / "sitetrain.py").read_text()
 
 def line_of(text: str) -> int:
     return next(i for i, ln in enumerate(TEXT.splitlines(), 1) if text in ln)
-
-
-def apply(path: Path, edits: list[dict]) -> None:
-    for e in edits:
-        lines = path.read_text().splitlines(keepends=True)
-        want = [x.strip() for x in e["before"].splitlines()]
-        at = next((i for i in range(len(lines)) if [x.strip() for x in lines[i:i + len(want)]] == want), None)
-        assert at is not None, f"not in the training code: {e['before']!r}"
-        indent = lines[at][:len(lines[at]) - len(lines[at].lstrip())]
-        lines[at:at + len(want)] = [indent + x + "\n" for x in e["after"].splitlines()]
-        path.write_text("".join(lines))
 
 
 def losses(folder: Path) -> dict:
@@ -63,7 +52,7 @@ def runs(tmp_path_factory):
     fixed.mkdir()
     (fixed / "sitetrain.py").write_text(TEXT)
     for k in KINDS:
-        apply(fixed / "sitetrain.py", out[k]["diagnosis"]["fix"]["edits"])
+        apply_edits(fixed / "sitetrain.py", out[k]["diagnosis"]["fix"]["edits"])
     return out, losses(proj), losses(fixed), rows
 
 
