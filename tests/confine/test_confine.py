@@ -19,6 +19,7 @@ from crafting import LogNet
 from nanreplay import NanGuard, confine
 from nanreplay.confine import filters
 from nanreplay.errors import ConfinedCrash, LimitError
+from tolerance import same
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = str(Path(__file__).with_name("probe.py"))
@@ -157,7 +158,9 @@ def test_the_confined_analysis_is_the_unconfined_one(tmp_path):
         j["stats"].pop("timings")
         j["invocation"].pop("source", None)
         (j.get("differential") or {}).get("machine", {}).pop("seconds", None)  # a timing too (the re-run's check)
-    assert ja == jb
+    # the child runs torch with its own thread count (the test process is pinned by conftest): float reductions
+    # may differ in their last bits on another math-library path (ATEN_CPU_CAPABILITY=default), nothing else
+    assert same(ja, jb) == []
 
 
 def test_timeout_kills_the_child(tmp_path):
