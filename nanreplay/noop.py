@@ -14,6 +14,7 @@ import torch
 
 from nanreplay import replay
 from nanreplay.limits import release_memory
+from nanreplay.replay.recorder import value_outputs
 from nanreplay.replay.subject import Subject
 
 NOOP_RTOL = 1e-3  # "within rounding": no finite value of the original moves by more than this share of its scale
@@ -134,7 +135,7 @@ class NoOp:
         where the step's float64 value is missing (not so where a rewritten expression ends: `compare_at`)."""
         outs_got = _tensors(got)
         outs_want = _tensors(want)
-        keep = _VALUE_OUTPUTS.get(str(func).rsplit(".", 1)[0]) if func is not None else None
+        keep = value_outputs(func) if func is not None else None  # not a workspace (aten._ctc_loss's log_alpha)
         if keep:
             outs_got, outs_want = outs_got[:keep], outs_want[:keep]
         if len(outs_got) != len(outs_want):
@@ -229,11 +230,6 @@ def _conditioning(func, args, kwargs) -> list[torch.Tensor] | None:
     except Exception:  # noqa: BLE001 - not measurable here: the check goes by rounding and the reference alone
         return None
     return worst
-
-
-# ops whose later outputs are workspace saved for their backward, not values: aten._ctc_loss's log_alpha is left
-# unwritten where no alignment reaches (whatever the memory held), so two calls on the same inputs differ there
-_VALUE_OUTPUTS = {"aten._ctc_loss": 1}
 
 
 def _tensors(out) -> list[torch.Tensor]:

@@ -20,6 +20,7 @@ import torch
 from nanreplay import replay, stats
 from nanreplay import torch_internals as ti
 from nanreplay.diagnose.site import Site, finite_float
+from nanreplay.replay.recorder import value_outputs
 from nanreplay.replay.subject import batch_tensors
 
 
@@ -55,7 +56,8 @@ class _Probe(ti.TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         i = len(self.ops)
-        rec = _Op(str(func), _absmax_of(out))
+        keep = value_outputs(func) if isinstance(out, (tuple, list)) else None
+        rec = _Op(str(func), _absmax_of(out if keep is None else out[:keep]))  # (not a workspace's garbage)
         flat = [t for a in list(args) + list(kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else (a,))]
         for t in flat:
             if isinstance(t, torch.Tensor) and t.is_floating_point():

@@ -49,6 +49,19 @@ def _tensors(out: Any):
                 yield o
 
 
+# Ops whose later outputs are workspace saved for their own backward, not values: aten._ctc_loss's log_alpha is
+# allocated uninitialised and written only where an alignment can reach (its first frame's row is -inf by
+# construction), so the rest holds whatever the memory held before — NaN at times, left by an earlier replay, and
+# always NaN under torch.use_deterministic_algorithms (fill_uninitialized_memory). Packet -> how many outputs are
+# values; the rest are never checked for NaN/Inf, nor read as an input's kind (noop.py compares the values only).
+VALUE_OUTPUTS = {"aten._ctc_loss": 1}
+
+
+def value_outputs(func) -> int | None:
+    """How many of the op's outputs are values (None: all of them)."""
+    return VALUE_OUTPUTS.get(str(func).rsplit(".", 1)[0])
+
+
 def _written_tensors(func, args: tuple, kwargs: dict):
     """The tensors an in-place op wrote that it did not return (`_foreach_add_` returns nothing)."""
     pos, names = ti.op_mutated_args(func)
@@ -113,6 +126,7 @@ class Recorder:
         self.node_of: Callable[[], int | None] | None = None  # a step program's running node (OpRecord.node)
         self.intercepts: dict[int, Callable] = {}  # call number -> fn(func, args, kwargs): fix verification
         self.producer = ti.WeakTensorKeyDictionary()  # forward output tensor -> forward op index
+        self.workspaces = ti.WeakTensorKeyDictionary()  # outputs that are no values (VALUE_OUTPUTS) -> True
         self.leaf_names = ti.WeakTensorKeyDictionary()  # batch tensor / parameter -> (kind, name)
         self.activations: list[list] = []  # [module, max |output|, dtype] in forward completion order
         self.grad_shapes: list[list] = []  # [module, output shape, gradient shape or None]
@@ -170,6 +184,10 @@ class Recorder:
         outs = list(_tensors(out))
         if mutates and not outs:  # in-place ops that return nothing (the foreach family): look at what they wrote
             outs = list(_written_tensors(func, args, kwargs))
+        elif len(outs) > 1 and (keep := value_outputs(func)) is not None:
+            for t in outs[keep:]:
+                self.workspaces[t] = True
+            outs = outs[:keep]
         lazy = self.counted is not None
         for t in outs:
             if t.is_complex() and t.numel():  # (rotary embeddings, spectra: checked on their real parts)
@@ -223,7 +241,7 @@ class Recorder:
                         scalars.append(_simple(t))
                     continue
                 inputs.append(t)
-                if not (t.is_floating_point() or t.is_complex()):
+                if not (t.is_floating_point() or t.is_complex()) or t in self.workspaces:
                     continue
                 hit = self.nonfinite.get(t)
                 if hit is not None:  # computed by an op we saw: provenance link
