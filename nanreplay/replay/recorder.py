@@ -49,17 +49,29 @@ def _tensors(out: Any):
                 yield o
 
 
-# Ops whose later outputs are workspace saved for their own backward, not values: aten._ctc_loss's log_alpha is
-# allocated uninitialised and written only where an alignment can reach (its first frame's row is -inf by
-# construction), so the rest holds whatever the memory held before — NaN at times, left by an earlier replay, and
-# always NaN under torch.use_deterministic_algorithms (fill_uninitialized_memory). Packet -> how many outputs are
-# values; the rest are never checked for NaN/Inf, nor read as an input's kind (noop.py compares the values only).
-VALUE_OUTPUTS = {"aten._ctc_loss": 1}
+# Outputs that are not values of the step, never checked for NaN/Inf: memory allocated and not yet written
+# (torch.empty and its kin, a resize that grows a tensor: whatever the memory held — NaN at times, and always NaN
+# under torch.use_deterministic_algorithms' fill_uninitialized_memory), and the workspace an op saves for its own
+# backward. An empty's garbage NaN made an event whose storage a later op wrote into: the op that really made a
+# NaN there read as its propagation, the empty as the culprit.
+UNWRITTEN = frozenset({"aten.empty", "aten.empty_like", "aten.new_empty", "aten.new_empty_strided",
+                       "aten.empty_strided", "aten.empty_permuted", "aten.resize_", "aten.resize_as_"})
+# Packet -> how many outputs are values; the rest are workspace, never read as an input's kind either (noop.py
+# compares the values only): aten._ctc_loss's log_alpha is written only where an alignment reaches (its first
+# frame's row is -inf by construction), the rest unwritten.
+VALUE_OUTPUTS = {"aten._ctc_loss": 1, **dict.fromkeys(UNWRITTEN, 0)}
+_VALUE_COUNT: dict = {}  # op overload -> VALUE_OUTPUTS' answer (on_op asks for every op)
 
 
 def value_outputs(func) -> int | None:
     """How many of the op's outputs are values (None: all of them)."""
-    return VALUE_OUTPUTS.get(str(func).rsplit(".", 1)[0])
+    try:
+        return _VALUE_COUNT[func]
+    except KeyError:
+        n = _VALUE_COUNT[func] = VALUE_OUTPUTS.get(str(func).rsplit(".", 1)[0])
+        return n
+    except TypeError:  # (not hashable: no op overload)
+        return VALUE_OUTPUTS.get(str(func).rsplit(".", 1)[0])
 
 
 def _written_tensors(func, args: tuple, kwargs: dict):
@@ -126,7 +138,7 @@ class Recorder:
         self.node_of: Callable[[], int | None] | None = None  # a step program's running node (OpRecord.node)
         self.intercepts: dict[int, Callable] = {}  # call number -> fn(func, args, kwargs): fix verification
         self.producer = ti.WeakTensorKeyDictionary()  # forward output tensor -> forward op index
-        self.workspaces = ti.WeakTensorKeyDictionary()  # outputs that are no values (VALUE_OUTPUTS) -> True
+        self.workspaces = ti.WeakTensorKeyDictionary()  # workspace outputs (VALUE_OUTPUTS) -> True
         self.leaf_names = ti.WeakTensorKeyDictionary()  # batch tensor / parameter -> (kind, name)
         self.activations: list[list] = []  # [module, max |output|, dtype] in forward completion order
         self.grad_shapes: list[list] = []  # [module, output shape, gradient shape or None]
@@ -184,8 +196,9 @@ class Recorder:
         outs = list(_tensors(out))
         if mutates and not outs:  # in-place ops that return nothing (the foreach family): look at what they wrote
             outs = list(_written_tensors(func, args, kwargs))
-        elif len(outs) > 1 and (keep := value_outputs(func)) is not None:
-            for t in outs[keep:]:
+        keep = value_outputs(func)
+        if keep is not None:
+            for t in outs[keep:] if keep else ():  # (an empty's memory is written later: values then)
                 self.workspaces[t] = True
             outs = outs[:keep]
         lazy = self.counted is not None

@@ -215,8 +215,8 @@ def test_ctc_recorded_as_its_aten_op_gets_zero_infinity_on_the_line(runs):
     assert d["culprit"]["op"].startswith("aten._ctc_loss") and d["culprit"]["source"]["line"] == marker_line(TRAINING,
                                                                                                               "ctc")
     diag = d["diagnosis"]
-    # (seen once under a loaded forced-CPU suite run: "unrecognised"; not reproduced in 10 reruns — the culprit's
-    # kind and phase are in the message so that a next time says which condition of the rule failed)
+    # (it once read "unrecognised": the culprit's kind was NaN, read from _ctc_loss's log_alpha, memory left unwritten
+    # that held NaN from an earlier analysis in the same process; tests/replay/test_workspace_outputs.py)
     assert diag["cause"] == "ctc_infeasible", (diag["cause"], diag["title"], d["culprit"]["kind"],
                                                d["culprit"]["phase"], d["culprit"].get("call"))
     fix = diag["fix"]

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from nanreplay import analysis, replay
+from nanreplay import culprit as culprit_mod
 from nanreplay.replay.subject import Subject
 
 TARGETS = torch.tensor([[1, 2, 0, 0], [3, 3, 3, 3]])  # the second needs 7 frames (3 _ 3 _ 3 _ 3), not 4
@@ -79,3 +80,30 @@ def test_the_analysis_names_the_ctc_cause_and_verifies_zero_infinity(unwritten_m
     diag = d["diagnosis"]
     assert diag["cause"] == "ctc_infeasible", (diag["cause"], diag["title"])
     assert diag["fix"]["kind"] == "zero_infinity" and diag["fix"]["verified"] is True, diag["fix"]["verification"]
+
+
+class Concatenated(torch.nn.Module):
+    """A concatenation written by hand into a buffer new_empty made; the log of a negative activation goes into its
+    second half: the log is the origin, not the buffer's unwritten memory."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = self.fc(x)
+        buf = h.new_empty(4, 6)
+        buf[:, :3] = h
+        buf[:, 3:] = h.log()  # CULPRIT: log
+        return buf.sum()
+
+
+def test_an_empty_buffers_memory_is_no_origin_of_what_is_written_into_it(unwritten_memory_is_nan):
+    torch.manual_seed(0)
+    model = Concatenated().train()
+    step = replay.run_subject(Subject(model, torch.randn(4, 3), None, None, "loss", "test", torch.device("cpu")))
+    assert step.failure is not None and step.failure.what == "loss"
+    assert not [e for e in step.events if "empty" in e.op], [(e.op, e.kind) for e in step.events]
+    chain = culprit_mod.chain(step.events, step.failure.event)
+    c = step.events[culprit_mod.culprit(step.events, chain)]
+    assert c.op == "aten.log.default" and c.role == "origin" and c.kind == "nan", [(e.op, e.role) for e in step.events]
