@@ -344,6 +344,17 @@ def current_dispatch_modes() -> list:
         return []
 
 
+def current_function_modes() -> list:
+    """The TorchFunctionModes active now, outermost first ([] when unknown)."""
+    try:
+        from torch.overrides import _get_current_function_mode_stack
+
+        return list(_get_current_function_mode_stack())
+    except Exception as e:  # noqa: BLE001
+        _note("current_function_modes", e)
+        return []
+
+
 @contextlib.contextmanager
 def fsdp_traffic_unseen(on_reduce: Callable[[Any, Callable[[], Any], list], Any] | None = None) -> Iterator[None]:
     """FSDP2's parameter groups gather, free and reduce with dispatch modes off, so an instrumented replay sees

@@ -34,17 +34,20 @@ def _on_a_tty(args: list[str], cwd, **env: str) -> tuple[int, str]:
         os.chdir(cwd)
         os.execve(sys.executable, [sys.executable, "-m", "nanreplay.cli", *args], _env(**env))
     out = b""
-    while True:
-        if not select.select([fd], [], [], 300)[0]:
-            os.kill(pid, 9)
-            break
-        try:
-            chunk = os.read(fd, 1 << 16)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not chunk:
-            break
-        out += chunk
+    try:
+        while True:
+            if not select.select([fd], [], [], 300)[0]:
+                os.kill(pid, 9)
+                break
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        os.close(fd)  # the terminal's master side: one descriptor per call otherwise (under `ulimit -n`, they add up)
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), out.decode("utf-8", "replace")
 
 
