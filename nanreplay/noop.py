@@ -53,8 +53,9 @@ class Float64Reference:
                         q.requires_grad_(False)           # numbers its calls with it), one activation at a time
                     default = torch.get_default_dtype()
                     torch.set_default_dtype(torch.float64)  # the step's own torch.zeros(...) in float64 too
-                    try:
-                        self._values = replay.outputs_at(variant, self.calls)
+                    try:  # made in the middle of a fix's replay, from the step's start to the last call it keeps:
+                        with torch.random.fork_rng(devices=_cuda(s)):  # its random draws are not the fix's
+                            self._values = replay.outputs_at(variant, self.calls)
                     finally:
                         torch.set_default_dtype(default)
                     del variant
@@ -68,6 +69,12 @@ class Float64Reference:
         if self.names is not None and 0 <= c < len(self.names) and self.names[c] and name != self.names[c]:
             return None  # the float64 step made another call at this number: not a reference for this one
         return _tensors(out)
+
+
+def _cuda(subject: Subject) -> list[int]:
+    """The CUDA device whose RNG a replay of `subject` draws from (besides the CPU's), for `fork_rng`."""
+    dev = torch.device(subject.device or "cpu") if isinstance(subject.device, (str, torch.device)) else None
+    return [dev.index or 0] if dev is not None and dev.type == "cuda" else []
 
 
 class Deferred:
