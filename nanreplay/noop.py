@@ -54,8 +54,9 @@ class Float64Reference:
                         q.requires_grad_(False)           # numbers its calls with it), one activation at a time
                     default = torch.get_default_dtype()
                     torch.set_default_dtype(torch.float64)  # the step's own torch.zeros(...) in float64 too
-                    try:
-                        self._values = replay.outputs_at(variant, self.calls)
+                    try:  # made in the middle of a fix's replay, from the step's start to the last call it keeps:
+                        with torch.random.fork_rng(devices=_cuda(s)):  # its random draws are not the fix's
+                            self._values = replay.outputs_at(variant, self.calls)
                     finally:
                         torch.set_default_dtype(default)
                     del variant
@@ -69,6 +70,12 @@ class Float64Reference:
         if self.names is not None and 0 <= c < len(self.names) and self.names[c] and name != self.names[c]:
             return None  # the float64 step made another call at this number: not a reference for this one
         return _tensors(out)
+
+
+def _cuda(subject: Subject) -> list[int]:
+    """The CUDA device whose RNG a replay of `subject` draws from (besides the CPU's), for `fork_rng`."""
+    dev = torch.device(subject.device or "cpu") if isinstance(subject.device, (str, torch.device)) else None
+    return [dev.index or 0] if dev is not None and dev.type == "cuda" else []
 
 
 class Deferred:
@@ -132,7 +139,13 @@ class NoOp:
     def compare(self, name: str, got, want, call: int | None = None, func=None, args=(), kwargs=None,
                 own: bool = True) -> None:
         """`own`: `args` are the inputs the original call had, so the call on them in float64 is a reference
-        where the step's float64 value is missing (not so where a rewritten expression ends: `compare_at`)."""
+        where the step's float64 value is missing (not so where a rewritten expression ends: `compare_at`).
+
+        Element by element as `_moved` and `_towards` say; the move by rounding is taken a chunk at a time
+        (CHUNK elements in float64, not two whole outputs), and the reference, its conditioning and the
+        original's own error only at the elements that moved beyond rounding (the others are unchanged whatever
+        the reference says). The conditioning is measured only where an element is not already no farther
+        from the reference without it (it only widens the tolerance)."""
         outs_got = _tensors(got)
         outs_want = _tensors(want)
         keep = value_outputs(func) if func is not None else None  # not a workspace (aten._ctc_loss's log_alpha)
@@ -143,47 +156,85 @@ class NoOp:
         self.calls += 1
         refs = conds = None
         how = ""
+        asked = False
         for i, (g, w) in enumerate(zip(outs_got, outs_want, strict=True)):
             if not (w.is_floating_point() and g.shape == w.shape):
                 continue
-            w64, g64 = w.detach().double(), g.detach().double()
-            ok = torch.isfinite(w64)
+            shape = w.shape
+            g, w = g.detach().reshape(-1), w.detach().reshape(-1)
+            ok = torch.isfinite(w)
             n = int(ok.sum())
             if not n:
                 continue
             self.elements += n
-            wf = torch.where(ok, w64, 0.0)
-            scale = float(wf.abs().max())
-            diff = torch.where(ok, (g64 - wf).abs(), 0.0)
-            diff = torch.where(torch.isnan(diff), math.inf, diff)  # a finite value the fix made NaN moved infinitely
-            # plus the dtype's resolution at 1: log(p) of a p that rounded to 1 is 0, the exact form's -1e-17 is not
-            bad = diff > self.rtol * (wf.abs() + scale) + torch.finfo(w.dtype).eps
-            if bool(bad.any()) and not how:  # only where rounding alone does not answer: the reference, once
+            scale = float(torch.where(ok, w, 0).abs().max())  # exact in any float dtype
+            eps = torch.finfo(w.dtype).eps
+            at, diff = _moved(g, w, ok, scale, self.rtol, eps)
+            if not at.numel():
+                continue
+            if not how:  # only where rounding alone does not answer: the reference, once
                 refs = self.reference.at(call) if self.reference is not None and call is not None else None
                 how = "the step"
                 if (refs is None or len(refs) != len(outs_want)) and own:
                     refs, how = _own_inputs_f64(func, args, kwargs), "the call on its own inputs"
-                conds = _conditioning(func, args, kwargs) if own else None
+                asked = own
             r = refs[i] if refs is not None and i < len(refs) else None
-            if bool(bad.any()) and r is not None and r.is_floating_point() and r.shape == w.shape:
-                r64 = r.detach().to(w64.device, torch.float64)
-                fine = torch.isfinite(r64) & ok
-                self.referenced += int(fine.sum())
+            still = torch.ones_like(at, dtype=torch.bool)  # moved beyond rounding and not towards the reference
+            if r is not None and r.is_floating_point() and r.shape == shape:
+                r64 = r.detach().reshape(-1).to(w.device, torch.float64)
+                self.referenced += int((torch.isfinite(r64) & ok).sum())
                 self.how = self.how or how
-                err = torch.where(fine, (wf - r64).abs(), 0.0)  # the original's own error there
-                tol = REF_ULPS * torch.finfo(w.dtype).eps * r64.abs()
-                cond = conds[i] if conds is not None and i < len(conds) else None
-                if cond is not None and cond.shape == w.shape:
-                    tol = tol + 2 * cond  # its inputs are known to their last bit, and rounded once more upstream
-                towards = fine & ((g64 - r64).abs() <= err + torch.where(fine, tol, 0.0))
-                self.closer += int((bad & towards).sum())
-                bad = bad & ~towards
-            k = int(bad.sum())
+                g_at, w_at, r_at = g[at].double(), w[at].double(), r64[at]
+                towards = _towards(g_at, w_at, r_at, eps, None)
+                if not bool(towards.all()):  # the op's conditioning may yet answer: measured once per call
+                    if asked:
+                        conds, asked = _conditioning(func, args, kwargs), False
+                    cond = conds[i] if conds is not None and i < len(conds) else None
+                    if cond is not None and cond.shape == shape:
+                        towards = _towards(g_at, w_at, r_at, eps, cond.reshape(-1)[at])
+                self.closer += int(towards.sum())
+                still = ~towards
+            k = int(still.sum())
             if k:
                 self.changed += k
-                rel = float(torch.where(bad, diff, 0.0).max()) / max(scale, torch.finfo(w.dtype).eps)
+                rel = float(diff[still].max()) / max(scale, eps)
                 if rel >= self.worst:
                     self.worst, self.where = rel, name
+
+
+CHUNK = 1 << 20  # elements per float64 chunk of the rounding test
+
+
+def _moved(g: torch.Tensor, w: torch.Tensor, ok: torch.Tensor, scale: float, rtol: float, eps: float
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (flat) elements where the original `w` was finite and the patched `g` moved by more than rounding:
+    |g - w| > rtol × (|w| + scale) + eps, in float64; with their moves (a finite value made NaN moved infinitely)."""
+    at, moves = [], []
+    for s in range(0, w.numel(), CHUNK):
+        okc = ok[s:s + CHUNK]
+        wf = torch.where(okc, w[s:s + CHUNK].double(), 0.0)
+        diff = torch.where(okc, (g[s:s + CHUNK].double() - wf).abs(), 0.0)
+        diff = torch.where(torch.isnan(diff), math.inf, diff)
+        # plus the dtype's resolution at 1: log(p) of a p that rounded to 1 is 0, the exact form's -1e-17 is not
+        idx = torch.nonzero(diff > rtol * (wf.abs() + scale) + eps).reshape(-1)
+        if idx.numel():
+            at.append(idx + s)
+            moves.append(diff[idx])
+    if not at:
+        return torch.zeros(0, dtype=torch.long, device=w.device), torch.zeros(0, dtype=torch.float64, device=w.device)
+    return torch.cat(at), torch.cat(moves)
+
+
+def _towards(g: torch.Tensor, w: torch.Tensor, r: torch.Tensor, eps: float, cond: torch.Tensor | None) -> torch.Tensor:
+    """Moved no farther from the float64 reference `r` than the original `w` was (its own error there), give or
+    take a few roundings of the working precision and, where measured, twice the op's conditioning (its inputs
+    are known to their last bit, and rounded once more upstream): float64, at the elements given."""
+    fine = torch.isfinite(r)
+    err = torch.where(fine, (w - r).abs(), 0.0)
+    tol = REF_ULPS * eps * r.abs()
+    if cond is not None:
+        tol = tol + 2 * cond
+    return fine & ((g - r).abs() <= err + torch.where(fine, tol, 0.0))
 
 
 def _up(a):
