@@ -130,7 +130,7 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | N
         elif o.ok:
             ok, why = _judge(fix, o, subject, same, ref, probes, label, step, f64, shared.get)
             fix.verified = ok is not False  # not judged (nothing to compare with) is said, not hidden
-            if o.noop is not None and o.noop.elements:
+            if o.noop is not None and (o.noop.elements or o.noop.faulting):
                 why += f"; {o.noop.sentence()}"
             elif fix.noop_exempt:
                 why += f"; not compared value by value with the original: {fix.noop_exempt}"
