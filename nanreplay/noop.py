@@ -110,6 +110,7 @@ class NoOp:
     referenced: int = 0  # elements judged against a float64 value of the step
     closer: int = 0  # elements the fix moved beyond rounding, but towards the float64 value (within its error)
     how: str = ""  # "the step in float64" | "each call's own inputs in float64"
+    total: int = 0  # elements compared, finite or not
     faulting: int = 0  # finite values left out: the original's derivative there was not finite (its gradient broke)
     pending: list = field(default_factory=list)  # moves to weigh against the derivative, after the replay (`settle`)
 
@@ -158,6 +159,7 @@ class NoOp:
             w64, g64 = w.detach().double(), g.detach().double()
             ok = torch.isfinite(w64)
             n = int(ok.sum())
+            self.total += w.numel()
             if not n:
                 continue
             self.elements += n
