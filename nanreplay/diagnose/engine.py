@@ -239,7 +239,7 @@ def _judge(fix: Fix, o: verify.Outcome, subject, same: plausible.SameStep, ref: 
         return True, ("plausible against the same step: an exact reformulation of it, equal to the original "
                       "wherever the original was finite" + plausible.unusual_batch(o.loss, history))
     probe_loss, note, update, other = None, "", "", None
-    checked = o.noop is not None and o.noop.elements > 0 and o.noop.ok
+    checked = o.noop is not None and (o.noop.elements > 0 or o.noop.faulting > 0) and o.noop.ok
     if fix.probe and fix.epsilon is not None:
         # the probe's no-op check is read only where its loss and the candidate's disagree (below), and by the
         # candidate at ε × 100 that reuses it: its float64 reference (a forward of its own) is deferred to then
