@@ -118,16 +118,27 @@ class NoOp:
     referenced: int = 0  # elements judged against a float64 value of the step
     closer: int = 0  # elements the fix moved beyond rounding, but towards the float64 value (within its error)
     how: str = ""  # "the step in float64" | "each call's own inputs in float64"
+    total: int = 0  # elements compared, finite or not
+    faulting: int = 0  # finite values left out: the original's derivative there was not finite (its gradient broke)
+    pending: list = field(default_factory=list)  # moves to weigh against the derivative, after the replay (`settle`)
 
     @property
     def ok(self) -> bool:
+        self.settle()
         return self.changed == 0
 
     def sentence(self) -> str:
+        self.settle()
         ref = ""
         if self.closer:
             ref = (f"; {self.closer} moved beyond that, but no farther from a float64 replay of {self.how} than the "
                    f"original's own error there")
+        if self.faulting:
+            ref += (f"; {self.faulting} finite value{'s' if self.faulting != 1 else ''} where the original's "
+                    "derivative was not finite (where its gradient broke) left out")
+        if self.ok and not self.elements:
+            return (f"a no-op where the original was fine: it was fine nowhere at the {self.calls} patched "
+                    f"call{'s' if self.calls != 1 else ''}{ref}")
         if self.ok:
             return (f"a no-op where the original was fine ({self.elements} finite values at {self.calls} patched "
                     f"call{'s' if self.calls != 1 else ''} unchanged within {self.rtol:g} of their scale{ref})")
@@ -164,6 +175,7 @@ class NoOp:
             g, w = g.detach().reshape(-1), w.detach().reshape(-1)
             ok = torch.isfinite(w)
             n = int(ok.sum())
+            self.total += w.numel()
             if not n:
                 continue
             self.elements += n
@@ -194,12 +206,76 @@ class NoOp:
                         towards = _towards(g_at, w_at, r_at, eps, cond.reshape(-1)[at])
                 self.closer += int(towards.sum())
                 still = ~towards
-            k = int(still.sum())
-            if k:
-                self.changed += k
-                rel = float(diff[still].max()) / max(scale, eps)
-                if rel >= self.worst:
-                    self.worst, self.where = rel, name
+            at, diff = at[still], diff[still]
+            if own and at.numel() and _pointwise(func) and sum(_numel(a) for a in args) <= COND_LIMIT:
+                # an element whose output was finite but whose derivative was not is where the original broke
+                # (sqrt(0), acosh(1): its gradient is NaN/Inf), not where it was fine: weighed after the replay,
+                # where autograd runs (inside a dispatch mode it does not)
+                self.pending.append((name, func, [_kept(a) for a in args], dict(kwargs or {}), i, shape, at, diff,
+                                     scale, eps))
+                continue
+            self._count(name, diff, scale, eps)
+
+    def _count(self, name: str, moves: torch.Tensor, scale: float, eps: float) -> None:
+        k = moves.numel()
+        if k:
+            self.changed += k
+            rel = float(moves.max()) / max(scale, eps)
+            if rel >= self.worst:
+                self.worst, self.where = rel, name
+
+    def settle(self) -> None:
+        """Weigh the pending moves: the elements where the original's derivative was not finite are left out."""
+        while self.pending:
+            name, func, args, kwargs, i, shape, at, moves, scale, eps = self.pending.pop(0)
+            broken = _broken_derivative(func, args, kwargs, i, shape)
+            if broken is not None:
+                hit = broken.reshape(-1)[at.to(broken.device)].to(at.device)
+                n = int(hit.sum())
+                self.faulting += n
+                self.elements -= n
+                moves = moves[~hit]
+            self._count(name, moves, scale, eps)
+
+
+def _pointwise(func) -> bool:
+    return func is not None and torch.Tag.pointwise in getattr(func, "tags", ())
+
+
+def _numel(a) -> int:
+    return a.numel() if isinstance(a, torch.Tensor) else 0
+
+
+def _kept(a):
+    return a.detach().clone() if isinstance(a, torch.Tensor) else a
+
+
+def _broken_derivative(func, args: list, kwargs: dict, i: int, shape) -> torch.Tensor | None:
+    """Where the derivative of the call's i-th output with respect to an input of its own shape is not finite
+    (NaN/Inf), at the inputs the original call had (a boolean mask of that shape); None where that cannot be
+    measured."""
+    shape = tuple(shape)
+    floats = [j for j, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()
+              and tuple(a.shape) == shape]
+    if not floats:
+        return None
+    try:
+        with torch.enable_grad():
+            leaves = list(args)
+            for j in floats:
+                leaves[j] = args[j].detach().clone().requires_grad_(True)
+            outs = _tensors(func(*leaves, **kwargs))
+            if i >= len(outs) or not outs[i].requires_grad or tuple(outs[i].shape) != shape:
+                return None
+            grads = torch.autograd.grad(outs[i], [leaves[j] for j in floats], torch.ones_like(outs[i]),
+                                        allow_unused=True)
+    except Exception:  # noqa: BLE001 - an op without a derivative here: its moves count as they are
+        return None
+    broken = torch.zeros(shape, dtype=torch.bool, device=outs[i].device)
+    for g in grads:
+        if g is not None:
+            broken |= ~torch.isfinite(g.detach()).to(broken.device)
+    return broken
 
 
 CHUNK = 1 << 20  # elements per float64 chunk of the rounding test

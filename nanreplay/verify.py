@@ -111,6 +111,8 @@ def try_patch(subject: Subject, intercepts: dict[int, Callable] | None = None, *
     else:
         out = _replay(copy, _checked(intercepts, check) if check is not None else intercepts, label,
                       subject.loss_scale, up, subject)
+    if check is not None:
+        check.settle()  # outside the replay's dispatch mode: autograd runs here
     out.noop = check
     return out
 

@@ -119,8 +119,8 @@ class CaseError(Exception):
     pass
 
 
-def judge(name: str, keep: bool = False) -> dict:
-    src = HERE / "cases" / f"{name}.py"
+def judge(name: str, keep: bool = False, cases: Path = HERE / "cases") -> dict:
+    src = cases / f"{name}.py"
     case = load(src)
     row = {"case": name, "cite": case.CITE, "title": case.TITLE}
     tmp = Path(tempfile.mkdtemp(prefix=f"realbug-{name}-"))
@@ -216,17 +216,19 @@ def main() -> None:
     ap.add_argument("--cases", nargs="*")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--dir", type=Path, default=HERE / "cases",
+                    help="the cases' folder (wrong/: controls whose first fix is wrong when applied)")
     args = ap.parse_args()
     if args.train:
         train(Path(args.train[0]), Path(args.train[1]), Path(args.train[2]))
         return
-    names = args.cases or sorted(p.stem for p in (HERE / "cases").glob("*.py"))
+    names = args.cases or sorted(p.stem for p in args.dir.glob("*.py"))
     rows = []
     for name in names:
         try:
-            r = judge(name, keep=args.keep)
+            r = judge(name, keep=args.keep, cases=args.dir)
         except (CaseError, subprocess.TimeoutExpired) as e:
-            r = {"case": name, "cite": load(HERE / "cases" / f"{name}.py").CITE, "localised": False, "fix": str(e)[:300]}
+            r = {"case": name, "cite": load(args.dir / f"{name}.py").CITE, "localised": False, "fix": str(e)[:300]}
         rows.append(r)
         print(json.dumps(r), flush=True)
     text = table(rows)

@@ -130,7 +130,7 @@ def _verify(diag: Diagnosis, subject, ref: plausible.Lazy | None, step: Step | N
         elif o.ok:
             ok, why = _judge(fix, o, subject, same, ref, probes, label, step, f64, shared.get)
             fix.verified = ok is not False  # not judged (nothing to compare with) is said, not hidden
-            if o.noop is not None and o.noop.elements:
+            if o.noop is not None and (o.noop.elements or o.noop.faulting):
                 why += f"; {o.noop.sentence()}"
             elif fix.noop_exempt:
                 why += f"; not compared value by value with the original: {fix.noop_exempt}"
@@ -238,8 +238,8 @@ def _judge(fix: Fix, o: verify.Outcome, subject, same: plausible.SameStep, ref: 
     if fix.kind in EXACT_KINDS and fix.patch and o.noop is not None and o.noop.elements:
         return True, ("plausible against the same step: an exact reformulation of it, equal to the original "
                       "wherever the original was finite" + plausible.unusual_batch(o.loss, history))
-    probe_loss, note = None, ""
-    checked = o.noop is not None and o.noop.elements > 0 and o.noop.ok
+    probe_loss, note, update, other = None, "", "", None
+    checked = o.noop is not None and (o.noop.elements > 0 or o.noop.faulting > 0) and o.noop.ok
     if fix.probe and fix.epsilon is not None:
         # the probe's no-op check is read only where its loss and the candidate's disagree (below), and by the
         # candidate at ε × 100 that reuses it: its float64 reference (a forward of its own) is deferred to then
@@ -269,12 +269,20 @@ def _judge(fix: Fix, o: verify.Outcome, subject, same: plausible.SameStep, ref: 
             # where ε / 100 cannot answer (not resolved by the dtype: not finite), ε × 100 stands as the evidence
             if q is not None and q.ok and q.loss is not None and q.noop is not None and q.noop.ok:
                 probe_loss, note = None, unused
-                if not plausible.agree(o.loss, q.loss):
+                if not plausible.agree(o.loss, q.loss) and _few_broken(o) and _same_update(o, q):
+                    update, other = _constant_sentence(o, q, fix.epsilon, fix.epsilon / 100) + note, q.loss
+                elif not plausible.agree(o.loss, q.loss):
                     return False, (f"finite but implausible against the same step: the loss moves when ε shrinks by two "
                                    f"decades ({num(o.loss)} at ε = {fix.epsilon:.0e}, {num(q.loss)} at ε = "
                                    f"{fix.epsilon / 100:.0e}){note}")
-                note = (f"; the loss does not move when ε shrinks by two decades ({num(q.loss)} at ε = "
-                        f"{fix.epsilon / 100:.0e})" + note)
+                else:
+                    note = (f"; the loss does not move when ε shrinks by two decades ({num(q.loss)} at ε = "
+                            f"{fix.epsilon / 100:.0e})" + note)
+        elif probe_loss is not None and o.loss is not None and not plausible.agree(o.loss, probe_loss) and checked \
+                and p.noop is not None and p.noop.ok and _few_broken(o) and _same_update(o, p):
+            # both no-ops where the original was fine, the loss moves with ε and the update does not: the broken
+            # elements' value is a constant of ε that trains nothing
+            update, other, probe_loss = _constant_sentence(o, p, fix.epsilon, fix.epsilon * 100), p.loss, None
         elif probe_loss is not None and o.loss is not None and not plausible.agree(o.loss, probe_loss):
             # both no-ops where the original was fine: the loss moves with ε through the broken values alone
             probes[("depends on ε", fix.kind)] = (
@@ -282,6 +290,17 @@ def _judge(fix: Fix, o: verify.Outcome, subject, same: plausible.SameStep, ref: 
                 f"{num(probe_loss)} at ε = {fix.epsilon * 100:.0e}, both no-ops where the original was fine): it "
                 "depends on ε where the original broke, so no ε is the step's own value")
     ok, why = plausible.judge_same_step(o.loss, same, probe_loss, fix.epsilon if probe_loss is not None else None)
+    if update and ok is not False:  # the update is the step's own; the loss, ε's part in it included, must still
+        # be plausible against a reference that is not ε's (the history, this step's finite parts), at both ε:
+        # log(ε) stays there over two decades, x / ε does not
+        g, gwhy = plausible.judge(o.loss, o.grad_norm, o.grad_norms, history)
+        g2, why2 = plausible.judge(other, o.grad_norm, o.grad_norms, history)
+        if g is True and g2 is not True:
+            g, gwhy = g2, f"at the other ε, {why2}"
+        if g is not True:
+            return False, f"finite but implausible: {update}; {gwhy}"
+        return True, f"plausible against the same step: {update}; {gwhy}" + \
+            (f"; {why[len('plausible against the same step: '):]}" if ok else "")
     if ok is None:
         ok, why = plausible.judge(o.loss, o.grad_norm, o.grad_norms, history)
         wider = fix.variant or fix.kind == FixKind.FLOAT32_SOFTMAX  # float32 where float16 overflowed, the rest kept
@@ -299,6 +318,32 @@ def _judge(fix: Fix, o: verify.Outcome, subject, same: plausible.SameStep, ref: 
     elif ok:
         why += plausible.unusual_batch(o.loss, history)
     return ok, why + note
+
+
+def _few_broken(o: verify.Outcome) -> bool:
+    """At most BROKEN_FEW of the patched calls' values broke (NaN/Inf, or a finite value whose derivative was not)."""
+    n = o.noop
+    return n is not None and n.total > 0 and (n.total - n.elements) <= BROKEN_FEW * n.total
+
+
+BROKEN_FEW = 0.25
+
+
+def _same_update(a: verify.Outcome, b: verify.Outcome) -> bool:
+    """The two replays step with the same gradient: every parameter's gradient norm within SAME_RTOL (a norm, not
+    the vector: a change confined to the direction of a parameter's gradient would pass unseen)."""
+    ga, gb = a.grad_norms, b.grad_norms
+    if not ga or not gb or ga.keys() != gb.keys():
+        return False
+    total = max(a.grad_norm or 0.0, b.grad_norm or 0.0)
+    return all(abs(ga[k] - gb[k]) <= plausible.SAME_RTOL * max(ga[k], gb[k]) + 1e-6 * total for k in ga)
+
+
+def _constant_sentence(o: verify.Outcome, p: verify.Outcome, eps: float, eps2: float) -> str:
+    return (f"the loss moves when ε changes by two decades ({num(o.loss)} at ε = {eps:.0e}, {num(p.loss)} at ε = "
+            f"{eps2:.0e}, both no-ops where the original was fine) but no parameter's gradient does (each norm "
+            f"within {plausible.SAME_RTOL:g}): ε sets only a constant of the loss where the original broke, not the "
+            "update")
 
 
 def for_leaves(verdict: str, rows: list[dict], snap) -> dict:
