@@ -78,6 +78,11 @@ def unlikelihood(logits, y):
     return -torch.log(1 - probs.gather(1, y[:, None])).mean()  # LINE: unlike
 
 
+def eps_loss(logits, y):  # float16: the user's 1e-8 rounds to 0 in it
+    policy = torch.softmax(logits, -1)
+    return -torch.log(policy.gather(1, y[:, None]) + 1e-8).mean()  # LINE: eps
+
+
 def batches(kind, step, model):
     g = torch.Generator().manual_seed(step)
     if kind == "ptr":
@@ -89,10 +94,10 @@ def batches(kind, step, model):
                 y[1] = model(x[1:2]).argmin()
         return x, y
     n_out = model.net[-1].out_features
-    obs = torch.randn(8, 4, generator=g)
+    obs = torch.randn(8, 4, generator=g).to(model.net[0].weight.dtype)
     y = torch.randint(0, n_out, (8,), generator=g)
     if step == 2:
-        obs[5] *= 1e4  # a sensor glitch
+        obs[5] *= 1e3 if kind == "eps" else 1e4  # a sensor glitch
         with torch.no_grad():
             out = model(obs[5:6])
             y[5] = out.argmax() if kind == "unlike" else out.argmin()
@@ -104,16 +109,19 @@ def batches(kind, step, model):
 
 
 MODELS = {"pg": (lambda: Net(3), pg_loss), "ptr": (Pointer, pointer_loss), "onehot": (lambda: Net(5), onehot_loss),
-          "sig": (lambda: Net(5), tag_loss), "unlike": (lambda: Net(3), unlikelihood)}
+          "sig": (lambda: Net(5), tag_loss), "unlike": (lambda: Net(3), unlikelihood), "eps": (lambda: Net(3), eps_loss)}
 
 
-def run(kind, folder=None):
-    """Four optimizer steps; with a folder, under NanGuard (stops at the failure); else plainly: (loss, grad norm)."""
+def run(kind, folder=None, f64=False):
+    """Four optimizer steps; with a folder, under NanGuard (stops at the failure); else plainly: (loss, grad norm).
+    The eps loop runs in float16 (f64: the same loop in float64, the reference for its healthy steps)."""
     if kind == "hf":
         return hf_run(folder)
     torch.manual_seed(0)
     make, loss_fn = MODELS[kind]
     model = make()
+    if kind == "eps":
+        model = model.to(torch.float64 if f64 else torch.float16)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     guard = NanGuard(model, opt, loss_fn=loss_fn, folder=folder) if folder else None
     out = []
@@ -186,8 +194,8 @@ def hf_run(folder=None):
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--plain":
-        print(json.dumps({k: run(k) for k in sys.argv[2:]}))
+    if sys.argv[1] in ("--plain", "--f64"):
+        print(json.dumps({k: run(k, f64=sys.argv[1] == "--f64") for k in sys.argv[2:]}))
     else:
         for kind in sys.argv[2:]:
             print(kind, run(kind, f"{sys.argv[1]}/{kind}"))
@@ -195,7 +203,7 @@ if __name__ == "__main__":
 
 pytestmark = pytest.mark.integrations  # training loops run and analyzed in subprocesses, as test_new_families.py
 
-KINDS = ("pg", "ptr", "onehot", "sig", "unlike")
+KINDS = ("pg", "ptr", "onehot", "sig", "unlike", "eps")
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 
 
@@ -254,6 +262,15 @@ def test_sigmoid_gathered_then_logged_becomes_logsigmoid(runs):
     assert [e["after"].split("  #")[0].replace("torch.nn.functional.", "F.") for e in fix["edits"]] == [
         "log_p = F.logsigmoid(logits)", "return -log_p.gather(1, y[:, None]).mean()"], fix["edits"]
     apply_and_train(root / "fixed_sig", TRAINING, "logsel", "sig", fix, bad=2, env=ENV)
+
+
+def test_a_users_epsilon_inside_the_log_is_dropped_by_the_exact_form(runs):
+    root, out = runs
+    fix = _exact(out["eps"], "eps")
+    assert [e["after"].split("  #")[0] for e in fix["edits"]] == [
+        "log_policy = torch.log_softmax(logits, -1)", "return -log_policy.gather(1, y[:, None]).mean()"], fix["edits"]
+    # float16: the healthy steps at least as close to the same loop in float64 as the original's
+    apply_and_train(root / "fixed_eps", TRAINING, "logsel", "eps", fix, bad=2, env=ENV, coarse=True)
 
 
 def test_a_log_of_something_else_made_from_the_probs_is_not_a_selection(runs):

@@ -66,8 +66,8 @@ def _one_hot_factor(s: Site, mul: OpRecord) -> int | None:
 def selected(s: Site, rec: OpRecord | None = None) -> tuple[OpRecord, list[OpRecord]] | None:
     """(the softmax/sigmoid, the selection ops from it to the log's input, nearest the log first) where the log's
     input is, through views and copies, a selection (gather, indexing, index_select, take_along_dim,
-    masked_select, a one-hot product summed) of a softmax's or sigmoid's output; None otherwise, or where no
-    selection is in between (the rules' plain case)."""
+    masked_select, a one-hot product summed) of a softmax's or sigmoid's output, or that plus a scalar (a user's
+    `+ 1e-8` inside the log); None otherwise, or where nothing is in between (the rules' plain case)."""
     rec = rec or s.rec
     sels: list[OpRecord] = []
     r = s.src(0, rec)
@@ -79,6 +79,9 @@ def selected(s: Site, rec: OpRecord | None = None) -> tuple[OpRecord, list[OpRec
             r = s.src(0, r)
         elif p in _SELECTIONS and r.src and r.src[0] is not None:
             sels.append(r)
+            r = s.src(0, r)
+        elif p == "aten.add" and not sels and len(r.src) == 1 and r.src[0] is not None:
+            sels.append(r)  # log(P + 1e-8): a user's ε (a literal, checked where the line is rewritten)
             r = s.src(0, r)
         elif p == "aten.sum" and r.src:
             mul = s.origin(0, r)
@@ -154,9 +157,18 @@ def patch(inner: OpRecord, sels: list[OpRecord], log: OpRecord, stable: Callable
                 return v * _LOG_BASE[packet(str(log.op))]
         return func(*args, **kwargs)
 
+    def drop_eps(func, args, kwargs):
+        out = func(*args, **kwargs)
+        for t, st in state["tracked"]:
+            v = view_of(st, t, args[0] if args else None)
+            if v is not None:
+                state["tracked"].append((out, v))  # the exact form has no ε
+                break
+        return out
+
     each = every or (lambda c: [c])
     out = {c: grab for c in each(inner.call)}
-    out.update({c: select for r in sels for c in each(r.call)})
+    out.update({c: drop_eps if packet(str(r.op)) == "aten.add" else select for r in sels for c in each(r.call)})
     out.update({c: answer for c in each(log.call)})
     return out
 
@@ -314,6 +326,9 @@ def edits(s: Site, inner: OpRecord, sels: list[OpRecord], kind: str) -> tuple[co
         x = codefix.operand(node, "input")
         if x is None:
             return None
+        added = packet(str(sels[0].op)) == "aten.add"
+        if added != (_strip_eps(x) is not x):
+            return None  # the recorded add is the line's literal ε, and only then
         x = _strip_eps(x)
         if _sel_base(x, b.one_hot_name) is None and not isinstance(x, ast.Name):
             return None
