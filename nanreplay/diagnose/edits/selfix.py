@@ -23,6 +23,7 @@ the log call with the stable selection: what the edited lines compute.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Callable
 
 import torch
@@ -250,11 +251,13 @@ def _pure(node: ast.AST) -> bool:
 class _Builder:
     """The culprit line's new text and the edits of lines above it."""
 
-    def __init__(self, s: Site, kind: str, source: dict):
+    def __init__(self, s: Site, kind: str, source: dict, keep: bool = False):
         self.s, self.kind = s, kind
         self.defs = crossline.Definitions(source, source["line"])
         self.Fn = codefix.functional(source)
         self.param: str | None = None  # the name reached that no line of this block assigns (crossline)
+        self.keep = keep  # keep every old assignment (the culprit's statement reads the name elsewhere too)
+        self.dropped: list[str] = []  # the names whose assignment the edit replaced
         self.note = ""
 
     def one_hot_name(self, name: str) -> bool:
@@ -301,7 +304,8 @@ class _Builder:
             return None
         log_name = self.defs.fresh(f"log_{d.name}" if not d.name.startswith("log") else f"{d.name}_log")
         made = f"{log_name} = {new}"
-        if not d.reused:
+        if not (d.reused or self.keep):
+            self.dropped.append(d.name)
             self.defs.replace(d, [made])
         else:
             arg = codefix.operand(d.value, "input")
@@ -318,7 +322,18 @@ def edits(s: Site, inner: OpRecord, sels: list[OpRecord], kind: str) -> tuple[co
     src = s.source
     if not (src and s.call) or s.library:
         return None, ""
-    b = _Builder(s, kind, src)
+    rw, b = _rewrite(s, sels, kind, src, keep=False)
+    if rw is not None and any(re.search(rf"(^|[^\w.]){n}\b", rw.after) for n in b.dropped):
+        rw, b = _rewrite(s, sels, kind, src, keep=True)  # the statement reads `probs` elsewhere: keep it made
+    if rw is None:
+        return None, ""
+    if b.param is None:
+        return b.defs.attach(rw), b.note
+    return _elsewhere(s, inner, sels, kind, rw, b.param)
+
+
+def _rewrite(s: Site, sels: list[OpRecord], kind: str, src: dict, keep: bool):
+    b = _Builder(s, kind, src, keep)
 
     def transform(text, node):
         if not (isinstance(node, ast.Call) and codefix._callee(node) == "log"):
@@ -333,12 +348,7 @@ def edits(s: Site, inner: OpRecord, sels: list[OpRecord], kind: str) -> tuple[co
         if _sel_base(x, b.one_hot_name) is None and not isinstance(x, ast.Name):
             return None
         return b.expr(x, text)
-    rw = s.rewrite(transform)
-    if rw is None:
-        return None, ""
-    if b.param is None:
-        return b.defs.attach(rw), b.note
-    return _elsewhere(s, inner, sels, kind, rw, b.param)
+    return s.rewrite(transform), b
 
 
 def _elsewhere(s: Site, inner: OpRecord, sels: list[OpRecord], kind: str, rw: codefix.Rewrite,
