@@ -64,6 +64,11 @@ def pointer_loss(probs, y):
     return -torch.log(probs[torch.arange(len(y)), y]).mean()  # LINE: ptr log
 
 
+def pointer_entropy_loss(probs, y):  # the forward's probabilities are read twice: the forward must stay a softmax
+    entropy = -(probs * probs.clamp_min(1e-9).log()).sum(-1).mean()
+    return -torch.log(probs[torch.arange(len(y)), y]).mean() - 0.01 * entropy  # LINE: ptr entropy
+
+
 def onehot_loss(logits, y):
     return -torch.log((torch.softmax(logits, -1) * F.one_hot(y, 5)).sum(-1)).mean()  # LINE: onehot
 
@@ -85,7 +90,7 @@ def eps_loss(logits, y):  # float16: the user's 1e-8 rounds to 0 in it
 
 def batches(kind, step, model):
     g = torch.Generator().manual_seed(step)
-    if kind == "ptr":
+    if kind.startswith("ptr"):
         x = torch.randn(4, 6, 4, generator=g)
         y = torch.randint(0, 6, (4,), generator=g)
         if step == 2:
@@ -108,7 +113,8 @@ def batches(kind, step, model):
     return obs, y
 
 
-MODELS = {"pg": (lambda: Net(3), pg_loss), "ptr": (Pointer, pointer_loss), "onehot": (lambda: Net(5), onehot_loss),
+MODELS = {"pg": (lambda: Net(3), pg_loss), "ptr": (Pointer, pointer_loss),
+          "ptr_ent": (Pointer, pointer_entropy_loss), "onehot": (lambda: Net(5), onehot_loss),
           "sig": (lambda: Net(5), tag_loss), "unlike": (lambda: Net(3), unlikelihood), "eps": (lambda: Net(3), eps_loss)}
 
 
@@ -203,7 +209,7 @@ if __name__ == "__main__":
 
 pytestmark = pytest.mark.integrations  # training loops run and analyzed in subprocesses, as test_new_families.py
 
-KINDS = ("pg", "ptr", "onehot", "sig", "unlike", "eps")
+KINDS = ("pg", "ptr", "ptr_ent", "onehot", "sig", "unlike", "eps")
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 
 
@@ -280,6 +286,14 @@ def test_a_log_of_something_else_made_from_the_probs_is_not_a_selection(runs):
     diag = d["diagnosis"]
     assert diag["cause"] not in ("log_softmax", "logsigmoid"), diag["fix"]["code"]
     assert "log_softmax" not in diag["fix"]["code"], diag["fix"]["code"]
+
+
+def test_a_softmax_made_elsewhere_and_read_by_more_than_the_log_is_not_rewritten(runs):
+    _, out = runs
+    d = out["ptr_ent"]
+    assert d["culprit"]["source"]["line"] == marker_line(TRAINING, "ptr entropy")
+    fix = d["diagnosis"]["fix"]
+    assert not any(e["line"] == marker_line(TRAINING, "ptr softmax") for e in fix["edits"]), fix["edits"]
 
 
 def test_hf_trainer_subclass_compute_loss_gathers_from_log_softmax(tmp_path):

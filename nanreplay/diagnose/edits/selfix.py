@@ -185,14 +185,14 @@ def _sel_base(node: ast.AST, one_hot_names: Callable[[str], bool]) -> ast.AST | 
     if not isinstance(node, ast.Call):
         return None
     name = codefix._callee(node)
-    if name == "sum":
+    if name == "sum" and not isinstance(node.func, ast.Name):
         prod = codefix.operand(node, "input")
         if isinstance(prod, ast.BinOp) and isinstance(prod.op, ast.Mult):
             for x, oh in ((prod.left, prod.right), (prod.right, prod.left)):
                 if _is_one_hot(oh, one_hot_names):
                     return x
         return None
-    if name in _METHODS:
+    if name in _METHODS and not isinstance(node.func, ast.Name):  # a bare `gather(...)` is some function of the user's
         return codefix.operand(node, "input")
     return None
 
