@@ -64,6 +64,11 @@ def _one_hot_factor(s: Site, mul: OpRecord) -> int | None:
     return None
 
 
+def _selections(ops: list[OpRecord]) -> list[OpRecord]:
+    """The selections (and a user's ε) among the ops `selected` gives: not the copies."""
+    return [r for r in ops if not _passes_through(r)]
+
+
 def selected(s: Site, rec: OpRecord | None = None) -> tuple[OpRecord, list[OpRecord]] | None:
     """(the softmax/sigmoid, the selection ops from it to the log's input, nearest the log first) where the log's
     input is, through views and copies, a selection (gather, indexing, index_select, take_along_dim,
@@ -75,13 +80,15 @@ def selected(s: Site, rec: OpRecord | None = None) -> tuple[OpRecord, list[OpRec
     while r is not None:
         p = packet(str(r.op))
         if p in _INNER:
-            return (r, sels) if sels and r.call else None
+            return (r, sels) if _selections(sels) and r.call else None
         if _passes_through(r) and r.src:
+            if not getattr(r.op, "is_view", False):
+                sels.append(r)  # a copy (clone, .float()): the replay repeats it on the stable form too
             r = s.src(0, r)
         elif p in _SELECTIONS and r.src and r.src[0] is not None:
             sels.append(r)
             r = s.src(0, r)
-        elif p == "aten.add" and not sels and len(r.src) == 1 and r.src[0] is not None:
+        elif p == "aten.add" and not _selections(sels) and len(r.src) == 1 and r.src[0] is not None:
             sels.append(r)  # log(P + 1e-8): a user's ε (a literal, checked where the line is rewritten)
             r = s.src(0, r)
         elif p == "aten.sum" and r.src:
@@ -289,8 +296,11 @@ class _Builder:
         v = d.value
         if isinstance(v, ast.Call) and codefix._callee(v) == self.kind:
             return self.made_here(d)
-        if _sel_base(v, self.one_hot_name) is None:
-            return None
+        if _sel_base(v, self.one_hot_name) is None:  # `probs = policy(obs)`: the softmax is in the model's forward
+            if self.param is not None:
+                return None
+            self.param = name
+            return name
         got = self.expr(v, d.src, depth + 1)
         if got is None:
             return None
@@ -341,7 +351,7 @@ def _rewrite(s: Site, sels: list[OpRecord], kind: str, src: dict, keep: bool):
         x = codefix.operand(node, "input")
         if x is None:
             return None
-        added = packet(str(sels[0].op)) == "aten.add"
+        added = packet(str(_selections(sels)[0].op)) == "aten.add"
         if added != (_strip_eps(x) is not x):
             return None  # the recorded add is the line's literal ε, and only then
         x = _strip_eps(x)
@@ -357,7 +367,8 @@ def _elsewhere(s: Site, inner: OpRecord, sels: list[OpRecord], kind: str, rw: co
     if not only_selected_by(s, inner, s.rec):
         return None, ""
     made = None
-    if inner.frame is not None and (frame_json(inner.frame) or {}).get("function") != (s.source or {}).get("function"):
+    made_at, here = frame_json(inner.frame) or {}, s.source or {}
+    if inner.frame is not None and (made_at.get("file"), made_at.get("function")) != (here.get("file"), here.get("function")):
         made = s.rewrite(lambda text, node: _log_form(node, text, kind, codefix.functional(s.source_of(inner.call)))
                          if isinstance(node, ast.Call) else None, inner.call)
     if made is None:

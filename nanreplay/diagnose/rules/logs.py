@@ -209,7 +209,8 @@ def _log_of_selection(s: Site, kind: str) -> Diagnosis | None:
     patch = selfix.patch(inner, sels, s.rec, stable, every=s.line_calls)
     words = {"aten.index": "indexing", "aten.sum": "a one-hot product-sum", "aten.mul": "a one-hot product-sum"}
     how = ", ".join(dict.fromkeys(words.get(packet(str(r.op)), packet(str(r.op)).split(".", 1)[1]) for r in sels
-                                  if packet(str(r.op)) != "aten.add")) or "the whole output, plus an ε"
+                                  if packet(str(r.op)) != "aten.add" and r in selfix._selections(sels))) or \
+        "the whole output, plus an ε"
     guide = (f"take {made} at {_frame_at(inner)} and select from it as the log's argument selects from the "
              f"{kind} ({how}): the log of a selection is the selection of the log")
     return Diagnosis(
