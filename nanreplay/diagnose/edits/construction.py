@@ -31,10 +31,12 @@ def _statement(rec: dict) -> tuple[str, ast.Call] | None:
     return (text, call) if call is not None else None
 
 
-def replace_child(constructions: list[dict] | None, op: OpRecord, cls: str, new: str) -> codefix.Rewrite | None:
+def replace_child(constructions: list[dict] | None, op: OpRecord, cls: str, new: str, *,
+                  keep_args: bool = False) -> codefix.Rewrite | None:
     """The statement that built the Sequential holding the module that ran `op`, with that child (a call of
     `cls`, e.g. Sigmoid) replaced by a call of `new` (Identity) spelled the way the user spelled the class; None
-    where the snapshot recorded no such construction."""
+    where the snapshot recorded no such construction. `keep_args`: the child's arguments stay
+    (`nn.Softmax(-1)` -> `nn.LogSoftmax(-1)`)."""
     parent, _, idx = (op.module or "").rpartition(".")
     if not idx.isdigit():
         return None
@@ -48,7 +50,9 @@ def replace_child(constructions: list[dict] | None, op: OpRecord, cls: str, new:
         return None
     arg = call.args[i]
     func = arg.func
-    spelled = f"{ast.unparse(func.value)}.{new}()" if isinstance(func, ast.Attribute) else f"torch.nn.{new}()"
+    args = ", ".join([ast.unparse(a) for a in arg.args] + [f"{k.arg}={ast.unparse(k.value)}" for k in arg.keywords])
+    args = args if keep_args else ""
+    spelled = f"{ast.unparse(func.value)}.{new}({args})" if isinstance(func, ast.Attribute) else f"torch.nn.{new}({args})"
     lines = text.splitlines(keepends=True)
     starts = [0]
     for ln in lines:

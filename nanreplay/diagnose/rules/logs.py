@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from nanreplay.diagnose.edits import bcefix, codefix, lsmfix
+from nanreplay.diagnose.edits import bcefix, codefix, lsmfix, selfix
 from nanreplay.diagnose.fixes import (
     choose_eps,
     clamp_eps,
@@ -150,7 +150,7 @@ def _handwritten_bce(s: Site) -> Diagnosis | None:
 def _log_of_sigmoid(s: Site) -> Diagnosis | None:
     sg = s.origin(0)
     if sg is None or packet(str(sg.op)) != "aten.sigmoid" or not _stable_log_candidate(s):
-        return None
+        return _log_of_selection(s, "sigmoid")
     Fn = codefix.functional(s.source)
     rw = s.rewrite(lambda src, node: _wrapped_call_text(node, src, "sigmoid", f"{Fn}.logsigmoid"))
     patch = stable_log_patch(sg, [s.rec], lambda a, k: F.logsigmoid(a[0]), every=s.line_calls if rw else None)
@@ -166,7 +166,7 @@ def _log_of_sigmoid(s: Site) -> Diagnosis | None:
 def _log_of_softmax(s: Site) -> Diagnosis | None:
     sm = s.origin(0)
     if sm is None or packet(str(sm.op)) not in ("aten._softmax", "aten.softmax") or not _stable_log_candidate(s):
-        return None
+        return _log_of_selection(s, "softmax")
     rw = s.rewrite(lambda src, node: _wrapped_call_text(node, src, "softmax", "torch.log_softmax"))
     note = ""
     if rw is None:  # the softmax is made in another function (the model's forward): an edit of each line
@@ -182,6 +182,44 @@ def _log_of_softmax(s: Site) -> Diagnosis | None:
         f'This is the `log(softmax(x))` collapse of "Debugging Gradients That Misbehave", at {s.where}.',
         [Fix(FORMS["log_softmax"].kind, "", rewrite=rw, guidance=guide, patch=patch,
              reasoning=FORMS["log_softmax"].why + note)])
+
+
+def _log_of_selection(s: Site, kind: str) -> Diagnosis | None:
+    """log of a selection (gather, indexing, a one-hot product-sum) of a softmax / sigmoid: the selection of its
+    log_softmax / logsigmoid (diagnose/edits/selfix.py). Claimed only where the user's lines can be edited: else
+    log_of_zero's ε is the fix that can be applied."""
+    got = selfix.selected(s) if _stable_log_candidate(s) else None
+    if got is None or packet(str(got[0].op)) not in (("aten._softmax", "aten.softmax") if kind == "softmax"
+                                                      else ("aten.sigmoid",)):
+        return None
+    inner, sels = got
+    rw, note = selfix.edits(s, inner, sels, kind)
+    if rw is None:
+        return None
+    if kind == "softmax":
+        row, name, made = FORMS["log_softmax"], "log_softmax", "torch.log_softmax(x, dim)"
+
+        def stable(a, k):
+            return torch.log_softmax(a[0], dim=_softmax_dim(a, k))
+    else:
+        row, name, made = FORMS["logsigmoid"], "logsigmoid", f"{codefix.functional(s.source)}.logsigmoid(x)"
+
+        def stable(a, k):
+            return F.logsigmoid(a[0])
+    patch = selfix.patch(inner, sels, s.rec, stable, every=s.line_calls)
+    words = {"aten.index": "indexing", "aten.sum": "a one-hot product-sum", "aten.mul": "a one-hot product-sum"}
+    how = ", ".join(dict.fromkeys(words.get(packet(str(r.op)), packet(str(r.op)).split(".", 1)[1]) for r in sels
+                                  if packet(str(r.op)) != "aten.add" and r in selfix._selections(sels))) or \
+        "the whole output, plus an ε"
+    guide = (f"take {made} at {_frame_at(inner)} and select from it as the log's argument selects from the "
+             f"{kind} ({how}): the log of a selection is the selection of the log")
+    return Diagnosis(
+        name, f"log of a selection of {kind}(x): the selected entry underflowed to 0 and log made it -inf",
+        f"{kind} returned exactly 0 for some entries, and the entries selected from it ({how}) reached log as "
+        f"exact zeros: log(0) = -inf {'in forward' if s.forward else 'gave 0/0 = NaN in its backward'} at "
+        f"{s.where}. The log of a selection is the selection of the log, so {made} selected the same way is exact "
+        f"and never takes log(0).",
+        [Fix(row.kind, "", rewrite=rw, guidance=guide, patch=patch, reasoning=row.why + note)])
 
 
 @rule("zero_times_log_zero", *_LOGS, priority=200)
