@@ -54,7 +54,7 @@ def _line(row: dict) -> tuple[str, int]:
     return Path(src["file"]).name, src["line"]
 
 
-def test_dead_relu_after_an_lr_jump_is_a_zeroing_relu_and_the_history_names_the_jump(runs):
+def test_dead_relu_after_an_lr_jump_is_a_zeroing_relu_and_the_rate_is_the_cause(runs):
     d, paths = runs[0]["dead_relu"], runs[1]
     assert "gradient_died" in paths["dead_relu"]
     assert d["verdict"] == "gradient_zero" and d["snapshot_info"]["trigger"] == "gradient_died"
@@ -63,12 +63,18 @@ def test_dead_relu_after_an_lr_jump_is_a_zeroing_relu_and_the_history_names_the_
     assert row["op"] == "aten.relu.default" and row["kind"] == "relu" and row["local_zero"]["units"] == 1.0
     assert _line(row) == ("flowtrain.py", culprit_line("# RELU")[0])
     assert d["gradient_flow"]["lr_jump"] == {"from": 0.01, "to": 30.0, "step": 4}
-    assert "jumped from 0.01 to 30 at step 4" in d["diagnosis"]["explanation"]
-    fix = d["diagnosis"]["fix"]
-    assert fix["kind"] == "leaky_relu"
-    # replayed with LeakyReLU the gradient flows, but the lr jump blew the weights up: 1% of inputs that far below
-    # zero changes the loss by orders of magnitude, so the swap is not called a verified fix
-    assert fix["verified"] is False and fix["replay"]["loss_change"] > 1 and "re-initialise" in fix["verification"]
+    diag = d["diagnosis"]
+    assert "jumped from 0.01 (steps 0–3) to 30 at step 4" in diag["explanation"]
+    # the jump is the cause (flow_divergence): the fix is the rate the history trained at, the dead ReLU the mechanism
+    assert diag["cause"] == "training_diverged" and diag["divergence"]["lr_jump"]["after"] == 30.0
+    fix = diag["fix"]
+    assert fix["kind"] == "lower_lr_clip_grads" and fix["settings"] == {"lr_bound": 0.01}
+    assert "group['lr'] = 0.01" in fix["code"]
+    # the activation's own fix, kept as the mechanism's: replayed with LeakyReLU the gradient flows, but the jump blew
+    # the weights up: 1% of inputs that far below zero changes the loss by orders of magnitude, so it is not verified
+    own = diag["mechanism"]["fix"]
+    assert diag["mechanism"]["kind"] == "relu" and own["kind"] == "leaky_relu"
+    assert own["verified"] is False and own["replay"]["loss_change"] > 1 and "re-initialise" in own["verification"]
 
 
 def test_relu_units_dead_from_a_bad_init_are_repaired_by_leaky_relu_verified_by_replay(runs):
@@ -80,6 +86,8 @@ def test_relu_units_dead_from_a_bad_init_are_repaired_by_leaky_relu_verified_by_
     fix = d["diagnosis"]["fix"]
     assert fix["kind"] == "leaky_relu" and fix["verified"] is True and 0 < fix["replay"]["loss_change"] <= 0.5
     assert fix["replay"]["grad_norm"] > 0 and "jumped" not in d["diagnosis"]["explanation"]
+    # a flat loss history: no divergence, the ReLU keeps the blame (flow_divergence leaves it alone)
+    assert d["diagnosis"]["cause"] == "gradient_zero" and "mechanism" not in d["diagnosis"]
 
 
 def test_a_detach_on_the_skip_connection_is_cut_there_and_removing_it_is_verified(runs):
