@@ -20,7 +20,7 @@ from tests.isolation import ROOT, analyze_isolated, framework
 HERE = Path(__file__).resolve().parent
 KINDS = ("dead_relu", "skip_detach", "argmax_router", "sigmoid_gate", "no_grad_helper", "tied_frozen", "broadcast_mse",
          "swiftformer", "vit_reentrant", "bert_tied_frozen", "broadcast_healthy", "skip_detach_again",
-         "own_reentrant", "dead_init")
+         "own_reentrant", "dead_init", "round_path", "data_cut", "rnn_saturated")
 
 
 def culprit_line(marker: str = "# CULPRIT") -> list[int]:
@@ -98,6 +98,8 @@ def test_a_detach_on_the_skip_connection_is_cut_there_and_removing_it_is_verifie
     assert row["op"] == "aten.detach.default" and _line(row) == ("flowtrain.py", culprit_line()[0])
     fix = d["diagnosis"]["fix"]
     assert fix["kind"] == "remove_cut" and fix["verified"] is True and fix["replay"]["loss_unchanged"] is True
+    (edit,) = fix["edits"]  # the line without its detaches: the change the replay verified
+    assert edit["line"] == culprit_line()[0] and edit["after"].startswith("h = h + self.block(h)")
 
 
 def test_a_router_through_argmax_is_cut_at_the_argmax(runs):
@@ -421,3 +423,39 @@ def test_the_flow_checks_re_run_leaves_the_training_bitwise_unchanged(tmp_path):
     assert guard.flow_snapshots  # the check ran (and wrote) on this run
     assert all(torch.equal(a, b) for a, b in zip(losses_on, losses_off, strict=True))
     assert on.keys() == off.keys() and all(torch.equal(on[k], off[k]) for k in on)
+
+
+def test_a_round_in_the_path_is_not_inert_its_zero_is_named_at_the_round(runs):
+    """round() has a zero derivative at every value, so the gradient stays zero at moved values too; but the loss
+    moves with the encoder's values (in steps): not inert, a snapshot, the zero named at the round."""
+    d, paths = runs[0]["round_path"], runs[1]
+    assert "no_gradient" in paths["round_path"] and d["verdict"] == "gradient_zero"
+    assert set(d["gradient_flow"]["parameters"]) == {"enc.weight", "enc.bias"}
+    row = _first(d)
+    assert row["op"] == "aten.round.default" and row["kind"] == "discrete"
+    assert _line(row) == ("flowtrain.py", culprit_line("# ROUND")[0])
+    assert d["diagnosis"]["fix"]["kind"] == "straight_through" and d["diagnosis"]["cause"] == "gradient_zero"
+
+
+def test_a_weight_read_through_data_is_named_as_data_not_as_a_detach(runs):
+    d = runs[0]["data_cut"]
+    assert d["verdict"] == "gradient_cut" and d["gradient_flow"]["parameters"] == ["fc2.weight"]
+    row = _first(d)
+    assert row["kind"] == "data_copy" and _line(row) == ("flowtrain.py", culprit_line("# DATA")[0])
+    assert ".data" in d["diagnosis"]["title"] and "detach" not in d["diagnosis"]["title"]
+    fix = d["diagnosis"]["fix"]  # undone (the weight itself in place of its .data): the same loss, a gradient
+    assert fix["verified"] is True and fix["replay"]["loss_unchanged"] is True
+    (edit,) = fix["edits"]  # verified, so the line is given back without its `.data`
+    assert edit["line"] == culprit_line("# DATA")[0] and ".data" in edit["before"]
+    assert edit["after"].startswith("h = torch.tanh(F.linear(h, self.fc2.weight, self.fc2.bias))")
+
+
+def test_a_saturated_rnn_is_zeroed_at_its_tanh_not_at_the_stack_of_its_states(runs):
+    """The loss reads the last state only: `stack`'s backward gives the other states zeros while the last gets a
+    gradient, so the flow goes on through it, to the saturated tanh."""
+    d = runs[0]["rnn_saturated"]
+    assert d["verdict"] == "gradient_zero" and {"rnn.weight_hh_l0", "rnn.bias_hh_l0"} <= set(
+        d["gradient_flow"]["parameters"])
+    row = _first(d)
+    assert row["op"] == "aten.tanh.default" and row["kind"] == "saturated" and row["module"] == "rnn"
+    assert _line(row) == ("flowtrain.py", culprit_line("# RNN")[0])
