@@ -73,3 +73,57 @@ def test_the_rate_edit_applied_trains_without_death_and_the_loss_goes_down(run, 
     assert out["snapshots"] == [] and not out["died"] and len(out["losses"]) == 30
     first, last = out["losses"][0], out["losses"][-5:]
     assert max(last) < first / 4, out["losses"]  # the loss climbed 1e20-fold at LR = 4.0
+
+
+# ---------------------------------------------------------------- the rule itself, on histories (no training)
+
+
+def _info(losses, norms, step=None, opt="SGD", lr=0.7):
+    rows = [{"step": i, "loss": v, "grad_norm": g, "lr": lr} for i, (v, g) in enumerate(zip(losses, norms, strict=True))]
+    return {"step": len(rows) - 1 if step is None else step, "history": rows, "optimizer": {"class": opt, "lr": lr}}
+
+
+def _zero(kind: str, verdict: str = "gradient_zero") -> dict:
+    row = {"name": "fc1.weight", "verdict": verdict, "kind": kind}
+    return {"cause": verdict, "title": f"{verdict}: x", "explanation": "the flow ends here.",
+            "fix": {"kind": "logits"}, "gradient_flow": {"verdict": verdict, "parameters": ["fc1.weight"],
+                                                         "per_parameter": [row]}}
+
+
+def test_a_spike_after_healthy_steps_keeps_its_own_diagnosis_its_own_step_is_not_evidence():
+    from nanreplay.diagnose.flow_divergence import reframe_spike
+
+    diag = {"cause": "grad_spike", "explanation": "a spike.", "fix": {"kind": "lower_lr_clip_grads"}, "spike": {}}
+    flat = _info([1.0, 1.1, 0.9, 1.0, 1.05, 5e4], [1.0, 1.2, 0.9, 1.1, 1.0, 3e3])  # the last row is the spike's own
+    assert reframe_spike(diag, flat) is diag
+
+
+def test_a_spike_after_a_climbing_loss_is_the_divergence_with_the_sgd_rate_bound():
+    from nanreplay.diagnose.flow_divergence import reframe_spike
+
+    diag = {"cause": "grad_spike", "explanation": "a spike.", "fix": {"kind": "lower_lr_clip_grads"}, "spike": {}}
+    info = _info([3.8, 4.6, 9.0, 40.0, 300.0, 2e3, 1e9], [2.9, 8.0, 20.0, 60.0, 200.0, 700.0, 1e6])
+    out = reframe_spike(diag, info)
+    assert out["cause"] == "training_diverged" and out["mechanism"]["kind"] == "spike" and "spike" in out
+    # the loss first doubles at step 2, where the norm grew 2.5x in one step: SGD is stable below 2 * 0.7 / 3.5
+    assert out["divergence"]["onset_step"] == 2 and 0 < out["fix"]["settings"]["lr"] < 2 * 0.7 / 3.5
+
+
+@pytest.mark.parametrize("kind, verdict", [("detach", "gradient_cut"), ("frozen", "gradient_cut"),
+                                           ("softmax_single", "gradient_zero"), ("discrete", "gradient_zero")])
+def test_a_cut_or_a_zero_no_value_changes_keeps_its_diagnosis_in_a_diverging_run(kind, verdict):
+    from nanreplay.diagnose.flow_divergence import reframe
+
+    info = _info([3.8, 40.0, 400.0, 4e3, 4e4], [2.9, 30.0, 300.0, 3e3, 3e4])
+    diag = _zero(kind, verdict)
+    assert reframe(diag, info) is diag
+    saturated = reframe(_zero("saturated"), info)  # the same history: a zero the values make is the divergence's
+    assert saturated["cause"] == "training_diverged" and saturated["gradient_flow"]["divergence"]["onset_step"] == 1
+
+
+def test_a_crafted_history_leaves_the_flow_diagnosis_as_it_was():
+    from nanreplay.diagnose.flow_divergence import reframe
+
+    diag = _zero("saturated")
+    info = {"step": "x", "history": [{"step": "a", "loss": "NaN"}, {"loss": [1]}, None, {"step": 2, "loss": 1e30}]}
+    assert reframe(diag, info) is diag
