@@ -69,12 +69,28 @@ def test_dead_relu_after_an_lr_jump_is_a_zeroing_relu_and_the_rate_is_the_cause(
     assert diag["cause"] == "training_diverged" and diag["divergence"]["lr_jump"]["after"] == 30.0
     fix = diag["fix"]
     assert fix["kind"] == "lower_lr_clip_grads" and fix["settings"] == {"lr_bound": 0.01}
-    assert "group['lr'] = 0.01" in fix["code"]
+    # the rate went back to 0.01 after the one step at 30: the loop's write is still the line to bound
+    (edit,) = fix["edits"]
+    assert edit["before"] == 'g["lr"] = (lr_at or {}).get(step, lr)'
+    assert edit["after"] == 'g["lr"] = min((lr_at or {}).get(step, lr), 0.01)'
     # the activation's own fix, kept as the mechanism's: replayed with LeakyReLU the gradient flows, but the jump blew
     # the weights up: 1% of inputs that far below zero changes the loss by orders of magnitude, so it is not verified
     own = diag["mechanism"]["fix"]
     assert diag["mechanism"]["kind"] == "relu" and own["kind"] == "leaky_relu"
     assert own["verified"] is False and own["replay"]["loss_change"] > 1 and "re-initialise" in own["verification"]
+
+
+def test_the_dead_relus_rate_bound_applied_trains_on_without_a_dead_gradient(runs, tmp_path):
+    """The edit made in a copy of the loop, the same run trained again under the guard: no snapshot at all."""
+    from tests.isolation import apply_edits
+
+    (tmp_path / "flowtrain.py").write_text((HERE / "flowtrain.py").read_text())
+    apply_edits(tmp_path / "flowtrain.py", runs[0]["dead_relu"]["diagnosis"]["fix"]["edits"])
+    res = subprocess.run([sys.executable, "flowtrain.py", str(tmp_path / "out"), "dead_relu"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["dead_relu", "none", "[]"], res.stdout
 
 
 def test_relu_units_dead_from_a_bad_init_are_repaired_by_leaky_relu_verified_by_replay(runs):
