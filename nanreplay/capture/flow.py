@@ -264,7 +264,10 @@ def inert_of(fw: FlowWatch, guard: Any, suspects: list[torch.Tensor]) -> set[int
     A suspect that is zero only at its values (a dead ReLU, a saturated sigmoid: the move revives it) is not
     inert. A moved gradient that is not exactly zero but small (rounding in a cancelling normalisation: first-order
     loss change below BAND of the loss) is confirmed by a forward with that suspect put back to its own values (the
-    others fresh): inert if the loss moves by less than REL of itself."""
+    others fresh): inert if the loss moves by less than REL of itself. A gradient zero at the moved values too is
+    inert only where the value does not matter either: with those suspects put back the loss must not move by REL
+    of itself (one forward; where it moves, each is put back alone, at most CONFIRM): `round`, `floor`, `sign` in
+    the path give a zero derivative at every value, and a loss that still depends on the value in steps."""
     suspects = [p for p in suspects if id(p) in fw._names]  # (a parameter outside the model cannot be swapped)
     gen = torch.Generator().manual_seed(0)  # its own generator: the training's RNG is never drawn from
     moved, deltas = {}, []
@@ -292,13 +295,21 @@ def inert_of(fw: FlowWatch, guard: Any, suspects: list[torch.Tensor]) -> set[int
             out.add(id(p))
         elif float((g.float() * delta.float()).abs().sum()) <= BAND * scale:
             unsure.append(p)
-    if unsure:
-        fresh = {n: t.detach() for n, t in moved.items()}
-        with torch.no_grad():
-            for p in unsure[:CONFIRM]:
-                back = float(_loss_with(guard, {**fresh, fw.name(p): p.detach()}).float().sum())
-                if abs(back - scale) <= REL * scale:
-                    out.add(id(p))
+    fresh = {n: t.detach() for n, t in moved.items()}
+    with torch.no_grad():
+        if out:  # zero at any value is inert only if the value does not matter: round()/floor() make a loss
+            zero = [p for p in suspects if id(p) in out]  # that moves with it in steps, with a zero derivative
+            back = float(_loss_with(guard, {**fresh, **{fw.name(p): p.detach() for p in zero}}).float().sum())
+            if not abs(back - scale) <= REL * scale:  # (NaN too) some of them matter: which, one forward each
+                out -= {id(p) for p in zero[CONFIRM:]}
+                for p in zero[:CONFIRM]:
+                    one = float(_loss_with(guard, {**fresh, fw.name(p): p.detach()}).float().sum())
+                    if not abs(one - scale) <= REL * scale:
+                        out.discard(id(p))
+        for p in unsure[:CONFIRM]:
+            back = float(_loss_with(guard, {**fresh, fw.name(p): p.detach()}).float().sum())
+            if abs(back - scale) <= REL * scale:
+                out.add(id(p))
     return out
 
 

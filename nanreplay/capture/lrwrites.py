@@ -19,14 +19,22 @@ MAX_WRITES = 4
 
 
 def changed(optimizer: Any, scheduler: Any, history: list | None) -> dict | None:
-    """{"from": the first logged rate, "to": the rate now} where the rate moved and no scheduler explains it."""
+    """{"from": the first logged rate, "to": the rate now} where the rate moved and no scheduler explains it. With
+    no scheduler, a rate that moved on a logged step and came back (one step at a jumped rate: the units it killed
+    stay dead) counts too: "to" is the logged rate farthest from the first."""
     try:
         g = optimizer.param_groups[0]
         now = float(g["lr"])
         rows = [r for r in (history or []) if isinstance(r, dict) and isinstance(r.get("lr"), (int, float))]
         first = float(rows[0]["lr"]) if rows else g.get("initial_lr")
-        if first is None or not math.isfinite(float(first)) or math.isclose(now, float(first), rel_tol=1e-6):
+        if first is None or not math.isfinite(float(first)):
             return None
+        if math.isclose(now, float(first), rel_tol=1e-6):
+            moved = [float(r["lr"]) for r in rows if math.isfinite(float(r["lr"]))
+                     and not math.isclose(float(r["lr"]), float(first), rel_tol=1e-6)]
+            if scheduler is not None or not moved:
+                return None
+            return {"from": float(first), "to": max(moved, key=lambda v: abs(v - float(first)))}
         if scheduler is not None:
             last = scheduler.get_last_lr()[0]
             if isinstance(last, (int, float)) and math.isclose(now, float(last), rel_tol=1e-6):

@@ -20,7 +20,7 @@ import torch
 
 from nanreplay import replay, stats
 from nanreplay import torch_internals as ti
-from nanreplay.diagnose import flow_prose, vanish_prose
+from nanreplay.diagnose import flow_divergence, flow_prose, vanish_prose
 from nanreplay.diagnose.divergence import clip_value, divergence, lr_clip_fix, remedy
 from nanreplay.diagnose.model import Fix
 from nanreplay.diagnose.plausible import history_rows, norm_squared
@@ -48,12 +48,12 @@ def diagnose_finite(result, subject, step: replay.Step | None, info: dict, *, ve
         ranks = [r for r in info["nonfinite_ranks"] if isinstance(r, int) and r != info.get("rank")]
         coll = {"nonfinite_ranks": ranks} if ranks else None
     world = info.get("world_size") if isinstance(info.get("world_size"), int) else 1
-    if trigger == "grad_spike" and step is not None:
-        return _spike(result, subject, step, info)
+    if trigger == "grad_spike" and step is not None:  # during a divergence, the rate is the cause (flow_divergence)
+        return flow_divergence.reframe_spike(_spike(result, subject, step, info), info)
     if trigger in flow_prose.FLOW_TRIGGERS:
-        return flow_prose.diagnose_flow(result, subject, info, verify=verify_fixes)
+        return flow_divergence.reframe(flow_prose.diagnose_flow(result, subject, info, verify=verify_fixes), info)
     if trigger == "gradient_vanished":
-        return vanish_prose.diagnose_vanished(result, step, info)
+        return flow_divergence.reframe(vanish_prose.diagnose_vanished(result, step, info), info)
     machine = ((getattr(result, "differential", None) or {}).get("machine") or {})
     if machine.get("verdict") == "transient" and trigger in ("loss", *GRADIENT_TRIGGERS):
         return _transient(result, info, env, machine)  # the guard's own re-run decides it, on the training device

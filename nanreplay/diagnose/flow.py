@@ -53,9 +53,11 @@ FIXES = {  # kind -> (fix kind, advice)
                            "weight: call .requires_grad_(True) on it (or untie the weights if the freeze was meant)"),
     "relu": ("leaky_relu", "the ReLU units are dead (negative input for every sample): use LeakyReLU/GELU, "
                            "re-initialise the layer, and lower (or warm up) the learning rate that pushed them there"),
-    "saturated": ("logits", "the activation is saturated (its derivative is exactly zero): compute the loss from "
-                            "logits (binary_cross_entropy_with_logits, log_softmax) rather than from saturated "
-                            "probabilities, or keep its input small (normalisation, a smaller init)"),
+    "saturated": ("logits", "the activation is saturated (its derivative is exactly zero): where a loss reads its "
+                            "probabilities, compute the loss from logits (binary_cross_entropy_with_logits, "
+                            "log_softmax) rather than from saturated probabilities; inside the model (a gate, an "
+                            "RNN's state), keep its input small: a smaller init (an RNN's recurrent weight and "
+                            "bias), normalisation before it, a lower learning rate"),
     "softmax_single": ("softmax_dim", "this softmax runs over a dimension of size 1: its output is 1 whatever the "
                                       "input, so nothing before it learns; take the softmax over the dimension meant "
                                       "(the tokens, say dim=1)"),
@@ -182,6 +184,10 @@ def _cuts(prog, env: dict, path: set[int], copies: dict[int, str], name: str) ->
         row = _where(prog, i)
         if kind == "no_grad" and "checkpoint" in str((row.get("source") or {}).get("code") or "").lower():
             kind = "reentrant_checkpoint"  # its forward runs under no_grad; with no input needing grad, no backward
+        code = str((row.get("source") or {}).get("code") or "")
+        if kind == "detach" and ".data" in code and "detach" not in code:  # `p.data` runs as a detach: say `.data`
+            row["detach_node"] = True  # (undone by the replay like a detach)
+            kind = "data_copy"
         out.append({**row, "kind": kind})
     out.sort(key=lambda c: (c["node"] is None, c["node"] or 0))
     return out
@@ -194,14 +200,17 @@ def _nonzero(t) -> bool:
 
 def _zero_node(prog, env: dict, path: set[int]) -> tuple[int, int] | None:
     """(node, input ref): the node nearest the loss whose output's gradient is non-zero and whose input on the
-    parameter's path gets an all-zero gradient."""
+    parameter's path gets an all-zero gradient, and none a non-zero one: a node that passes the gradient on through
+    one input goes on there (`stack` of an RNN's states, read at the last step only, gives the others zeros)."""
     for i in range(len(prog.nodes) - 1, -1, -1):
         node = prog.nodes[i]
         if not any(r in path and _nonzero(env.get(r)) for r in node_outputs(node)):
             continue
-        for r in node_inputs(node):
-            if r in path and _grad_of(env.get(r)) and not _nonzero(env.get(r)):
-                return i, r
+        ins = [r for r in node_inputs(node) if r in path and _grad_of(env.get(r))]
+        if any(_nonzero(env.get(r)) for r in ins):
+            continue
+        if ins:
+            return i, ins[0]
     return None
 
 
@@ -446,7 +455,7 @@ def _verify_cut(subject, prog, same: list[dict], copies: dict[int, str], params:
     try:
         before = Run(subject.model, subject.inputs, subject.target).loss.detach()
         undo = {c["node"] for r in same for c in [r, *r.get("others", [])] if c.get("node") is not None
-                and c.get("kind") == "detach"} | {i for i, n in enumerate(prog.nodes) if not n.grad}
+                and (c.get("kind") == "detach" or c.get("detach_node"))} | {i for i, n in enumerate(prog.nodes) if not n.grad}
         link = {r: n for r, n in copies.items() if n in names}
         got = _replayed(subject, params, names, before, undo=undo, link=link)
         out.update(verified=got["replay"]["loss_unchanged"] and got["flows"], replay=got["replay"])

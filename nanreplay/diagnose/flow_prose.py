@@ -3,6 +3,8 @@ as the contract's `diagnosis` object, with the run's history where it explains t
 
 from __future__ import annotations
 
+import re
+
 from nanreplay.diagnose import flow
 from nanreplay.diagnose.model import Fix
 from nanreplay.diagnose.plausible import history_rows
@@ -40,6 +42,24 @@ def _checkpoint_at(ck: dict) -> str:
             "graph at all: nothing inside it learns")
     inside = _line(ck.get("inside"))
     return out + (f" (its first op, {ck.get('first_op')}, runs at {inside})" if inside else "")
+
+
+_CUT_TEXT = {"detach": re.compile(r"\.detach\(\)"), "data_copy": re.compile(r"\.data(?![\w(])")}
+
+
+def _cut_edit(row: dict) -> dict:
+    """The cut's line with the cut taken out (`.detach()`, `.data`): an edit, where the replay verified that undoing
+    the cut keeps the loss and gives the gradient back. A line that holds no such text (a cut made elsewhere and
+    recorded here) gets none."""
+    src, pat = row.get("source"), _CUT_TEXT.get(row.get("kind"))
+    if pat is None or not isinstance(src, dict) or not src.get("file") or not isinstance(src.get("code"), str):
+        return {}
+    before = src["code"].strip()
+    after = pat.sub("", before)
+    if after == before or "\n" in before:
+        return {}
+    return {"code": after, "before": before, "after": after,
+            "edits": [{"file": src["file"], "line": src["line"], "before": before, "after": after}]}
 
 
 def lr_jump(info: dict) -> dict | None:
@@ -124,6 +144,8 @@ def diagnose_flow(result, subject, info: dict, *, verify: bool = True) -> dict:
            else "not replayed" if verified is None else f"replayed {change}: "
            + str(first["fix"].get("why") or "the gradient stayed zero"))
     fix = Fix(FixKind(fix_kind), "", guidance=advice, verification=how).to_json()
+    if verified and gf["verdict"] == "gradient_cut":
+        fix.update(_cut_edit(first))
     fix.update(verified=verified, replay=first["fix"].get("replay") if isinstance(first.get("fix"), dict) else None)
     return {"cause": gf["verdict"], "title": title, "explanation": expl, "fix": fix, "candidates": [],
             "gradient_flow": gf}

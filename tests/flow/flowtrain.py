@@ -89,6 +89,46 @@ class OwnCheckpoint(nn.Module):
         return self.head(h)
 
 
+class Quantized(nn.Module):
+    """Fake quantisation with no straight-through estimator: round() has a zero derivative at every value, and the
+    loss still depends on the encoder's values (in steps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.dec = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.dec(torch.round(self.enc(x) * 4) / 4)  # ROUND
+
+
+class DataCut(nn.Module):
+    """A custom layer that reads the weight's `.data` in the middle of the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        h = torch.tanh(F.linear(h, self.fc2.weight.data, self.fc2.bias))  # DATA
+        return self.out(h)
+
+
+class SaturatedRNN(nn.Module):
+    """A tanh RNN with a bad init (a recurrent bias of 20): every state saturates at exactly 1.0, and the loss reads
+    the last one only, through the `stack` of all the states."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.out = nn.RNN(8, 16, batch_first=True), nn.Linear(16, 1)
+        with torch.no_grad():
+            self.rnn.bias_hh_l0.fill_(20.0)
+
+    def forward(self, x):
+        h, _ = self.rnn(x.unsqueeze(1).expand(-1, 40, -1))  # RNN
+        return self.out(h[:, -1])
+
+
 class MLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -280,7 +320,8 @@ def main(root, kinds):
         else:
             model = {"skip_detach": SkipDetach, "skip_detach_again": SkipDetach, "argmax_router": ArgmaxRouter,
                      "sigmoid_gate": SigmoidGate, "no_grad_helper": NoGradHelper,
-                     "own_reentrant": OwnCheckpoint}[kind]()
+                     "own_reentrant": OwnCheckpoint, "round_path": Quantized, "data_cut": DataCut,
+                     "rnn_saturated": SaturatedRNN}[kind]()
             g = loop(model, f"{root}/{kind}", 4)
         print(kind, g.flow_snapshots[0] if g.flow_snapshots else "none", g.snapshots)
 

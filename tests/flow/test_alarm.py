@@ -189,7 +189,10 @@ def test_a_deep_sigmoid_mlp_saturated_by_an_lr_jump_fires_gradient_vanished_for_
     d = analyze(path).to_json()
     assert d["verdict"] == "gradient_vanished" and d["gradient_flow"]["reproduced"] is True
     assert {"0.weight", "0.bias"} <= set(d["gradient_flow"]["parameters"])
-    assert "jumped from 0.1 to 1e+03 at step 33" in d["diagnosis"]["explanation"]
+    diag = d["diagnosis"]  # the jump is the cause (flow_divergence): the rate's fix, the collapse its mechanism
+    assert "jumped from 0.1 (steps 0–32) to 1000 at step 33" in diag["explanation"]
+    assert diag["cause"] == "training_diverged" and diag["mechanism"]["cause"] == "gradient_vanished"
+    assert diag["fix"]["settings"] == {"lr_bound": 0.1} and "group['lr'] = 0.1" in diag["fix"]["code"]
 
 
 def test_the_same_mlp_without_the_jump_and_with_vanish_off_write_nothing(tmp_path):

@@ -20,7 +20,7 @@ from tests.isolation import ROOT, analyze_isolated, framework
 HERE = Path(__file__).resolve().parent
 KINDS = ("dead_relu", "skip_detach", "argmax_router", "sigmoid_gate", "no_grad_helper", "tied_frozen", "broadcast_mse",
          "swiftformer", "vit_reentrant", "bert_tied_frozen", "broadcast_healthy", "skip_detach_again",
-         "own_reentrant", "dead_init")
+         "own_reentrant", "dead_init", "round_path", "data_cut", "rnn_saturated")
 
 
 def culprit_line(marker: str = "# CULPRIT") -> list[int]:
@@ -54,7 +54,7 @@ def _line(row: dict) -> tuple[str, int]:
     return Path(src["file"]).name, src["line"]
 
 
-def test_dead_relu_after_an_lr_jump_is_a_zeroing_relu_and_the_history_names_the_jump(runs):
+def test_dead_relu_after_an_lr_jump_is_a_zeroing_relu_and_the_rate_is_the_cause(runs):
     d, paths = runs[0]["dead_relu"], runs[1]
     assert "gradient_died" in paths["dead_relu"]
     assert d["verdict"] == "gradient_zero" and d["snapshot_info"]["trigger"] == "gradient_died"
@@ -63,12 +63,34 @@ def test_dead_relu_after_an_lr_jump_is_a_zeroing_relu_and_the_history_names_the_
     assert row["op"] == "aten.relu.default" and row["kind"] == "relu" and row["local_zero"]["units"] == 1.0
     assert _line(row) == ("flowtrain.py", culprit_line("# RELU")[0])
     assert d["gradient_flow"]["lr_jump"] == {"from": 0.01, "to": 30.0, "step": 4}
-    assert "jumped from 0.01 to 30 at step 4" in d["diagnosis"]["explanation"]
-    fix = d["diagnosis"]["fix"]
-    assert fix["kind"] == "leaky_relu"
-    # replayed with LeakyReLU the gradient flows, but the lr jump blew the weights up: 1% of inputs that far below
-    # zero changes the loss by orders of magnitude, so the swap is not called a verified fix
-    assert fix["verified"] is False and fix["replay"]["loss_change"] > 1 and "re-initialise" in fix["verification"]
+    diag = d["diagnosis"]
+    assert "jumped from 0.01 (steps 0–3) to 30 at step 4" in diag["explanation"]
+    # the jump is the cause (flow_divergence): the fix is the rate the history trained at, the dead ReLU the mechanism
+    assert diag["cause"] == "training_diverged" and diag["divergence"]["lr_jump"]["after"] == 30.0
+    fix = diag["fix"]
+    assert fix["kind"] == "lower_lr_clip_grads" and fix["settings"] == {"lr_bound": 0.01}
+    # the rate went back to 0.01 after the one step at 30: the loop's write is still the line to bound
+    (edit,) = fix["edits"]
+    assert edit["before"] == 'g["lr"] = (lr_at or {}).get(step, lr)'
+    assert edit["after"] == 'g["lr"] = min((lr_at or {}).get(step, lr), 0.01)'
+    # the activation's own fix, kept as the mechanism's: replayed with LeakyReLU the gradient flows, but the jump blew
+    # the weights up: 1% of inputs that far below zero changes the loss by orders of magnitude, so it is not verified
+    own = diag["mechanism"]["fix"]
+    assert diag["mechanism"]["kind"] == "relu" and own["kind"] == "leaky_relu"
+    assert own["verified"] is False and own["replay"]["loss_change"] > 1 and "re-initialise" in own["verification"]
+
+
+def test_the_dead_relus_rate_bound_applied_trains_on_without_a_dead_gradient(runs, tmp_path):
+    """The edit made in a copy of the loop, the same run trained again under the guard: no snapshot at all."""
+    from tests.isolation import apply_edits
+
+    (tmp_path / "flowtrain.py").write_text((HERE / "flowtrain.py").read_text())
+    apply_edits(tmp_path / "flowtrain.py", runs[0]["dead_relu"]["diagnosis"]["fix"]["edits"])
+    res = subprocess.run([sys.executable, "flowtrain.py", str(tmp_path / "out"), "dead_relu"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["dead_relu", "none", "[]"], res.stdout
 
 
 def test_relu_units_dead_from_a_bad_init_are_repaired_by_leaky_relu_verified_by_replay(runs):
@@ -80,6 +102,8 @@ def test_relu_units_dead_from_a_bad_init_are_repaired_by_leaky_relu_verified_by_
     fix = d["diagnosis"]["fix"]
     assert fix["kind"] == "leaky_relu" and fix["verified"] is True and 0 < fix["replay"]["loss_change"] <= 0.5
     assert fix["replay"]["grad_norm"] > 0 and "jumped" not in d["diagnosis"]["explanation"]
+    # a flat loss history: no divergence, the ReLU keeps the blame (flow_divergence leaves it alone)
+    assert d["diagnosis"]["cause"] == "gradient_zero" and "mechanism" not in d["diagnosis"]
 
 
 def test_a_detach_on_the_skip_connection_is_cut_there_and_removing_it_is_verified(runs):
@@ -90,6 +114,8 @@ def test_a_detach_on_the_skip_connection_is_cut_there_and_removing_it_is_verifie
     assert row["op"] == "aten.detach.default" and _line(row) == ("flowtrain.py", culprit_line()[0])
     fix = d["diagnosis"]["fix"]
     assert fix["kind"] == "remove_cut" and fix["verified"] is True and fix["replay"]["loss_unchanged"] is True
+    (edit,) = fix["edits"]  # the line without its detaches: the change the replay verified
+    assert edit["line"] == culprit_line()[0] and edit["after"].startswith("h = h + self.block(h)")
 
 
 def test_a_router_through_argmax_is_cut_at_the_argmax(runs):
@@ -413,3 +439,39 @@ def test_the_flow_checks_re_run_leaves_the_training_bitwise_unchanged(tmp_path):
     assert guard.flow_snapshots  # the check ran (and wrote) on this run
     assert all(torch.equal(a, b) for a, b in zip(losses_on, losses_off, strict=True))
     assert on.keys() == off.keys() and all(torch.equal(on[k], off[k]) for k in on)
+
+
+def test_a_round_in_the_path_is_not_inert_its_zero_is_named_at_the_round(runs):
+    """round() has a zero derivative at every value, so the gradient stays zero at moved values too; but the loss
+    moves with the encoder's values (in steps): not inert, a snapshot, the zero named at the round."""
+    d, paths = runs[0]["round_path"], runs[1]
+    assert "no_gradient" in paths["round_path"] and d["verdict"] == "gradient_zero"
+    assert set(d["gradient_flow"]["parameters"]) == {"enc.weight", "enc.bias"}
+    row = _first(d)
+    assert row["op"] == "aten.round.default" and row["kind"] == "discrete"
+    assert _line(row) == ("flowtrain.py", culprit_line("# ROUND")[0])
+    assert d["diagnosis"]["fix"]["kind"] == "straight_through" and d["diagnosis"]["cause"] == "gradient_zero"
+
+
+def test_a_weight_read_through_data_is_named_as_data_not_as_a_detach(runs):
+    d = runs[0]["data_cut"]
+    assert d["verdict"] == "gradient_cut" and d["gradient_flow"]["parameters"] == ["fc2.weight"]
+    row = _first(d)
+    assert row["kind"] == "data_copy" and _line(row) == ("flowtrain.py", culprit_line("# DATA")[0])
+    assert ".data" in d["diagnosis"]["title"] and "detach" not in d["diagnosis"]["title"]
+    fix = d["diagnosis"]["fix"]  # undone (the weight itself in place of its .data): the same loss, a gradient
+    assert fix["verified"] is True and fix["replay"]["loss_unchanged"] is True
+    (edit,) = fix["edits"]  # verified, so the line is given back without its `.data`
+    assert edit["line"] == culprit_line("# DATA")[0] and ".data" in edit["before"]
+    assert edit["after"].startswith("h = torch.tanh(F.linear(h, self.fc2.weight, self.fc2.bias))")
+
+
+def test_a_saturated_rnn_is_zeroed_at_its_tanh_not_at_the_stack_of_its_states(runs):
+    """The loss reads the last state only: `stack`'s backward gives the other states zeros while the last gets a
+    gradient, so the flow goes on through it, to the saturated tanh."""
+    d = runs[0]["rnn_saturated"]
+    assert d["verdict"] == "gradient_zero" and {"rnn.weight_hh_l0", "rnn.bias_hh_l0"} <= set(
+        d["gradient_flow"]["parameters"])
+    row = _first(d)
+    assert row["op"] == "aten.tanh.default" and row["kind"] == "saturated" and row["module"] == "rnn"
+    assert _line(row) == ("flowtrain.py", culprit_line("# RNN")[0])
