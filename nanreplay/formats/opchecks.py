@@ -208,6 +208,10 @@ def _embedding_bag(call: Call) -> None:
         raise Refused("offsets must not decrease")
     if v is not None and v.numel() and int(v[0]) != 0:
         raise Refused("offsets must start at 0")
+    # include_last_offset: the last offset only closes the last bag; with no bag before it, max mode writes the
+    # indices into row 0 of a 0-row output (a heap write, SIGSEGV)
+    if call["include_last_offset"] is True and oshape[0] < 2 and ishape[0] > 0:
+        raise Refused("with include_last_offset, offsets must open at least one bag for the indices")
 
 
 # ------------------------------------------------------------------ gather / scatter / index
