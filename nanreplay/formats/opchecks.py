@@ -10,7 +10,8 @@ the kernels of the allowlisted families found those that do not check (or check 
 * `mkldnn_rnn_layer` sizes its buffers from `hidden_size` and the weights' shapes without comparing them;
 * an integer `div(..., rounding_mode='trunc')` of INT_MIN by -1 traps (SIGFPE), as do zero divisors of the
   scalar overloads; the CPU flash-attention kernel divides by a zero-length query or key dimension;
-* int-coded enums (`reduction`, `mode`, `interpolation_mode`, ...) index tables inside the kernel.
+* int-coded enums (`reduction`, `mode`, `interpolation_mode`, ...) index tables inside the kernel;
+* derivative kernels and solver helpers trust their companions' shapes (their checks: formats/gradchecks.py).
 
 `RULES` maps an op packet to its checks. A check receives a `Call`: the node's arguments by schema name
 (tensors as real tensors during a replay, as meta tensors during the dry run), and `value(t)`, the real
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from nanreplay import torch_internals as ti
+from nanreplay.formats.gradchecks import GRAD_CHECKS
 
 INT_MIN = {torch.int64: -(2**63), torch.int32: -(2**31), torch.int16: -(2**15), torch.int8: -(2**7)}
 MAX_LIST_OUTPUTS = 100_000  # tensors one op may return as a list (unbind, split)
@@ -208,6 +210,9 @@ def _embedding_bag(call: Call) -> None:
         raise Refused("offsets must not decrease")
     if v is not None and v.numel() and int(v[0]) != 0:
         raise Refused("offsets must start at 0")
+    # include_last_offset with no bag for the indices: max mode writes into a 0-row output (SIGSEGV)
+    if call["include_last_offset"] is True and oshape[0] < 2 and ishape[0] > 0:
+        raise Refused("with include_last_offset, offsets must open at least one bag for the indices")
 
 
 # ------------------------------------------------------------------ gather / scatter / index
@@ -437,8 +442,8 @@ def _batch_norm(call: Call) -> None:
         raise Refused("the input must have a channel dimension")
     for name in ("weight", "bias", "running_mean", "running_var", "save_mean", "save_invstd"):
         t = call[name]
-        if name.startswith("save_") and isinstance(t, torch.Tensor) and t.numel() == 0:
-            continue  # eval mode saves nothing
+        if name.startswith("save_") and isinstance(t, torch.Tensor) and t.numel() == 0 and call["train"] is False:
+            continue  # eval mode saves nothing (in train mode the kernel reads them: SIGSEGV on empty ones)
         if isinstance(t, torch.Tensor) and _shape(t) != (xs[1],):
             raise Refused(f"{name} is {list(_shape(t))}, not one value per channel of the input ({xs[1]})")
     g = call["grad_out"]
@@ -540,41 +545,6 @@ def _unfold_backward(call: Call) -> None:
         raise Refused(f"grad_in is {list(gs)}, not what unfolding input_sizes makes")
 
 
-# ------------------------------------------------------------------ derivative kernels run as forward ops
-
-
-# packet -> the argument that the gradient must match in shape (autograd passes the gradient of exactly the tensor
-# it differentiates; the kernels would broadcast anything else, which no recorded step does)
-_POINTWISE_GRAD = {p: "self" for p in (
-    "hardtanh_backward", "leaky_relu_backward", "gelu_backward", "softplus_backward", "silu_backward", "mish_backward",
-    "hardsigmoid_backward", "hardswish_backward", "softshrink_backward", "logit_backward")} | {
-    "sigmoid_backward": "output", "tanh_backward": "output", "elu_backward": "self_or_result"}
-
-
-@rule(*_POINTWISE_GRAD, "hardshrink_backward")
-def _pointwise_grad(call: Call) -> None:
-    """An activation's derivative under `create_graph=True` (WGAN-GP's penalty): one gradient per input value."""
-    packet = call.name.split(".")[1]
-    g = call["grad_out"] if packet == "hardshrink_backward" else call["grad_output"]
-    x = call[_POINTWISE_GRAD.get(packet, "self")]
-    if isinstance(g, torch.Tensor) and isinstance(x, torch.Tensor) and _shape(g) != _shape(x):
-        raise Refused(f"the gradient is {list(_shape(g))}, not the shape {list(_shape(x))} it differentiates")
-
-
-@rule("mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward", "soft_margin_loss_backward",
-      "binary_cross_entropy_backward")
-def _loss_grad(call: Call) -> None:
-    """A loss's derivative: input and target of one shape (a weight, where given, too); the incoming gradient is
-    the loss's (a scalar when reduced, else one per element)."""
-    x, y, g, w = call["self"], call["target"], call["grad_output"], call["weight"]
-    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and _shape(x) != _shape(y):
-        raise Refused("input and target differ in shape")
-    if isinstance(w, torch.Tensor) and isinstance(x, torch.Tensor) and _shape(w) != _shape(x):
-        raise Refused("the weight is not the input's shape")
-    if isinstance(g, torch.Tensor) and isinstance(x, torch.Tensor) and g.numel() != 1 and _shape(g) != _shape(x):
-        raise Refused("the incoming gradient is neither a scalar nor the input's shape")
-
-
 # ------------------------------------------------------------------ torch.distributions' argument validation
 
 
@@ -585,3 +555,14 @@ def _is_all_true(call: Call) -> None:
     x = call["self"]
     if isinstance(x, torch.Tensor) and x.dtype != torch.bool:
         raise Refused("the input must be a bool tensor")
+
+
+def _refusing(why: Callable[[Call], str | None]) -> Check:
+    def fn(call: Call) -> None:
+        if (reason := why(call)) is not None:
+            raise Refused(reason)
+    return fn
+
+
+for _p, _why in GRAD_CHECKS.items():  # derivative kernels and solver helpers (formats/gradchecks.py)
+    rule(_p)(_refusing(_why))

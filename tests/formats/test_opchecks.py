@@ -53,7 +53,10 @@ CASES: dict[str, list[tuple[str, dict, dict]]] = {
               scale_grad_by_freq=False))],
     "_embedding_bag": [("default", _bag(), _bag(offsets=t(0, -4099))), ("default", _bag(), _bag(offsets=t(2, 0))),
                        ("default", _bag(), _bag(indices=t(1, BIG, 3))), ("default", _bag(), _bag(mode=200)),
-                       ("default", _bag(), _bag(offsets=t(0, 4099)))],
+                       ("default", _bag(), _bag(offsets=t(0, 4099))),
+                       # include_last_offset: the last offset closes the last bag; with none, max mode is a SIGSEGV
+                       ("default", _bag(offsets=t(0, 1, 3), mode=2, include_last_offset=True),
+                        _bag(offsets=t(0), mode=2, include_last_offset=True))],
     "embedding_bag": [("default", _bag(), _bag(offsets=t(1, 2)))],
     "gather": [("default", dict(self=X34, dim=1, index=t(0, 3).view(1, 2)), dict(self=X34, dim=1, index=t(0, BIG).view(1, 2))),
                ("default", dict(self=X34, dim=1, index=t(0).view(1, 1)), dict(self=X34, dim=5, index=t(0).view(1, 1)))],
@@ -186,9 +189,27 @@ for _p, _ov in (("native_batch_norm", "default"), ("_native_batch_norm_legit", "
 CASES["_native_batch_norm_legit_no_training"] = [
     ("default", {k: v for k, v in _BN_GOOD.items() if k != "training"},
      {k: v for k, v in _BN_BAD.items() if k != "training"})]
+_BN_EVAL_BWD = dict(grad_out=X4, input=X4, weight=torch.ones(3), running_mean=torch.zeros(3),
+                    running_var=torch.ones(3), save_mean=torch.zeros(0), save_invstd=torch.zeros(0), train=False)
 CASES["native_batch_norm_backward"] = [
-    ("default", dict(grad_out=X4, input=X4, weight=torch.ones(3), save_mean=torch.zeros(0), save_invstd=torch.zeros(0)),
-     dict(grad_out=X4, input=X4, weight=torch.ones(1)))]
+    ("default", _BN_EVAL_BWD, dict(grad_out=X4, input=X4, weight=torch.ones(1))),
+    # in train mode the kernel reads the saved statistics: empty ones are a SIGSEGV
+    ("default", {**_BN_EVAL_BWD, "save_mean": torch.zeros(3), "save_invstd": torch.ones(3), "train": True},
+     {**_BN_EVAL_BWD, "train": True})]
+_LN = dict(grad_out=torch.randn(8, 4), input=torch.randn(8, 4), normalized_shape=[4], mean=torch.zeros(8, 1),
+           rstd=torch.ones(8, 1), weight=torch.ones(4), bias=torch.zeros(4), output_mask=[True, True, True])
+CASES["native_layer_norm_backward"] = [
+    ("default", _LN, {**_LN, "mean": torch.zeros(1), "rstd": torch.ones(1)}),  # reads the heap into grad_weight
+    ("default", _LN, {**_LN, "grad_out": torch.randn(1, 4)}),
+    ("default", _LN, {**_LN, "normalized_shape": [8, 4, 1]}),
+    ("default", _LN, {**_LN, "weight": torch.ones(1)})]
+for _p in ("_log_softmax_backward_data", "_softmax_backward_data"):
+    CASES[_p] = [("default", dict(grad_output=X34, output=X34, dim=1, input_dtype=torch.float32),
+                  dict(grad_output=X34, output=X34[:1], dim=1, input_dtype=torch.float32))]
+_SPD = torch.eye(4).expand(3, 4, 4)
+CASES["_cholesky_solve_helper"] = [
+    ("default", dict(self=torch.ones(3, 4, 2), A=_SPD, upper=False), dict(self=torch.ones(1, 4, 2), A=_SPD, upper=False)),
+    ("default", dict(self=torch.ones(3, 4, 2), A=_SPD, upper=False), dict(self=torch.ones(3, 2, 2), A=_SPD, upper=False))]
 _UP = {"upsample_nearest1d": 1, "upsample_linear1d": 1, "upsample_nearest2d": 2, "upsample_bilinear2d": 2,
        "upsample_bicubic2d": 2, "upsample_nearest3d": 3, "upsample_trilinear3d": 3}
 for _p, _n in _UP.items():
