@@ -26,7 +26,7 @@ import torch
 from nanreplay import torch_internals as ti
 from nanreplay.confine import progress
 from nanreplay.errors import LimitError, ReplayError, SnapshotError, kernel_message
-from nanreplay.formats import opchecks
+from nanreplay.formats import derivchecks, opchecks  # noqa: F401 - derivchecks adds its checks to opchecks.RULES
 from nanreplay.formats.ops import check_values
 from nanreplay.formats.program import DTYPES, DeviceLiteral, Program, Ref
 from nanreplay.limits import format_size, work_budget

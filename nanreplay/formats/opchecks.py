@@ -143,8 +143,7 @@ _ENUMS: dict[tuple[str, str], frozenset] = {
 REDUCTION_PACKETS = ("binary_cross_entropy", "binary_cross_entropy_with_logits", "huber_loss", "kl_div", "mse_loss",
                      "multi_margin_loss", "multilabel_margin_loss_forward", "nll_loss", "nll_loss2d_forward",
                      "nll_loss_forward", "nll_loss_nd", "smooth_l1_loss", "soft_margin_loss")
-for _p in REDUCTION_PACKETS + ("mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward",
-                               "soft_margin_loss_backward", "binary_cross_entropy_backward"):
+for _p in REDUCTION_PACKETS:
     _ENUMS[(_p, "reduction")] = frozenset({0, 1, 2})
 
 
@@ -538,41 +537,6 @@ def _unfold_backward(call: Call) -> None:
     want = full[:d] + [(full[d] - size) // step + 1] + full[d + 1:] + [size]
     if list(gs) != want:
         raise Refused(f"grad_in is {list(gs)}, not what unfolding input_sizes makes")
-
-
-# ------------------------------------------------------------------ derivative kernels run as forward ops
-
-
-# packet -> the argument that the gradient must match in shape (autograd passes the gradient of exactly the tensor
-# it differentiates; the kernels would broadcast anything else, which no recorded step does)
-_POINTWISE_GRAD = {p: "self" for p in (
-    "hardtanh_backward", "leaky_relu_backward", "gelu_backward", "softplus_backward", "silu_backward", "mish_backward",
-    "hardsigmoid_backward", "hardswish_backward", "softshrink_backward", "logit_backward")} | {
-    "sigmoid_backward": "output", "tanh_backward": "output", "elu_backward": "self_or_result"}
-
-
-@rule(*_POINTWISE_GRAD, "hardshrink_backward")
-def _pointwise_grad(call: Call) -> None:
-    """An activation's derivative under `create_graph=True` (WGAN-GP's penalty): one gradient per input value."""
-    packet = call.name.split(".")[1]
-    g = call["grad_out"] if packet == "hardshrink_backward" else call["grad_output"]
-    x = call[_POINTWISE_GRAD.get(packet, "self")]
-    if isinstance(g, torch.Tensor) and isinstance(x, torch.Tensor) and _shape(g) != _shape(x):
-        raise Refused(f"the gradient is {list(_shape(g))}, not the shape {list(_shape(x))} it differentiates")
-
-
-@rule("mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward", "soft_margin_loss_backward",
-      "binary_cross_entropy_backward")
-def _loss_grad(call: Call) -> None:
-    """A loss's derivative: input and target of one shape (a weight, where given, too); the incoming gradient is
-    the loss's (a scalar when reduced, else one per element)."""
-    x, y, g, w = call["self"], call["target"], call["grad_output"], call["weight"]
-    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and _shape(x) != _shape(y):
-        raise Refused("input and target differ in shape")
-    if isinstance(w, torch.Tensor) and isinstance(x, torch.Tensor) and _shape(w) != _shape(x):
-        raise Refused("the weight is not the input's shape")
-    if isinstance(g, torch.Tensor) and isinstance(x, torch.Tensor) and g.numel() != 1 and _shape(g) != _shape(x):
-        raise Refused("the incoming gradient is neither a scalar nor the input's shape")
 
 
 # ------------------------------------------------------------------ torch.distributions' argument validation

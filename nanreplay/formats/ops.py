@@ -101,7 +101,10 @@ hardtanh_backward sigmoid_backward tanh_backward leaky_relu_backward gelu_backwa
 silu_backward mish_backward hardsigmoid_backward hardswish_backward softshrink_backward hardshrink_backward
 logit_backward mse_loss_backward smooth_l1_loss_backward huber_loss_backward soft_margin_loss_backward
 binary_cross_entropy_backward
-""".split())
+nll_loss_backward nll_loss2d_backward max_pool2d_with_indices_backward avg_pool2d_backward
+_adaptive_avg_pool2d_backward slice_backward select_backward diagonal_backward squeeze_
+""".split())  # from nll_loss_backward on (open world): MAML's inner loop on a CNN with
+# cross-entropy; physics-informed losses that differentiate a slice or column of a gradient (u_xx); torch.func's jacrev
 PACKETS = PACKETS | DOUBLE_BACKWARD
 
 # ---- Added by the open-world audit: the dense linear algebra real models run in their step —
