@@ -268,3 +268,66 @@ def test_an_update_that_breaks_a_complex_weight_is_caught_and_analyzed(tmp_path)
     assert step == 2 and guard.last_snapshot and "_step000002_update_" in guard.last_snapshot
     result = analyze(guard.last_snapshot, verify=False).to_json()
     assert result["diagnosis"]["cause"] == "nonfinite_lr"
+
+
+class LogFeature(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(7, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        feat = torch.log(x.pow(2).sum(-1, keepdim=True))  # LINE: lbfgs
+        return self.b(torch.tanh(self.a(torch.cat([x, feat], -1))))
+
+
+def _lbfgs(folder, guarded: bool, bad: int | None):
+    torch.manual_seed(0)
+    model = LogFeature()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
+    guard = NanGuard(model, opt, loss_fn=F.cross_entropy, folder=folder) if guarded else None
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(3):
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+        if step == bad:
+            x[1] = 0.0  # log(0) in a feature: the loss stays finite, a.weight's gradient is NaN
+        if guard:
+            guard.begin(x, y, step=step)
+        ok = [True]
+
+        def closure(x=x, y=y, ok=ok):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            ok[0] = ok[0] and (guard is None or guard.loss_ok(loss))
+            loss.backward()
+            ok[0] = ok[0] and (guard is None or guard.grads_ok())
+            return loss
+
+        losses.append(opt.step(closure).detach().clone())  # LBFGS calls the closure up to 5 times per step
+        if not ok[0] or (guard and not guard.update_ok()):
+            break
+    return losses, model, guard
+
+
+def test_lbfgs_closure_writes_one_snapshot_per_failing_batch(tmp_path):
+    """LBFGS evaluates its closure several times per step and cannot be stopped inside it: after the closure's
+    grads_ok() wrote the gradient snapshot, LBFGS stepped on the NaN gradient and called the closure again, and the
+    guard wrote a loss snapshot and an update snapshot of the same step, both of already-NaN weights ("NaN/Inf already
+    in the weights"): the last snapshot, the one a user opens, no longer named the culprit, and one incident used up
+    max_snapshots=3. Now a batch (one begin()) writes one failure snapshot; what follows from it is one warning."""
+    plain, m0, _ = _lbfgs(tmp_path / "off", False, None)
+    guarded, m1, guard = _lbfgs(tmp_path / "on", True, None)
+    assert len(plain) == len(guarded) == 3 and all(torch.equal(a, b) for a, b in zip(plain, guarded, strict=True))
+    assert all(torch.equal(p, q) for p, q in zip(m0.parameters(), m1.parameters(), strict=True))
+    assert guard.last_snapshot is None
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, _, guard = _lbfgs(tmp_path / "bad", True, bad=2)
+    assert len(guard.snapshots) == 1 and "_step000002_gradient_" in guard.snapshots[0], guard.snapshots
+    assert guard.last_snapshot == guard.snapshots[0]
+    assert sum("already written for this batch" in str(w.message) for w in caught) == 1
+    result = analyze(guard.last_snapshot, verify=False).to_json()
+    c = result["culprit"]
+    assert (result["verdict"], c["forward_op"]) == ("culprit_found", "aten.log.default")
+    assert c["source"]["code"].endswith("# LINE: lbfgs")
