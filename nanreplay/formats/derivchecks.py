@@ -34,14 +34,22 @@ for _p in ("mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward"
     rule(_p)(_enum_check(_p, "reduction", frozenset({0, 1, 2})))
 
 
+def _broadcast(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Whether shapes a and b broadcast together (plain ints: a check runs inside the replay's op recorder)."""
+    return all(x == y or x == 1 or y == 1 for x, y in zip(reversed(a), reversed(b), strict=False))
+
+
 @rule(*_POINTWISE_GRAD, "hardshrink_backward")
 def _pointwise_grad(call: Call) -> None:
-    """An activation's derivative under `create_graph=True` (WGAN-GP's penalty): one gradient per input value."""
+    """An activation's derivative under `create_graph=True` (WGAN-GP's penalty): a gradient per input value, or
+    one that broadcasts against the input — torch.func's `vmap(jacrev(f))` (a contractive penalty) passes a batch of
+    basis vectors [N, K, D] against the saved [N, 1, D]. The kernel is elementwise (TensorIterator) and broadcasts
+    safely; shapes that do not broadcast are no step's."""
     packet = call.name.split(".")[1]
     g = call["grad_out"] if packet == "hardshrink_backward" else call["grad_output"]
     x = call[_POINTWISE_GRAD.get(packet, "self")]
-    if isinstance(g, torch.Tensor) and isinstance(x, torch.Tensor) and _shape(g) != _shape(x):
-        raise Refused(f"the gradient is {list(_shape(g))}, not the shape {list(_shape(x))} it differentiates")
+    if isinstance(g, torch.Tensor) and isinstance(x, torch.Tensor) and not _broadcast(_shape(g), _shape(x)):
+        raise Refused(f"the gradient is {list(_shape(g))}, which does not broadcast against {list(_shape(x))}")
 
 
 @rule("mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward", "soft_margin_loss_backward",

@@ -4,7 +4,9 @@ kernels as forward ops, and a snapshot of such a step used to carry no program (
 * MAML's inner loop (`torch.func.functional_call` + `autograd.grad(create_graph=True)`) on a CNN with
   cross-entropy: `nll_loss_backward` and `max_pool2d_with_indices_backward`;
 * a physics-informed loss that takes one column of the input gradient (`du[:, :1]`, `du[:, 1]`) and differentiates
-  it again (u_xx, u_tt): `select_backward` and `slice_backward`.
+  it again (u_xx, u_tt): `select_backward` and `slice_backward`;
+* a contractive autoencoder's Jacobian penalty (`vmap(jacrev(encoder))`): `squeeze_`, and `tanh_backward` with a
+  batch of basis vectors as its gradient (it broadcasts against the saved output: the check refused the program).
 
 Each trains guarded and unguarded (bitwise equal), then breaks at step 2; the snapshot is analyzed with no flags
 where the training code cannot be imported. The checks these kernels get are in formats/derivchecks.py.
@@ -19,7 +21,7 @@ import sys
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.func import functional_call
+from torch.func import functional_call, jacrev, vmap
 from nanreplay import NanGuard
 
 
@@ -58,9 +60,22 @@ class Pinn(nn.Module):
         return torch.log(res.pow(2).mean(-1)).mean()  # LINE: pinn
 
 
+class Contractive(nn.Module):
+    """A contractive autoencoder: the encoder's Jacobian (torch.func.jacrev under vmap) as a penalty."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.dec = nn.Sequential(nn.Linear(4, 8), nn.Tanh()), nn.Linear(8, 4)
+
+    def forward(self, x):
+        jac = vmap(jacrev(self.enc))(x)
+        penalty = torch.log(jac.pow(2).sum((1, 2)))  # LINE: cae
+        return F.mse_loss(self.dec(self.enc(x)), x) + 1e-3 * penalty.mean()
+
+
 def run(kind, folder, guarded, bad):
     torch.manual_seed(0)
-    model = Conv() if kind == "maml" else Pinn()
+    model = {"maml": Conv, "pinn": Pinn, "cae": Contractive}[kind]()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     guard = NanGuard(model, opt, step_fn=maml_step, folder=folder) if guarded and kind == "maml" else \
         NanGuard(model, opt, folder=folder) if guarded else None
@@ -74,9 +89,9 @@ def run(kind, folder, guarded, bad):
                     model.head.weight.mul_(1e4)  # scaled weights: the query's softmax saturates to an exact 0
             batch = (x[:4], y[:4], x[4:], y[4:])
         else:
-            batch = torch.rand(6, 2, generator=g)
+            batch = torch.rand(6, 2 if kind == "pinn" else 4, generator=g)
             if step == bad:
-                batch[3] = 1e4  # tanh saturates: that point's residual is exactly 0
+                batch[3] = 1e4  # tanh saturates: that point's residual (its Jacobian) is exactly 0
         if guard:
             guard.begin(batch, step=step)
         opt.zero_grad()
@@ -115,9 +130,10 @@ print(json.dumps({p: analyze(p, verify=False).to_json() for p in sys.argv[1:]}))
 
 
 def test_second_order_steps_record_and_localise(tmp_path):
-    runs = train_then_analyze(tmp_path, TRAINING, ("maml", "pinn"), ANALYZE)
+    runs = train_then_analyze(tmp_path, TRAINING, ("maml", "pinn", "cae"), ANALYZE)
     want = {"maml": {"aten.nll_loss_backward.default", "aten.max_pool2d_with_indices_backward.default"},
-            "pinn": {"aten.select_backward.default", "aten.slice_backward.default"}}
+            "pinn": {"aten.select_backward.default", "aten.slice_backward.default"},
+            "cae": {"aten.squeeze_.dims", "aten.tanh_backward.default"}}
     for kind, (path, d) in runs.items():
         assert want[kind] <= program_ops(path), kind
         assert d["verdict"] == "culprit_found", (kind, d["verdict"], d.get("warnings"))

@@ -213,7 +213,10 @@ _ACT = {"hardtanh_backward": dict(min_val=-1.0, max_val=1.0), "leaky_relu_backwa
         "silu_backward": {}, "mish_backward": {}, "hardsigmoid_backward": {}, "hardswish_backward": {},
         "softshrink_backward": dict(lambd=0.5), "logit_backward": {}}
 for _p, _kw in _ACT.items():
-    CASES[_p] = [("default", dict(grad_output=_G, self=X34, **_kw), dict(grad_output=_G5, self=X34, **_kw))]
+    CASES[_p] = [("default", dict(grad_output=_G, self=X34, **_kw), dict(grad_output=_G5, self=X34, **_kw)),
+                 # vmap(jacrev(f)) passes a batch of basis vectors against the saved input: broadcasting is fine
+                 ("default", dict(grad_output=torch.ones(3, 2, 4), self=X34[:, None], **_kw),
+                  dict(grad_output=torch.ones(3, 2, 4), self=torch.randn(2, 3, 4), **_kw))]
 CASES["hardshrink_backward"] = [("default", dict(grad_out=_G, self=X34, lambd=0.5), dict(grad_out=_G5, self=X34, lambd=0.5))]
 for _p in ("sigmoid_backward", "tanh_backward"):
     CASES[_p] = [("default", dict(grad_output=_G, output=X34), dict(grad_output=_G5, output=X34))]
