@@ -331,3 +331,31 @@ def test_lbfgs_closure_writes_one_snapshot_per_failing_batch(tmp_path):
     c = result["culprit"]
     assert (result["verdict"], c["forward_op"]) == ("culprit_found", "aten.log.default")
     assert c["source"]["code"].endswith("# LINE: lbfgs")
+
+
+def test_an_update_snapshot_of_another_optimizer_lists_each_broken_weight_once(tmp_path):
+    """An update snapshot of an optimizer whose step nanreplay does not invert (RMSprop, Adafactor, LBFGS) holds the
+    weights after the update; the analysis listed each broken weight twice (once from the update's record, once as
+    a weight the snapshot holds), and the report printed the parameter twice."""
+    torch.manual_seed(0)
+    model = LogFeature()
+    opt = torch.optim.RMSprop(model.parameters(), lr=0.01)
+    guard = NanGuard(model, opt, loss_fn=F.cross_entropy, folder=tmp_path, check_flow=False)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+        if step == 2:
+            opt.param_groups[0]["lr"] = 3e38  # finite in float32; grad / sqrt(v) ~ 10 overflows the update
+        guard.begin(x, y, step=step)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        assert guard.loss_ok(loss)
+        loss.backward()
+        assert guard.grads_ok()
+        opt.step()
+        if not guard.update_ok():
+            break
+    assert step == 2 and guard.last_snapshot and "_step000002_update_" in guard.last_snapshot
+    result = analyze(guard.last_snapshot, verify=False).to_json()
+    names = [(r["name"], r["role"]) for r in result["nonfinite_leaves"]]
+    assert result["verdict"] == "nonfinite_parameters" and names and len(names) == len(set(names)), names
