@@ -359,3 +359,62 @@ def test_an_update_snapshot_of_another_optimizer_lists_each_broken_weight_once(t
     result = analyze(guard.last_snapshot, verify=False).to_json()
     names = [(r["name"], r["role"]) for r in result["nonfinite_leaves"]]
     assert result["verdict"] == "nonfinite_parameters" and names and len(names) == len(set(names)), names
+
+
+class TiedMaxNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mix = nn.Embedding(20, 8, max_norm=1.0), nn.Linear(8, 8)
+
+    def forward(self, ids):
+        return torch.tanh(self.mix(self.emb(ids))) @ self.emb.weight.t()  # the output projection tied to the input
+
+
+def _tied_step(model, batch):
+    ids, y = batch
+    return F.cross_entropy(model(ids).flatten(0, 1), y.flatten())
+
+
+def _tied(folder, guarded: bool, bad: int | None):
+    torch.manual_seed(0)
+    model = TiedMaxNorm()
+    with torch.no_grad():
+        model.emb.weight.mul_(3)  # rows above max_norm: every forward renormalises the ones it reads, in place
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = NanGuard(model, opt, step_fn=_tied_step, folder=folder) if guarded else None
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(3):
+        batch = (torch.randint(0, 20, (2, 5), generator=g), torch.randint(0, 20, (2, 5), generator=g))
+        if step == bad:
+            with torch.no_grad():
+                model.mix.weight[0, 0] = float("nan")
+        if guard:
+            guard.begin(batch, step=step)
+        opt.zero_grad()
+        loss = _tied_step(model, batch)
+        if guard and not guard.loss_ok(loss):
+            break
+        loss.backward()
+        if guard and not guard.grads_ok():
+            break
+        opt.step()
+        losses.append(loss.detach().clone())
+    return losses, model, guard
+
+
+def test_an_embedding_with_max_norm_is_not_written_by_a_rerun(tmp_path):
+    """`nn.Embedding(max_norm=...)` renormalises its weight in place in every forward (`embedding_renorm_`). The
+    guard's first-step check of a `step_fn` re-ran the forward, whose renorm wrote the live weight (a version bump),
+    and the loop's backward raised "modified by an inplace operation" because the tied output projection had saved
+    that weight. A failing step could not be recorded either (`embedding_renorm_` is not a pure op). The re-runs now
+    skip the renorm: the loop's forward already renormalised every row the batch reads."""
+    plain, m0, _ = _tied(tmp_path / "off", False, None)
+    guarded, m1, guard = _tied(tmp_path / "on", True, None)
+    assert len(plain) == len(guarded) == 3 and all(torch.equal(a, b) for a, b in zip(plain, guarded, strict=True))
+    assert all(torch.equal(p, q) for p, q in zip(m0.parameters(), m1.parameters(), strict=True))
+    _, _, guard = _tied(tmp_path / "bad", True, bad=2)
+    snap = torch.load(guard.last_snapshot, weights_only=True)
+    assert snap["program_error"] is None
+    result = analyze(guard.last_snapshot, verify=False).to_json()
+    assert result["verdict"] == "nonfinite_parameters" and result["nonfinite_leaves"][0]["name"] == "mix.weight"
