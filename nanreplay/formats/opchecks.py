@@ -539,6 +539,23 @@ def _unfold_backward(call: Call) -> None:
         raise Refused(f"grad_in is {list(gs)}, not what unfolding input_sizes makes")
 
 
+# ------------------------------------------------------------------ packed sequences
+
+
+@rule("_pack_padded_sequence")
+def _pack_padded(call: Call) -> None:
+    """`pack_padded_sequence`: the kernel copies `lengths[0]` time steps of the input without comparing that with the
+    input's length (a longer one reads past the input and returns batch sizes its data does not hold)."""
+    x, lengths = call["input"], call["lengths"]
+    xs = _shape(x)
+    if len(xs) < 2:
+        raise Refused("the input must be (T, B, *) or (B, T, *)")
+    steps = xs[1] if call["batch_first"] else xs[0]
+    if isinstance(lengths, torch.Tensor) and lengths.dim() != 1:
+        raise Refused("lengths must be a vector")
+    _in_range(call, lengths, 1, steps + 1, "lengths")
+
+
 # ------------------------------------------------------------------ torch.distributions' argument validation
 
 

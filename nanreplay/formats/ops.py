@@ -106,6 +106,9 @@ _adaptive_avg_pool2d_backward slice_backward select_backward diagonal_backward s
 """.split())  # from nll_loss_backward on (open world): MAML's inner loop on a CNN with
 # cross-entropy; physics-informed losses that differentiate a slice or column of a gradient (u_xx); torch.func's jacrev
 PACKETS = PACKETS | DOUBLE_BACKWARD
+# Open-world audit, round 2: packed sequences (`pack_padded_sequence` before an RNN); its lengths are checked in
+# formats/opchecks.py (the kernel reads `lengths[0]` time steps of the input without comparing them with its length).
+PACKETS = PACKETS | {"_pack_padded_sequence"}
 
 # ---- Added by the open-world audit: the dense linear algebra real models run in their step —
 # torch.distributions.MultivariateNormal (cholesky, then a triangular solve), Gaussian processes (cholesky_solve),

@@ -418,3 +418,55 @@ def test_an_embedding_with_max_norm_is_not_written_by_a_rerun(tmp_path):
     assert snap["program_error"] is None
     result = analyze(guard.last_snapshot, verify=False).to_json()
     assert result["verdict"] == "nonfinite_parameters" and result["nonfinite_leaves"][0]["name"] == "mix.weight"
+
+
+class PackedTagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.rnn, self.out = nn.Embedding(30, 8), nn.LSTM(8, 16, batch_first=True), nn.Linear(16, 3)
+
+    def forward(self, ids, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(self.emb(ids), lengths, batch_first=True, enforce_sorted=False)
+        h, _ = nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True)
+        pooled = h[:, 1:].sum(1) / (lengths[:, None] - 1).to(h.dtype)  # LINE: packed
+        return self.out(pooled)
+
+
+def test_a_packed_sequence_step_is_recorded_and_analyzed(tmp_path):
+    """`pack_padded_sequence` before an RNN (`_pack_padded_sequence`) was not on the allowlist: every snapshot of such
+    a step needed --model. Now it is, with its lengths checked against the input's length (the kernel reads that
+    many time steps unchecked), and the dry run bounds its data-dependent output."""
+    def train(folder, guarded, bad):
+        torch.manual_seed(0)
+        model = PackedTagger()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        guard = NanGuard(model, opt, loss_fn=F.cross_entropy, folder=folder) if guarded else None
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for step in range(3):
+            ids, y = torch.randint(1, 30, (4, 6), generator=g), torch.randint(0, 3, (4,), generator=g)
+            lengths = torch.tensor([6, 4, 1 if step == bad else 5, 2])  # a one-token sample: 0 / 0
+            if guard:
+                guard.begin((ids, lengths), y, step=step)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(ids, lengths), y)
+            if guard and not guard.loss_ok(loss):
+                break
+            loss.backward()
+            if guard and not guard.grads_ok():
+                break
+            opt.step()
+            losses.append(loss.detach().clone())
+        return losses, model, guard
+
+    plain, m0, _ = train(tmp_path / "off", False, None)
+    guarded, m1, guard = train(tmp_path / "on", True, None)
+    assert len(plain) == len(guarded) == 3 and all(torch.equal(a, b) for a, b in zip(plain, guarded, strict=True))
+    assert all(torch.equal(p, q) for p, q in zip(m0.parameters(), m1.parameters(), strict=True))
+    _, _, guard = train(tmp_path / "bad", True, 2)
+    snap = torch.load(guard.last_snapshot, weights_only=True)
+    assert snap["program_error"] is None
+    result = analyze(guard.last_snapshot, verify=False).to_json()
+    c = result["culprit"]
+    assert (result["verdict"], c["forward_op"]) == ("culprit_found", "aten.div.Tensor"), result.get("warnings")
+    assert c["source"]["code"].endswith("# LINE: packed")

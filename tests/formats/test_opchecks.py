@@ -278,6 +278,12 @@ CASES["select_backward"] = [("default", dict(grad_output=torch.ones(2), input_si
 CASES["diagonal_backward"] = [("default", dict(grad_output=torch.ones(2), input_sizes=[2, 3], offset=0, dim1=0, dim2=1),
                                dict(grad_output=torch.ones(3), input_sizes=[2, 3], offset=0, dim1=0, dim2=1))]
 
+# open world: pack_padded_sequence reads lengths[0] time steps of its input unchecked
+_PK = dict(input=torch.randn(3, 5, 4), lengths=torch.tensor([5, 3, 2]), batch_first=True)
+CASES["_pack_padded_sequence"] = [("default", _PK, {**_PK, "lengths": torch.tensor([9, 3, 2])}),
+                                  ("default", _PK, {**_PK, "batch_first": False}),
+                                  ("default", _PK, {**_PK, "lengths": torch.tensor([[5, 3, 2]])})]
+
 
 def _flat():
     for packet, cases in CASES.items():
