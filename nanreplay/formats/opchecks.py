@@ -446,7 +446,7 @@ def _batch_norm(call: Call) -> None:
 
 
 @rule("upsample_bicubic2d", "upsample_bilinear2d", "upsample_linear1d", "upsample_nearest1d", "upsample_nearest2d",
-      "upsample_nearest3d", "upsample_trilinear3d")
+      "upsample_nearest3d", "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa")
 def _upsample(call: Call) -> None:
     """A NaN, infinite, zero or negative scale reaches the kernel's index arithmetic (a NaN scale segfaults)."""
     for name in ("scales", "scales_d", "scales_h", "scales_w", "scale_factors"):
@@ -554,6 +554,18 @@ def _pack_padded(call: Call) -> None:
     if isinstance(lengths, torch.Tensor) and lengths.dim() != 1:
         raise Refused("lengths must be a vector")
     _in_range(call, lengths, 1, steps + 1, "lengths")
+
+
+@rule("affine_grid_generator")
+def _affine_grid(call: Call) -> None:
+    """A spatial transformer's sampling grid: `size` is an image's (N, C, H, W) or a volume's (N, C, D, H, W), and
+    theta one 2x3 (3x4) matrix per sample; the kernel is a matmul over a base grid of that size."""
+    size, theta = call["size"], call["theta"]
+    if not isinstance(size, list) or len(size) not in (4, 5) or not all(isinstance(n, int) and n >= 0 for n in size):
+        raise Refused("size must be the (N, C, H, W) or (N, C, D, H, W) of an image")
+    want = (size[0], 2, 3) if len(size) == 4 else (size[0], 3, 4)
+    if isinstance(theta, torch.Tensor) and _shape(theta) != want:
+        raise Refused(f"theta is {list(_shape(theta))}, not one {want[1]}x{want[2]} matrix per sample")
 
 
 # ------------------------------------------------------------------ torch.distributions' argument validation

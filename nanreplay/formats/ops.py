@@ -107,8 +107,9 @@ _adaptive_avg_pool2d_backward slice_backward select_backward diagonal_backward s
 # cross-entropy; physics-informed losses that differentiate a slice or column of a gradient (u_xx); torch.func's jacrev
 PACKETS = PACKETS | DOUBLE_BACKWARD
 # Open-world audit, round 2: packed sequences (`pack_padded_sequence` before an RNN); its lengths are checked in
-# formats/opchecks.py (the kernel reads `lengths[0]` time steps of the input without comparing them with its length).
-PACKETS = PACKETS | {"_pack_padded_sequence"}
+# formats/opchecks.py (the kernel reads `lengths[0]` time steps of the input without comparing them with its length)
+PACKETS = PACKETS | {"_pack_padded_sequence", "affine_grid_generator", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"}
+# (with them: a spatial transformer's `F.affine_grid`, and `F.interpolate(..., antialias=True)` resizing in the step)
 
 # ---- Added by the open-world audit: the dense linear algebra real models run in their step —
 # torch.distributions.MultivariateNormal (cholesky, then a triangular solve), Gaussian processes (cholesky_solve),

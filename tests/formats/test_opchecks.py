@@ -284,6 +284,16 @@ CASES["_pack_padded_sequence"] = [("default", _PK, {**_PK, "lengths": torch.tens
                                   ("default", _PK, {**_PK, "batch_first": False}),
                                   ("default", _PK, {**_PK, "lengths": torch.tensor([[5, 3, 2]])})]
 
+CASES["affine_grid_generator"] = [
+    ("default", dict(theta=torch.randn(2, 2, 3), size=[2, 1, 4, 4], align_corners=False),
+     dict(theta=torch.randn(2, 3, 4), size=[2, 1, 4, 4], align_corners=False)),
+    ("default", dict(theta=torch.randn(2, 2, 3), size=[2, 1, 4, 4], align_corners=False),
+     dict(theta=torch.randn(2, 2, 3), size=[2, 1, -4, 4], align_corners=False))]
+for _p in ("_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"):
+    _x = torch.randn(1, 1, 4, 4)
+    CASES[_p] = [("default", dict(self=_x, output_size=[2, 2], align_corners=False, scales_h=0.5, scales_w=0.5),
+                  dict(self=_x, output_size=[2, 2], align_corners=False, scales_h=float("nan"), scales_w=0.5))]
+
 
 def _flat():
     for packet, cases in CASES.items():
