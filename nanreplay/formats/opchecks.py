@@ -568,6 +568,17 @@ def _affine_grid(call: Call) -> None:
         raise Refused(f"theta is {list(_shape(theta))}, not one {want[1]}x{want[2]} matrix per sample")
 
 
+@rule("_pdist_forward")
+def _pdist(call: Call) -> None:
+    """`F.pdist`'s kernel, reached directly: torch's own wrapper checks what the kernel does not (a matrix of row
+    vectors, a p-norm with p >= 0)."""
+    p = call["p"]
+    if len(_shape(call["self"])) != 2:
+        raise Refused("the input must be a matrix of row vectors")
+    if not isinstance(p, (int, float)) or isinstance(p, bool) or not p >= 0:
+        raise Refused("p must be a non-negative number")
+
+
 # ------------------------------------------------------------------ torch.distributions' argument validation
 
 

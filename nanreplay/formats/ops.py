@@ -110,6 +110,11 @@ PACKETS = PACKETS | DOUBLE_BACKWARD
 # formats/opchecks.py (the kernel reads `lengths[0]` time steps of the input without comparing them with its length)
 PACKETS = PACKETS | {"_pack_padded_sequence", "affine_grid_generator", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"}
 # (with them: a spatial transformer's `F.affine_grid`, and `F.interpolate(..., antialias=True)` resizing in the step)
+# Metric learning and robust losses: `F.pdist`, `torch.triu_indices` pairs, `torch.isin` label masks, `torch.quantile`
+# (its `ceil_`), `torch.searchsorted` binning (the kernel checks `sorter`'s indices itself), `torch.polygamma`.
+PACKETS = PACKETS | frozenset("""
+_pdist_forward triu_indices tril_indices isin searchsorted ceil_ floor_ round_ trunc_ polygamma
+""".split())
 
 # ---- Added by the open-world audit: the dense linear algebra real models run in their step —
 # torch.distributions.MultivariateNormal (cholesky, then a triangular solve), Gaussian processes (cholesky_solve),

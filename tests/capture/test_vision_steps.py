@@ -1,7 +1,8 @@
-"""Vision steps from the open-world audit that used to leave a snapshot needing --model: a spatial transformer
-(`F.affine_grid` -> `aten.affine_grid_generator`, then `grid_sample`) and an antialiased resize inside the step
-(`F.interpolate(..., antialias=True)` -> `aten._upsample_bilinear2d_aa`). Trained guarded and unguarded (bitwise
-equal), then a zero-variance image breaks a normalisation at step 2; analyzed with no flags."""
+"""Vision and metric-learning steps from the open-world audit that used to leave a snapshot needing --model: a
+spatial transformer (`F.affine_grid` -> `aten.affine_grid_generator`, then `grid_sample`) with an antialiased resize
+(`F.interpolate(..., antialias=True)` -> `aten._upsample_bilinear2d_aa`), and a pairwise metric loss (`F.pdist`,
+`torch.triu_indices`, `torch.isin`, `torch.quantile`'s `ceil_`). Each trains guarded and unguarded (bitwise equal),
+then breaks at step 2 and is analyzed with no flags."""
 
 from __future__ import annotations
 
@@ -66,3 +67,61 @@ def test_a_spatial_transformer_with_an_antialiased_resize_records_and_localises(
     c = result["culprit"]
     assert (result["verdict"], c["forward_op"]) == ("culprit_found", "aten.div.Tensor"), result.get("warnings")
     assert c["source"]["code"].endswith("# LINE: stn")
+
+
+class PairMetric(nn.Module):
+    """A metric-learning loss over every pair of the batch: pdist, triu_indices pairs, an isin label mask and a
+    quantile margin (quantile runs ceil_)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def forward(self, x, labels):
+        z = self.enc(x)
+        d = F.pdist(z)
+        i, j = torch.triu_indices(x.shape[0], x.shape[0], 1)
+        known = ~torch.isin(labels, torch.tensor([-1]))
+        same = (labels[i] == labels[j]) & known[i] & known[j]
+        margin = torch.quantile(d.detach(), 0.5)
+        pos = -torch.log(torch.exp(-d[same]) + 1e-3).mean()
+        return pos + torch.log(d[~same]).neg().clamp(min=-margin).mean()  # LINE: pairs
+
+
+def test_a_pairwise_metric_loss_records_and_localises(tmp_path):
+    """Before, `_pdist_forward`, `triu_indices`, `isin` and quantile's `ceil_` each left the snapshot needing --model."""
+    def train(folder, guarded, bad):
+        torch.manual_seed(0)
+        model = PairMetric()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        guard = NanGuard(model, opt, folder=folder, check_flow=False) if guarded else None
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for step in range(3):
+            x, labels = torch.randn(6, 6, generator=g), torch.tensor([0, 0, 1, 1, 2, -1])
+            if step == bad:
+                x[4] = x[2]  # a duplicated sample of another class: distance 0, log(0)
+            if guard:
+                guard.begin((x, labels), step=step)
+            opt.zero_grad()
+            loss = model(x, labels)
+            if guard and not guard.loss_ok(loss):
+                break
+            loss.backward()
+            if guard and not guard.grads_ok():
+                break
+            opt.step()
+            losses.append(loss.detach().clone())
+        return losses, model, guard
+
+    plain, m0, _ = train(tmp_path / "off", False, None)
+    guarded, m1, guard = train(tmp_path / "on", True, None)
+    assert len(plain) == len(guarded) == 3 and all(torch.equal(a, b) for a, b in zip(plain, guarded, strict=True))
+    assert all(torch.equal(p, q) for p, q in zip(m0.parameters(), m1.parameters(), strict=True))
+    _, _, guard = train(tmp_path / "bad", True, 2)
+    snap = torch.load(guard.last_snapshot, weights_only=True)
+    assert snap["program_error"] is None
+    result = analyze(guard.last_snapshot, verify=False).to_json()
+    c = result["culprit"]
+    assert (result["verdict"], c["forward_op"]) == ("culprit_found", "aten.log.default"), result.get("warnings")
+    assert c["source"]["code"].endswith("# LINE: pairs")
