@@ -269,7 +269,9 @@ def _analyze_update(path, snap, *, model, loss, device, trust, verify, max_memor
         rows = [{"name": n, "role": "parameter", "nan": c["nan"], "inf": c["posinf"] + c["neginf"]}
                 for n, c in us.nonfinite_after.items()]
         result.verdict = Verdict.NONFINITE_PARAMETERS
-        result.nonfinite_leaves = rows + leaves
+        # the weights the snapshot holds are these same post-step weights: each parameter once (leaves' has its shape)
+        listed = {(r["name"], r["role"]) for r in leaves}
+        result.nonfinite_leaves = [r for r in rows if (r["name"], r["role"]) not in listed] + leaves
         result.diagnosis = diagnose.for_leaves(result.verdict, rows, snap)
         result.stats = {"timings": {"load": t_load - t0, "total": time.perf_counter() - t0}}
         return result

@@ -75,18 +75,17 @@ class NanGuard:
         model: the nn.Module being trained (DDP / torch.compile wrappers are fine: the module
             inside is what a snapshot records, under its own parameter names).
         optimizer: its optimizer (its state goes into the snapshot; needed by `step()`).
-        loss_fn: the loss, called as loss_fn(output, target) with the model's output as it is
-            (tuples, dicts). torch.nn.functional losses and torch.nn loss modules are recorded as
-            data. None: the model's own loss (a scalar output, a `loss` key or attribute, or the
-            one scalar in a tuple such as nanoGPT's `(logits, loss)`).
+        loss_fn: the loss, called as loss_fn(output, target) with the model's output as it is (tuples, dicts).
+            torch.nn.functional losses and torch.nn loss modules are recorded as data. None: the model's own loss
+            (a scalar output, a `loss` key or attribute, or the one scalar in a tuple such as nanoGPT's `(logits, loss)`).
         folder: where snapshots go (created if missing).
         step_fn: instead of loss_fn: `fn(model, batch) -> loss` for losses computed any other way
             (several forward calls, no target, HF `labels`); then call `begin(batch, step=...)`.
         factory: "pkg.mod:build" naming code that rebuilds the model, for the rare step that cannot
             be recorded as a program (analysis then needs --trust). Default: the model's class.
         export: record the step as a program in the snapshot (no training code needed to analyze).
-        max_snapshots: at most this many failure snapshots per guard (a run that keeps going NaN
-            does not fill the disk); `max_spike_snapshots` separately bounds finite-spike ones.
+        max_snapshots: at most this many failure snapshots per guard (a run that keeps going NaN does not fill the
+            disk), and one per batch (LBFGS's closure runs on); `max_spike_snapshots` separately bounds finite-spike ones.
         history: how many optimizer steps of loss / grad norm to keep for the report.
         spike_factor: also snapshot when the gradient norm exceeds this many times its running
             median (off by default; the step itself continues).
@@ -96,19 +95,17 @@ class NanGuard:
         autocast: the autocast setting of the forward, when loss_ok() is called outside the
             autocast block and it cannot be inferred ({"device_type": "cuda", "dtype": torch.float16}).
         on_nonfinite: "return" (loss_ok/grads_ok return False) or "raise" (NonFiniteStep).
-        sync_ranks: under torch.distributed, agree across ranks at each check (one all-reduce of
-            a world-size flag vector in loss_ok and in grads_ok), so that every rank writes a
-            snapshot of the same step before any of them stops; the snapshots record which
-            ranks were non-finite. Unset: on for sharded models (FSDP2, `sharded=True`), whose one
-            snapshot folder needs every rank (False there is refused here), off otherwise.
+        sync_ranks: under torch.distributed, agree across ranks at each check (one all-reduce of a world-size flag
+            vector in loss_ok and in grads_ok), so that every rank writes a snapshot of the same step before any of
+            them stops; the snapshots record which ranks were non-finite. Unset: on for sharded models (FSDP2,
+            `sharded=True`), whose one snapshot folder needs every rank (False there is refused here), off otherwise.
         check_update: with an optimizer, check the weights right after every optimizer.step() (a step
             post-hook: one fused norm) and snapshot the update that made them non-finite (trigger
             "update"). On by default; `close()` (or dropping the guard) removes the hooks.
-        keep_pre_step: copy the weights and the optimizer state before every step, so an update
-            snapshot holds them exactly (memory: one copy of the parameters and of the optimizer
-            state; time: one fused copy per step). Off: they are recovered from the state after the
-            step where the update is invertible (SGD, Adam, AdamW), entries it overwrote with
-            NaN/Inf replaced by stated stand-ins. A non-finite learning rate is always copied exactly.
+        keep_pre_step: copy the weights and the optimizer state before every step, so an update snapshot holds them
+            exactly (memory: one copy of the parameters and of the optimizer state; time: one fused copy per step).
+            Off: they are recovered from the state after the step where the update is invertible (SGD, Adam, AdamW),
+            entries it overwrote with NaN/Inf replaced by stated stand-ins. A non-finite learning rate is always copied.
         scheduler: the LR scheduler, if any: its class and last learning rates go into update snapshots.
         check_flow: also snapshot trained parameters whose value reaches the loss but whose gradient is None or
             exactly zero ("no_gradient" / "gradient_died"), and modules whose share of the gradient norm collapses
@@ -175,7 +172,7 @@ class NanGuard:
         self.scheduler = scheduler
         self.identity = rerun.identity_arg(identity)
         self._norm_given = False  # grads_ok() was given the norm (clip_grad_norm_ may have rescaled the gradients)
-        self._update_failed = False  # this step's update made the weights non-finite
+        self._update_failed, self._step_snapshot = False, None  # the update broke the weights; this batch's snapshot
         self._broken_by: str | None = None  # the update snapshot written when the weights broke
         self._watch = None
         self._record_loss: Callable | None = loss_fn  # the loss a recording uses (the loop's own, after the check)
@@ -226,7 +223,7 @@ class NanGuard:
             or not self._in_step
         if new_step:
             self._new_step(step)
-        self.micro_batch = micro_batch
+        self.micro_batch, self._step_snapshot = micro_batch, None
         rng = {"cpu": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
                "host": owned.host_rng()}
@@ -365,7 +362,7 @@ class NanGuard:
         self._states = []
         self._checked = -1
         self.micro_batch = None
-        self._update_failed = False
+        self._update_failed, self._step_snapshot = False, None
         self.history.append({"step": self.step_index, "loss": None, "grad_norm": None})
 
     def _row(self) -> dict:
@@ -454,13 +451,16 @@ class NanGuard:
     def _fail(self, trigger: Trigger, **extra: Any) -> bool:
         self.last_trigger = trigger
         if self._broken_by is not None and trigger != Trigger.UPDATE:
-            # the weights are non-finite since an update this guard already wrote a snapshot of: a second
-            # snapshot, one step late, would only say so again
+            # an update this guard wrote a snapshot of broke the weights: a snapshot one step late would say so again
             self._warn_once("late", f"the {_SAID[trigger]} at step {self.step_index} follows from the update that "
                                     f"made the weights non-finite (snapshot {self._broken_by}); no new snapshot")
             path = self._broken_by
+        elif self._step_snapshot is not None:  # LBFGS's closure runs on after a failure, into the update it broke
+            path = self._step_snapshot
+            self._warn_once("same-step", f"the {_SAID[trigger]} at step {self.step_index} follows from the failure "
+                                         f"already written for this batch ({path}); no new snapshot")
         else:
-            path = self._snapshot(trigger, extra)
+            path = self._step_snapshot = self._snapshot(trigger, extra)
             if trigger == Trigger.UPDATE and path is not None:
                 self._broken_by = path
         if self.on_nonfinite == "raise":

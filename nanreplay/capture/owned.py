@@ -254,6 +254,11 @@ def rerun_state(model: nn.Module, rng: dict | None = None,
     python = _PythonState(model)
     try:
         _swap_state(model, begin or {}, swaps)
+        for m in model.modules():  # `max_norm` renormalises the weight in place (embedding_renorm_, a version bump
+            # the loop's backward refuses when the weight is also saved, tied to the output); the loop's own forward
+            # already renormalised every row this batch reads, so the re-run reads the same values without it
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None:
+                swaps.put(m.__dict__, "max_norm", None)
         for p in params:
             p.grad = None
         if rng.get("cpu") is not None:

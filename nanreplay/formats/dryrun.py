@@ -26,7 +26,7 @@ import torch
 from nanreplay import torch_internals as ti
 from nanreplay.confine import progress
 from nanreplay.errors import LimitError, ReplayError, SnapshotError, kernel_message
-from nanreplay.formats import opchecks
+from nanreplay.formats import derivchecks, opchecks  # noqa: F401 - derivchecks adds its checks to opchecks.RULES
 from nanreplay.formats.ops import check_values
 from nanreplay.formats.program import DTYPES, DeviceLiteral, Program, Ref
 from nanreplay.limits import format_size, work_budget
@@ -306,7 +306,13 @@ def _index(args: list) -> int | None:
     return _numel(x) * _elsize(x) * max(others, 1)
 
 
+def _pack_padded(args: list) -> int:
+    x = args[0]  # the packed data holds at most every time step of every sample, beside one batch size per step
+    return _numel(x) * _elsize(x) + (max(x.shape[:2]) if x.dim() >= 2 else 1) * 8
+
+
 _DATA_DEPENDENT = {"aten.nonzero.default": _nonzero, "aten.masked_select.default": _masked_select,
+                   "aten._pack_padded_sequence.default": _pack_padded,
                    "aten._unique2.default": _unique, "aten.unique_consecutive.default": _unique,
                    "aten.index.Tensor": _index, "aten.index.Tensor_hacked_twin": _index}
 

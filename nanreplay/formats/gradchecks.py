@@ -1,7 +1,7 @@
 """Argument checks for the derivative kernels and solver helpers that trust their companions' shapes.
 
-The derivative kernels that `create_graph=True` runs as forward ops (activations' and losses' `*_backward`, issue
-38): the incoming gradient has the shape of what it differentiates. And the kernels below, whose public forms
+(The derivative kernels that `create_graph=True` runs as forward ops, issue 38, are checked in
+formats/derivchecks.py.) The kernels below are ones whose public forms
 check (`layer_norm`, `log_softmax`, `cholesky_solve` compare the shapes they are given), but which a step program
 can call directly; their meta kernels compute the output's shape from one argument without looking at the others,
 so the dry run passed what the kernel then trusted (crafted files, round 4, docs/trust.md):
@@ -21,7 +21,6 @@ the call's arguments by name (`call["input"]`) and returns why the call is refus
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -72,46 +71,10 @@ def _cholesky_solve_helper(call: Any) -> str | None:
     return None
 
 
-# ---- derivative kernels run as forward ops (double backward: `torch.autograd.grad(..., create_graph=True)`)
-
-# packet -> the argument that the gradient must match in shape (autograd passes the gradient of exactly the tensor
-# it differentiates; the kernels would broadcast anything else, which no recorded step does)
-_POINTWISE_GRAD = {p: "self" for p in (
-    "hardtanh_backward", "leaky_relu_backward", "gelu_backward", "softplus_backward", "silu_backward", "mish_backward",
-    "hardsigmoid_backward", "hardswish_backward", "softshrink_backward", "logit_backward")} | {
-    "sigmoid_backward": "output", "tanh_backward": "output", "elu_backward": "self_or_result"}
-
-
-def _pointwise_grad(call: Any) -> str | None:
-    """An activation's derivative under `create_graph=True` (WGAN-GP's penalty): one gradient per input value."""
-    packet = call.name.split(".")[1]
-    g = _shape(call["grad_out"] if packet == "hardshrink_backward" else call["grad_output"])
-    x = _shape(call[_POINTWISE_GRAD.get(packet, "self")])
-    if g is not None and x is not None and g != x:
-        return f"the gradient is {list(g)}, not the shape {list(x)} it differentiates"
-    return None
-
-
-def _loss_grad(call: Any) -> str | None:
-    """A loss's derivative: input and target of one shape (a weight, where given, too); the incoming gradient is
-    the loss's (a scalar when reduced, else one per element)."""
-    x, y, g, w = (_shape(call[k]) for k in ("self", "target", "grad_output", "weight"))
-    if x is not None and y is not None and x != y:
-        return "input and target differ in shape"
-    if w is not None and x is not None and w != x:
-        return "the weight is not the input's shape"
-    if g is not None and x is not None and math.prod(g) != 1 and g != x:
-        return "the incoming gradient is neither a scalar nor the input's shape"
-    return None
-
-
 # op packet -> its check (registered in opchecks' RULES)
 GRAD_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "native_layer_norm_backward": _layer_norm_backward,
     "_log_softmax_backward_data": _softmax_backward,
     "_softmax_backward_data": _softmax_backward,
     "_cholesky_solve_helper": _cholesky_solve_helper,
-    **dict.fromkeys([*_POINTWISE_GRAD, "hardshrink_backward"], _pointwise_grad),
-    **dict.fromkeys(["mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward", "soft_margin_loss_backward",
-                     "binary_cross_entropy_backward"], _loss_grad),
 }

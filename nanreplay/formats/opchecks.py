@@ -11,7 +11,8 @@ the kernels of the allowlisted families found those that do not check (or check 
 * an integer `div(..., rounding_mode='trunc')` of INT_MIN by -1 traps (SIGFPE), as do zero divisors of the
   scalar overloads; the CPU flash-attention kernel divides by a zero-length query or key dimension;
 * int-coded enums (`reduction`, `mode`, `interpolation_mode`, ...) index tables inside the kernel;
-* derivative kernels and solver helpers trust their companions' shapes (their checks: formats/gradchecks.py).
+* derivative kernels and solver helpers trust their companions' shapes (formats/gradchecks.py; the kernels
+  `create_graph=True` runs as forward ops and a few later additions: formats/derivchecks.py).
 
 `RULES` maps an op packet to its checks. A check receives a `Call`: the node's arguments by schema name
 (tensors as real tensors during a replay, as meta tensors during the dry run), and `value(t)`, the real
@@ -145,8 +146,7 @@ _ENUMS: dict[tuple[str, str], frozenset] = {
 REDUCTION_PACKETS = ("binary_cross_entropy", "binary_cross_entropy_with_logits", "huber_loss", "kl_div", "mse_loss",
                      "multi_margin_loss", "multilabel_margin_loss_forward", "nll_loss", "nll_loss2d_forward",
                      "nll_loss_forward", "nll_loss_nd", "smooth_l1_loss", "soft_margin_loss")
-for _p in REDUCTION_PACKETS + ("mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward",
-                               "soft_margin_loss_backward", "binary_cross_entropy_backward"):
+for _p in REDUCTION_PACKETS:
     _ENUMS[(_p, "reduction")] = frozenset({0, 1, 2})
 
 
@@ -452,7 +452,7 @@ def _batch_norm(call: Call) -> None:
 
 
 @rule("upsample_bicubic2d", "upsample_bilinear2d", "upsample_linear1d", "upsample_nearest1d", "upsample_nearest2d",
-      "upsample_nearest3d", "upsample_trilinear3d")
+      "upsample_nearest3d", "upsample_trilinear3d", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa")
 def _upsample(call: Call) -> None:
     """A NaN, infinite, zero or negative scale reaches the kernel's index arithmetic (a NaN scale segfaults)."""
     for name in ("scales", "scales_d", "scales_h", "scales_w", "scale_factors"):

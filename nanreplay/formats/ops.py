@@ -101,8 +101,20 @@ hardtanh_backward sigmoid_backward tanh_backward leaky_relu_backward gelu_backwa
 silu_backward mish_backward hardsigmoid_backward hardswish_backward softshrink_backward hardshrink_backward
 logit_backward mse_loss_backward smooth_l1_loss_backward huber_loss_backward soft_margin_loss_backward
 binary_cross_entropy_backward
-""".split())
+nll_loss_backward nll_loss2d_backward max_pool2d_with_indices_backward avg_pool2d_backward
+_adaptive_avg_pool2d_backward slice_backward select_backward diagonal_backward squeeze_
+""".split())  # from nll_loss_backward on (open world): MAML's inner loop on a CNN with
+# cross-entropy; physics-informed losses that differentiate a slice or column of a gradient (u_xx); torch.func's jacrev
 PACKETS = PACKETS | DOUBLE_BACKWARD
+# Open-world audit, round 2: packed sequences (`pack_padded_sequence` before an RNN); its lengths are checked in
+# formats/opchecks.py (the kernel reads `lengths[0]` time steps of the input without comparing them with its length)
+PACKETS = PACKETS | {"_pack_padded_sequence", "affine_grid_generator", "_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"}
+# (with them: a spatial transformer's `F.affine_grid`, and `F.interpolate(..., antialias=True)` resizing in the step)
+# Metric learning and robust losses: `F.pdist`, `torch.triu_indices` pairs, `torch.isin` label masks, `torch.quantile`
+# (its `ceil_`), `torch.searchsorted` binning (the kernel checks `sorter`'s indices itself), `torch.polygamma`.
+PACKETS = PACKETS | frozenset("""
+_pdist_forward triu_indices tril_indices isin searchsorted ceil_ floor_ round_ trunc_ polygamma
+""".split())
 
 # ---- Added by the open-world audit: the dense linear algebra real models run in their step —
 # torch.distributions.MultivariateNormal (cholesky, then a triangular solve), Gaussian processes (cholesky_solve),

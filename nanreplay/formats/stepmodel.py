@@ -23,7 +23,7 @@ import torch.nn as nn
 from nanreplay import torch_internals as ti
 from nanreplay.confine import progress
 from nanreplay.errors import ReplayError, SnapshotError, op_of
-from nanreplay.formats import opchecks
+from nanreplay.formats import derivchecks, opchecks  # noqa: F401 - derivchecks adds its checks to opchecks.RULES
 from nanreplay.formats.boundaries import Boundaries
 from nanreplay.formats.dryrun import arg_shapes, outside_storage, with_output_size
 from nanreplay.formats.ops import check_values

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanreplay.formats import opchecks
+from nanreplay.formats import derivchecks, opchecks  # noqa: F401 - derivchecks adds its checks to the table
 from nanreplay.formats.ops import ALLOWED_OPS
 
 BIG = 2**40
@@ -234,7 +234,10 @@ _ACT = {"hardtanh_backward": dict(min_val=-1.0, max_val=1.0), "leaky_relu_backwa
         "silu_backward": {}, "mish_backward": {}, "hardsigmoid_backward": {}, "hardswish_backward": {},
         "softshrink_backward": dict(lambd=0.5), "logit_backward": {}}
 for _p, _kw in _ACT.items():
-    CASES[_p] = [("default", dict(grad_output=_G, self=X34, **_kw), dict(grad_output=_G5, self=X34, **_kw))]
+    CASES[_p] = [("default", dict(grad_output=_G, self=X34, **_kw), dict(grad_output=_G5, self=X34, **_kw)),
+                 # vmap(jacrev(f)) passes a batch of basis vectors against the saved input: broadcasting is fine
+                 ("default", dict(grad_output=torch.ones(3, 2, 4), self=X34[:, None], **_kw),
+                  dict(grad_output=torch.ones(3, 2, 4), self=torch.randn(2, 3, 4), **_kw))]
 CASES["hardshrink_backward"] = [("default", dict(grad_out=_G, self=X34, lambd=0.5), dict(grad_out=_G5, self=X34, lambd=0.5))]
 for _p in ("sigmoid_backward", "tanh_backward"):
     CASES[_p] = [("default", dict(grad_output=_G, output=X34), dict(grad_output=_G5, output=X34))]
@@ -255,6 +258,65 @@ for _p, _kw in _LOSS.items():
 CASES["binary_cross_entropy_backward"].append(
     ("default", dict(grad_output=_S, self=X34.sigmoid(), target=X34.sigmoid(), weight=torch.ones(3, 4), reduction=1),
      dict(grad_output=_S, self=X34.sigmoid(), target=X34.sigmoid(), weight=torch.ones(2, 4), reduction=1)))
+
+
+# open world: MAML's inner loop on a CNN differentiates cross-entropy and max pooling (their indices are written to)
+_SC, _Y = torch.randn(4, 3), torch.tensor([0, 2, 1, -100])
+_NLL = dict(grad_output=_S, self=_SC, target=_Y, weight=None, reduction=1, ignore_index=-100, total_weight=_S)
+CASES["nll_loss_backward"] = [("default", _NLL, {**_NLL, "target": torch.tensor([0, 2, 1, 3])}),
+                              ("default", _NLL, {**_NLL, "target": torch.tensor([0, 2, 1, -1])}),
+                              ("default", _NLL, {**_NLL, "target": _Y[:3]}),
+                              ("default", _NLL, {**_NLL, "weight": torch.ones(2)}),
+                              ("default", _NLL, {**_NLL, "reduction": 200})]
+_NLL2 = dict(grad_output=_S, self=torch.randn(2, 3, 2, 2), target=torch.zeros(2, 2, 2, dtype=torch.long), weight=None,
+             reduction=1, ignore_index=-100, total_weight=_S)
+CASES["nll_loss2d_backward"] = [("default", _NLL2, {**_NLL2, "target": torch.full((2, 2, 2), 3)}),
+                                ("default", _NLL2, {**_NLL2, "grad_output": torch.ones(2, 2)})]
+_XP = torch.randn(1, 2, 4, 4)
+_PO, _PI = torch.ops.aten.max_pool2d_with_indices(_XP, [2, 2], [2, 2])
+_MP = dict(grad_output=torch.ones_like(_PO), self=_XP, kernel_size=[2, 2], stride=[2, 2], padding=[0, 0],
+           dilation=[1, 1], ceil_mode=False, indices=_PI)
+CASES["max_pool2d_with_indices_backward"] = [("default", _MP, {**_MP, "indices": _PI + 16}),
+                                             ("default", _MP, {**_MP, "indices": _PI - 17}),
+                                             ("default", _MP, {**_MP, "indices": _PI[:, :1]})]
+CASES["_adaptive_avg_pool2d_backward"] = [("default", dict(grad_output=torch.ones(1, 2, 2, 2), self=_XP),
+                                           dict(grad_output=torch.ones(5, 2, 2, 2), self=_XP))]
+_AP = dict(grad_output=torch.ones(1, 2, 2, 2), self=_XP, kernel_size=[2, 2], stride=[2, 2], padding=[0, 0],
+           ceil_mode=False, count_include_pad=True, divisor_override=None)
+CASES["avg_pool2d_backward"] = [("default", _AP, {**_AP, "grad_output": torch.ones(1, 3, 2, 2)}),
+                                ("default", _AP, {**_AP, "divisor_override": -1})]
+
+_G23 = torch.ones(2, 3)
+CASES["slice_backward"] = [
+    ("default", dict(grad_output=torch.ones(2, 1), input_sizes=[2, 3], dim=1, start=0, end=1, step=1),
+     dict(grad_output=torch.ones(2, 1), input_sizes=[2, 3], dim=5, start=0, end=1, step=1)),
+    ("default", dict(grad_output=torch.ones(2, 1), input_sizes=[2, 3], dim=1, start=0, end=1, step=1),
+     dict(grad_output=torch.ones(1, 1), input_sizes=[2, 3], dim=1, start=0, end=1, step=1)),
+    ("default", dict(grad_output=torch.ones(2, 1), input_sizes=[2, 3], dim=1, start=0, end=1, step=1),
+     dict(grad_output=torch.ones(2, 1), input_sizes=[2, -3], dim=1, start=0, end=1, step=1))]
+CASES["select_backward"] = [("default", dict(grad_output=torch.ones(2), input_sizes=[2, 3], dim=1, index=2),
+                             dict(grad_output=torch.ones(2), input_sizes=[2, 3], dim=1, index=BIG))]
+CASES["diagonal_backward"] = [("default", dict(grad_output=torch.ones(2), input_sizes=[2, 3], offset=0, dim1=0, dim2=1),
+                               dict(grad_output=torch.ones(3), input_sizes=[2, 3], offset=0, dim1=0, dim2=1))]
+
+# open world: pack_padded_sequence reads lengths[0] time steps of its input unchecked
+_PK = dict(input=torch.randn(3, 5, 4), lengths=torch.tensor([5, 3, 2]), batch_first=True)
+CASES["_pack_padded_sequence"] = [("default", _PK, {**_PK, "lengths": torch.tensor([9, 3, 2])}),
+                                  ("default", _PK, {**_PK, "batch_first": False}),
+                                  ("default", _PK, {**_PK, "lengths": torch.tensor([[5, 3, 2]])})]
+
+CASES["affine_grid_generator"] = [
+    ("default", dict(theta=torch.randn(2, 2, 3), size=[2, 1, 4, 4], align_corners=False),
+     dict(theta=torch.randn(2, 3, 4), size=[2, 1, 4, 4], align_corners=False)),
+    ("default", dict(theta=torch.randn(2, 2, 3), size=[2, 1, 4, 4], align_corners=False),
+     dict(theta=torch.randn(2, 2, 3), size=[2, 1, -4, 4], align_corners=False))]
+for _p in ("_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"):
+    _x = torch.randn(1, 1, 4, 4)
+    CASES[_p] = [("default", dict(self=_x, output_size=[2, 2], align_corners=False, scales_h=0.5, scales_w=0.5),
+                  dict(self=_x, output_size=[2, 2], align_corners=False, scales_h=float("nan"), scales_w=0.5))]
+
+CASES["_pdist_forward"] = [("default", dict(self=torch.randn(5, 3), p=2.0), dict(self=torch.randn(2, 5, 3), p=2.0)),
+                           ("default", dict(self=torch.randn(5, 3), p=2.0), dict(self=torch.randn(5, 3), p=float("nan")))]
 
 
 def _flat():
