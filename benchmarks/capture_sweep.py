@@ -112,7 +112,7 @@ def compare(eager_loss, eager_grads, loss, grads, aliases) -> tuple[bool, float,
 def sweep_one(arch, folder: str) -> Row:
     row = Row(arch.name, arch.family, arch.head, "skipped")
     t0 = time.perf_counter()
-    signal.signal(signal.SIGALRM, _alarm)
+    previous = signal.signal(signal.SIGALRM, _alarm)  # put back after: a caller's own handler (pytest's)
     signal.alarm(ARCH_SECONDS)
     try:
         try:
@@ -182,6 +182,7 @@ def sweep_one(arch, folder: str) -> Row:
         return row
     finally:
         signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
         row.seconds = round(time.perf_counter() - t0, 2)
 
 

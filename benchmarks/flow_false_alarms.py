@@ -45,7 +45,7 @@ def _alarm(signum, frame):
 
 def run_one(arch, folder: str, steps: int) -> tuple[str, list[str], int]:
     """(status, the names an alarm gave, expensive checks)."""
-    signal.signal(signal.SIGALRM, _alarm)
+    previous = signal.signal(signal.SIGALRM, _alarm)  # put back after: a caller's own handler (pytest's)
     signal.alarm(SECONDS)
     try:
         built = arch.make()
@@ -99,6 +99,7 @@ def run_one(arch, folder: str, steps: int) -> tuple[str, list[str], int]:
         return f"skipped: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}", [], 0
     finally:
         signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -196,7 +196,7 @@ def _kind(x) -> str:
 def sweep_arch(arch, modes: tuple[str, ...], folder: str) -> list[Row]:
     rows = []
     t0 = time.perf_counter()
-    signal.signal(signal.SIGALRM, _alarm)
+    previous = signal.signal(signal.SIGALRM, _alarm)  # put back after: a caller's own handler (pytest's)
     signal.alarm(ARCH_SECONDS)
     try:
         for mode in modes:
@@ -232,6 +232,7 @@ def sweep_arch(arch, modes: tuple[str, ...], folder: str) -> list[Row]:
         rows[-1].status, rows[-1].differences = "skipped", [f"took longer than {ARCH_SECONDS}s on CPU"]
     finally:
         signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
     del t0
     return rows
 
