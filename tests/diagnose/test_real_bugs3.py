@@ -7,7 +7,10 @@ applying it (isolation.apply_and_train):
   "unrecognised", no fix); the fix floors the number where the user passes it (zero_scalar_divisor);
 * a negative binomial whose total_count underflows to 0 (softplus of a very negative value): lgamma(0) runs inside
   torch.distributions on the user's log_prob line, where there is no lgamma to rewrite; the clamp is made where
-  the user made the value (fixes.hidden_root), an edit instead of an op-level patch.
+  the user made the value (fixes.hidden_root), an edit instead of an op-level patch;
+* a GAN's discriminator loss log(D(x)) + log(1 - D(G(z))) with both sigmoids made in the forward: only the sigmoid
+  that saturated is edited (its line made the logits, its log a logsigmoid); the edit used to hit that line twice;
+* exp(e) / exp(e).sum(d, keepdim=True) on one line (two exp calls): the division becomes F.softmax(e, dim=d).
 """
 
 from __future__ import annotations
@@ -59,8 +62,47 @@ def nb_nll(out, k):
     return -NegativeBinomial(r, logits=logits, validate_args=False).log_prob(k).mean()  # LINE: negbinom
 
 
+class Critic(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+
+    def forward(self, real, fake):
+        p_real = self.net(real).sigmoid()
+        p_fake = self.net(fake).sigmoid()
+        return p_real, p_fake
+
+
+def d_loss(out, _):
+    p_real, p_fake = out
+    return -(torch.log(p_real) + torch.log(1 - p_fake)).mean()  # LINE: gan
+
+
+class Pool(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.score, self.out = nn.Linear(4, 1), nn.Linear(4, 2)
+
+    def forward(self, x):
+        e = self.score(x).squeeze(-1)
+        a = e.exp() / e.exp().sum(dim=1, keepdim=True)  # LINE: attn
+        return self.out((a.unsqueeze(-1) * x).sum(1))
+
+
 def batches(kind, step):
     g = torch.Generator().manual_seed(step)
+    if kind in ("gan", "attn"):
+        torch.manual_seed(0)
+        w = (Critic().net if kind == "gan" else Pool().score).weight.sum(0).sign()  # the initial weights' signs
+        a, b = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+        if kind == "gan":
+            if step == 2:
+                b[1] = 300.0 * w  # a generated sample the critic takes for real with certainty: sigmoid = 1.0
+            return (a, b), None
+        x = torch.randn(3, 5, 4, generator=g)
+        if step == 2:
+            x[1, 2] = 300.0 * w  # one frame far along what the scorer rewards: exp(energy) = Inf
+        return (x,), torch.randint(0, 2, (3,), generator=g)
     if kind == "negbinom":
         x = torch.randn(6, 3, generator=g)
         if step == 2:  # an unscaled row: the dispersion head goes far below -104, softplus gives exactly 0
@@ -71,7 +113,8 @@ def batches(kind, step):
     return (x, max(1.0 - 0.5 * step, 0.0)), x  # the temperature schedule reaches 0 at step 2
 
 
-MODELS = {"gumbel": (Quantizer, F.mse_loss), "userdiv": (Pointer, F.mse_loss), "negbinom": (Counts, nb_nll)}
+MODELS = {"gumbel": (Quantizer, F.mse_loss), "userdiv": (Pointer, F.mse_loss), "negbinom": (Counts, nb_nll),
+          "gan": (Critic, d_loss), "attn": (Pool, F.cross_entropy)}
 
 
 def run(kind, folder=None, f64=False):
@@ -109,7 +152,7 @@ if __name__ == "__main__":
 
 pytestmark = pytest.mark.integrations  # training loops run and analyzed in subprocesses, as test_real_bugs.py
 
-KINDS = ("gumbel", "userdiv", "negbinom")
+KINDS = ("gumbel", "userdiv", "negbinom", "gan", "attn")
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 
 
@@ -145,3 +188,37 @@ def test_lgamma_inside_a_distribution_is_fixed_where_the_user_made_its_input(run
     assert fix["tested_as"] == "line" and [e["after"] for e in fix["edits"]] == \
         [f"r = F.softplus(self.r(x)).clamp_min({fix['epsilon']:.0e}".replace("e-0", "e-") + ")"], fix["edits"]
     apply_and_train(root / "fixed_negbinom", TRAINING, "realbugs3", "negbinom", fix, bad=2, env=ENV)
+
+
+def _f(after: str) -> str:
+    """An edit's code without its comment, torch.nn.functional spelled F (the recorded lines hold no import)."""
+    return after.split("  #")[0].replace("torch.nn.functional.", "F.")
+
+
+def test_two_sigmoids_in_one_loss_statement_edit_only_the_one_that_saturated(runs):
+    root, out = runs
+    d = out["gan"]
+    assert d["culprit"]["op"] == "aten.log.default"
+    assert d["culprit"]["source"]["line"] == marker_line(TRAINING, "gan")
+    diag = d["diagnosis"]
+    assert diag["cause"] == "bce_saturated"
+    fix = diag["fix"]
+    assert fix["verified"] is True, fix["verification"]
+    assert [(e["before"], _f(e["after"])) for e in fix["edits"]] == [
+        ("p_fake = self.net(fake).sigmoid()", "p_fake = self.net(fake)"),
+        ("return -(torch.log(p_real) + torch.log(1 - p_fake)).mean()  # LINE: gan",
+         "return -(torch.log(p_real) + F.logsigmoid(-p_fake)).mean()")], fix["edits"]
+    apply_and_train(root / "fixed_gan", TRAINING, "realbugs3", "gan", fix, bad=2, env=ENV)
+
+
+def test_a_softmax_written_with_two_exps_on_one_line_becomes_softmax(runs):
+    root, out = runs
+    d = out["attn"]
+    assert d["culprit"]["op"] == "aten.exp.default"
+    assert d["culprit"]["source"]["line"] == marker_line(TRAINING, "attn")
+    diag = d["diagnosis"]
+    assert diag["cause"] == "handwritten_softmax"
+    fix = diag["fix"]
+    assert fix["verified"] is True and fix["tested_as"] == "line", fix["verification"]
+    assert [_f(e["after"]) for e in fix["edits"]] == ["a = F.softmax(e, dim=1)"], fix["edits"]
+    apply_and_train(root / "fixed_attn", TRAINING, "realbugs3", "attn", fix, bad=2, env=ENV)
