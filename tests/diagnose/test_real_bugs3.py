@@ -10,7 +10,11 @@ applying it (isolation.apply_and_train):
   the user made the value (fixes.hidden_root), an edit instead of an op-level patch;
 * a GAN's discriminator loss log(D(x)) + log(1 - D(G(z))) with both sigmoids made in the forward: only the sigmoid
   that saturated is edited (its line made the logits, its log a logsigmoid); the edit used to hit that line twice;
-* exp(e) / exp(e).sum(d, keepdim=True) on one line (two exp calls): the division becomes F.softmax(e, dim=d).
+* exp(e) / exp(e).sum(d, keepdim=True) on one line (two exp calls): the division becomes F.softmax(e, dim=d);
+* a Lorentz exp map, cosh and sinh of one norm: the clamp of cosh's input alone left sinh overflowing (applied, it
+  still broke); the clamp is made where the norm is made, at a bound the replay verifies finite;
+* log(1 - exp(x)) with x exactly 0 (a log-probability of 0: unlikelihood training on a certain token): the exact
+  form log(-expm1(x)) is -inf there too; 1 - exp(x) floored at the log is the candidate after it.
 """
 
 from __future__ import annotations
@@ -89,8 +93,49 @@ class Pool(nn.Module):
         return self.out((a.unsqueeze(-1) * x).sum(1))
 
 
+def to_hyperboloid(v):
+    r = v.norm(dim=-1, keepdim=True) + 1e-9  # LINE: lroot
+    return torch.cat([r.cosh(), r.sinh() * v / r], -1)  # LINE: lorentz
+
+
+class Hyp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(5, 3), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(to_hyperboloid(self.lin(x)))
+
+
+class Scorer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 5)
+
+    def forward(self, x):
+        return F.log_softmax(self.fc(x), -1)
+
+
+def ul_loss(lp, y):
+    p_y = lp.gather(1, y[:, None]).exp()
+    return -torch.log(1 - p_y).mean()  # LINE: ul
+
+
 def batches(kind, step):
     g = torch.Generator().manual_seed(step)
+    if kind == "lorentz":
+        x = torch.randn(6, 5, generator=g)
+        if step == 2:
+            x[1] *= 500.0  # an unnormalised node: its tangent norm is far above cosh's and sinh's range
+        return (x,), torch.randint(0, 2, (6,), generator=g)
+    if kind == "ul":
+        x, y = torch.randn(6, 6, generator=g), torch.randint(0, 5, (6,), generator=g)
+        if step == 2:  # a context the model is certain about, scored on the very token it is certain of
+            x[2] *= 1e3
+            torch.manual_seed(0)
+            with torch.no_grad():
+                y[2] = Scorer()(x[2:3]).argmax()
+        return (x,), y
     if kind in ("gan", "attn"):
         torch.manual_seed(0)
         w = (Critic().net if kind == "gan" else Pool().score).weight.sum(0).sign()  # the initial weights' signs
@@ -114,7 +159,8 @@ def batches(kind, step):
 
 
 MODELS = {"gumbel": (Quantizer, F.mse_loss), "userdiv": (Pointer, F.mse_loss), "negbinom": (Counts, nb_nll),
-          "gan": (Critic, d_loss), "attn": (Pool, F.cross_entropy)}
+          "gan": (Critic, d_loss), "attn": (Pool, F.cross_entropy), "lorentz": (Hyp, F.cross_entropy),
+          "ul": (Scorer, ul_loss)}
 
 
 def run(kind, folder=None, f64=False):
@@ -152,7 +198,7 @@ if __name__ == "__main__":
 
 pytestmark = pytest.mark.integrations  # training loops run and analyzed in subprocesses, as test_real_bugs.py
 
-KINDS = ("gumbel", "userdiv", "negbinom", "gan", "attn")
+KINDS = ("gumbel", "userdiv", "negbinom", "gan", "attn", "lorentz", "ul")
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 
 
@@ -222,3 +268,29 @@ def test_a_softmax_written_with_two_exps_on_one_line_becomes_softmax(runs):
     assert fix["verified"] is True and fix["tested_as"] == "line", fix["verification"]
     assert [_f(e["after"]) for e in fix["edits"]] == ["a = F.softmax(e, dim=1)"], fix["edits"]
     apply_and_train(root / "fixed_attn", TRAINING, "realbugs3", "attn", fix, bad=2, env=ENV)
+
+
+def test_cosh_and_sinh_of_one_norm_are_clamped_where_the_norm_is_made(runs):
+    root, out = runs
+    d = out["lorentz"]
+    assert d["culprit"]["op"] == "aten.cosh.default"
+    assert d["culprit"]["source"]["line"] == marker_line(TRAINING, "lorentz")
+    fix = d["diagnosis"]["fix"]
+    assert d["diagnosis"]["cause"] == "domain_edge" and fix["kind"] == "clamp"
+    (edit,) = fix["edits"]
+    assert edit["line"] == marker_line(TRAINING, "lroot"), fix["edits"]
+    assert edit["after"].startswith("r = (v.norm(dim=-1, keepdim=True) + 1e-9).clamp(-"), edit
+    apply_and_train(root / "fixed_lorentz", TRAINING, "realbugs3", "lorentz", fix, bad=2, env=ENV)
+
+
+def test_log_of_one_minus_a_probability_of_exactly_one_is_floored(runs):
+    root, out = runs
+    d = out["ul"]
+    assert d["culprit"]["source"]["line"] == marker_line(TRAINING, "ul")
+    diag = d["diagnosis"]
+    assert diag["cause"] == "log1mexp"
+    assert diag["candidates"][0]["kind"] == "log1mexp" and diag["candidates"][0]["verified"] is False
+    fix = diag["fix"]
+    assert fix["kind"] == "clamp" and fix["verified"] is True, fix["verification"]
+    assert [e["after"].split("  #")[0] for e in fix["edits"]] == ["return -torch.log((1 - p_y).clamp_min(1e-7)).mean()"]
+    apply_and_train(root / "fixed_ul", TRAINING, "realbugs3", "ul", fix, bad=2, env=ENV)
