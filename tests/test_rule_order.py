@@ -40,6 +40,7 @@ DISPATCH_ORDER = [
     "masked_mean_empty",
     "empty_reduction",
     "normalize_zero_norm",
+    "zero_scalar_divisor",  # a divisor that is a Python 0 (no tensor statistics): division_by_zero never sees it
     "division_by_zero",
     "logcosh",
     "softplus",

@@ -148,6 +148,9 @@ def judge(name: str, keep: bool = False, cases: Path = HERE / "cases") -> dict:
             return row
         a = json.loads((tmp / "a.json").read_text())
         c = a.get("culprit") or {}
+        flow = (a.get("diagnosis") or {}).get("gradient_flow") or a.get("gradient_flow") or {}
+        if not c and flow.get("per_parameter"):  # a dead gradient: the op that turned it into zeros (or cut it)
+            c = flow["per_parameter"][0]
         srcinfo = c.get("source") or {}
         row.update(snapshot=True, verdict=a.get("verdict"), op=c.get("op"), forward_op=c.get("forward_op"),
                    file=Path(str(srcinfo.get("file") or "")).name, line=srcinfo.get("line"),
@@ -182,6 +185,8 @@ def judge(name: str, keep: bool = False, cases: Path = HERE / "cases") -> dict:
             same = all(abs(fixed["losses"][i] - run["losses"][i]) <= 1e-4 * max(1.0, abs(run["losses"][i]))
                        for i in healthy)
             trained = fixed["stop"] is None and len(fixed["losses"]) == case.STEPS
+            if flow.get("verdict"):  # a dead gradient stops nothing: the fixed run must write no snapshot either
+                trained = trained and not any((tmp / "snaps2").glob("*.pt"))
             if rate:
                 row["judged"] = "a rate: the first loss unchanged, the last below the first"
                 trained = trained and fixed["losses"][-1] < fixed["losses"][0]

@@ -214,6 +214,8 @@ def edge_fix(s: Site, kind: FixKind, scale: float | None, what: str, change_code
         fn = operand_fn(rw) or (lambda t, e=e: change(t, e))
         return rw, s.at_calls(replace_arg(arg, fn), call, rw)
     shared = shared_root(s, arg) if root and call == s.call else None
+    if shared is None and call == s.call and made(cands[0][0])[0] is None:
+        shared = hidden_root(s, arg)  # the culprit runs inside a library call on the user's line
     if shared is not None:
         r, uses = shared
         at = _frame_at(r)
@@ -302,6 +304,23 @@ def shared_root(s: Site, arg: int) -> tuple[OpRecord, list[int]] | None:
     if len(uses) < 2 or s.event.fwd not in uses:
         return None
     return r, uses
+
+
+def hidden_root(s: Site, arg: int) -> tuple[OpRecord, list[int]] | None:
+    """(the op that made the culprit's `arg`-th input, every op that uses its value) where the culprit itself has
+    no call on the user's line to rewrite (`nb.log_prob(x)` runs lgamma(total_count) inside torch.distributions)
+    but that input was made by a call on another line of the user's (`theta = F.softplus(...)`): the change is
+    made there, and so reaches every use of the value inside the library call."""
+    r = s.origin(arg)
+    if r is None or not r.call or s.event.fwd is None or not s.source:
+        return None
+    src = s.source_of(r.call)
+    if not src or src.get("line") == s.source.get("line") or src.get("file") != s.source.get("file"):
+        return None
+    if s.rewrite(lambda text, node: text(node), r.call) is None:
+        return None
+    uses = _uses(s, s.index(r))
+    return (r, uses) if s.event.fwd in uses else None
 
 
 def root_fix_parts(s: Site, root: OpRecord, change_code: Callable[[str], str],

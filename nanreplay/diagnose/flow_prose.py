@@ -62,6 +62,37 @@ def _cut_edit(row: dict) -> dict:
             "edits": [{"file": src["file"], "line": src["line"], "before": before, "after": after}]}
 
 
+def _relu_edit(row: dict) -> dict:
+    """The dead ReLU's line with its one relu call made a leaky_relu(x, 0.01) (`torch.relu(h)`, `F.relu(h)`,
+    `h.relu()`): the change the replay verified, as an edit. An nn.ReLU() module, or a line with several relu
+    calls, gets none (the advice stands)."""
+    import ast
+
+    src = row.get("source")
+    if not isinstance(src, dict) or not src.get("file") or not isinstance(src.get("code"), str):
+        return {}
+    before = src["code"].strip()
+    try:
+        tree = ast.parse(before)
+    except SyntaxError:
+        return {}
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, (ast.Attribute, ast.Name))
+             and (n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id) == "relu"]
+    if len(calls) != 1 or calls[0].lineno != calls[0].end_lineno or calls[0].keywords:
+        return {}
+    c, f = calls[0], calls[0].func
+    if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in ("torch", "F") \
+            and len(c.args) == 1:
+        x, fn = ast.get_source_segment(before, c.args[0]), ("F" if f.value.id == "F" else "torch.nn.functional")
+    elif isinstance(f, ast.Attribute) and not c.args:  # h.relu()
+        x, fn = ast.get_source_segment(before, f.value), "torch.nn.functional"
+    else:
+        return {}
+    after = before[:c.col_offset] + f"{fn}.leaky_relu({x}, 0.01)" + before[c.end_col_offset:]
+    return {"code": after, "before": before, "after": after,
+            "edits": [{"file": src["file"], "line": src["line"], "before": before, "after": after}]}
+
+
 def lr_jump(info: dict) -> dict | None:
     """The learning rate's first jump (10x or more between two recorded steps) in the run's history."""
     rows = [(r.get("step"), finite_float(r.get("lr"))) for r in history_rows(info)]
@@ -146,6 +177,8 @@ def diagnose_flow(result, subject, info: dict, *, verify: bool = True) -> dict:
     fix = Fix(FixKind(fix_kind), "", guidance=advice, verification=how).to_json()
     if verified and gf["verdict"] == "gradient_cut":
         fix.update(_cut_edit(first))
+    elif verified and first.get("kind") == "relu":
+        fix.update(_relu_edit(first))
     fix.update(verified=verified, replay=first["fix"].get("replay") if isinstance(first.get("fix"), dict) else None)
     return {"cause": gf["verdict"], "title": title, "explanation": expl, "fix": fix, "candidates": [],
             "gradient_flow": gf}

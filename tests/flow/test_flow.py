@@ -106,6 +106,23 @@ def test_relu_units_dead_from_a_bad_init_are_repaired_by_leaky_relu_verified_by_
     assert d["diagnosis"]["cause"] == "gradient_zero" and "mechanism" not in d["diagnosis"]
 
 
+def test_the_dead_relus_leaky_relu_is_an_edit_of_its_line_and_applied_trains_with_no_snapshot(runs, tmp_path):
+    """The verified LeakyReLU is shown as the change of the ReLU's own line (it used to be advice only); made in a
+    copy of the loop, the same run under the guard writes no snapshot: the gradient is no longer zero."""
+    from tests.isolation import apply_edits
+
+    fix = runs[0]["dead_init"]["diagnosis"]["fix"]
+    assert [(e["before"], e["after"]) for e in fix["edits"]] == [
+        ("h = F.relu(self.fc2(h))  # RELU", "h = F.leaky_relu(self.fc2(h), 0.01)  # RELU")], fix["edits"]
+    (tmp_path / "flowtrain.py").write_text((HERE / "flowtrain.py").read_text())
+    apply_edits(tmp_path / "flowtrain.py", fix["edits"])
+    res = subprocess.run([sys.executable, "flowtrain.py", str(tmp_path / "out"), "dead_init"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["dead_init", "none", "[]"], res.stdout
+
+
 def test_a_detach_on_the_skip_connection_is_cut_there_and_removing_it_is_verified(runs):
     d, paths = runs[0]["skip_detach"], runs[1]
     assert "no_gradient" in paths["skip_detach"] and d["verdict"] == "gradient_cut"

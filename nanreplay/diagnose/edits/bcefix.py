@@ -111,9 +111,19 @@ def edits(s: Site, sg: OpRecord, logs: list[OpRecord], complements: list[OpRecor
         names[p.id] = p.id
         return p.id
 
+    # the log calls of the statement that take this sigmoid's output: a statement can hold logs of another sigmoid
+    # too (a GAN's log(D(x)) + log(1 - D(G(z))), two sigmoids made in the forward), which this fix leaves alone
+    mine: set[int] | None = set()
+    for r in logs:
+        found = codefix.find_call(loc.parsed.tree, loc.parsed.rel(src["line"]), s.spelled(r.call),
+                                  ordinal=s.ordinal(r.call))
+        if not found:
+            mine = None
+            break
+        mine.add(id(found[0]))
     parts = []
     for n in ast.walk(stmt):
-        if _callee(n) != "log":
+        if _callee(n) != "log" or (mine is not None and id(n) not in mine):
             continue
         x = codefix.operand(n, "input")
         p, neg = (_complement_of(x), True) if _complement_of(x) is not None else (x, False)

@@ -16,6 +16,7 @@ from nanreplay.diagnose.rules import (
     optimizer,
     precision,
     roots_powers,
+    scalar_divisor,
     smoothing,
     softmax,
     spectral,
@@ -25,4 +26,5 @@ from nanreplay.diagnose.rules import (
 )
 
 __all__ = ["constants", "division", "domain", "forms", "generic", "logcosh", "logratio", "logs", "optimizer",
-           "precision", "roots_powers", "smoothing", "softmax", "spectral", "support", "underflow", "where"]
+           "precision", "roots_powers",
+           "scalar_divisor", "smoothing", "softmax", "spectral", "support", "underflow", "where"]

@@ -116,12 +116,23 @@ def _domain_edge(s: Site) -> Diagnosis | None:
     if not x or not row.hit(x):
         return None
     if s.packet in _OVERFLOW:
-        b = _bound(s.dtype) / (math.log(2) if s.packet == "aten.exp2" else 1)
-        fixes = [f for f in edge_fix(s, row.kind, None, f"{name}", lambda t, e: row.code(t, b), lambda t, e: row.change(t, b),
-                                     lambda e: f"clamp {name}'s input to ±{b:g}", which=row.which, arg=row.arg)[:1]]
-        for f in fixes:
-            f.epsilon, f.probe = None, None
-            f.reasoning = f"{name} overflows {s.dtype} above x ≈ {b:g}"
+        # the bound where the op itself overflows, then tighter ones, each replayed: cosh(87) is finite, but what
+        # consumes it may not be (sinh(x) * u / |u|, a square in the gradient norm). Where the input is shared (a
+        # Lorentz exp map takes cosh and sinh of one norm), the clamp is made where it is made first: a clamp of
+        # this op's input alone leaves the other overflowing.
+        top = _bound(s.dtype) / (math.log(2) if s.packet == "aten.exp2" else 1)
+        fixes = []
+        for b in dict.fromkeys((top, float(top // 2), 20.0, 10.0, 5.0)):
+            got = edge_fix(s, row.kind, None, f"{name}", lambda t, e, b=b: row.code(t, b),
+                           lambda t, e, b=b: row.change(t, b), lambda e, b=b: f"clamp {name}'s input to ±{b:g}",
+                           which=row.which, arg=row.arg, root=True)
+            at_root = [f for f in got if f.compare_at is not None][:1]
+            fixes += at_root + [f for f in got if f.compare_at is None][:1]
+            for f in fixes[-2:]:
+                f.epsilon, f.probe, f.probe_down = None, None, None
+                f.reasoning = (f"{name} overflows {s.dtype} above x ≈ {top:g}" + (
+                    f"; ±{b:g}: a tighter bound, in case what consumes {name}'s output overflows at the wider one"
+                    if b != top else "") + ("; the input is shared: clamped where it is made" if f in at_root else ""))
     else:
         fixes = edge_fix(s, row.kind, x.get("absmax"), f"{name} and its gradient", row.code, row.change,
                          lambda e: f"move {name}'s input off the edge by {fmt(e)}", which=row.which, arg=row.arg,

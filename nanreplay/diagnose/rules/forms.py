@@ -146,9 +146,23 @@ def _log1mexp(s: Site) -> Diagnosis | None:
         "log1mexp", "log(1 - exp(x)) with exp(x) rounded to 1",
         f"exp(x) rounded to exactly 1 in {s.dtype} for x just below 0 (|x| under one rounding step, "
         f"{s.finfo.eps:.1e}), so 1 - exp(x) = 0 and its log is -inf at {s.where}; the true value is log(-x), "
-        "finite. torch.log(-torch.expm1(x)) computes it to full precision (log1mexp).",
+        "finite. torch.log(-torch.expm1(x)) computes it to full precision (log1mexp). Where x is itself exactly 0 (a "
+        "log-probability of exactly 0: the model is certain), no form of it is finite: then 1 - exp(x) is floored.",
         [Fix(row.kind, "", rewrite=rw, patch=patch, reasoning=row.why,
-             guidance=f"replace log(1 - exp(x)) at {s.where} by torch.log(-torch.expm1(x)) of the same x")])
+             guidance=f"replace log(1 - exp(x)) at {s.where} by torch.log(-torch.expm1(x)) of the same x"),
+         *_floor_fixes(s)])
+
+
+def _floor_fixes(s: Site) -> list[Fix]:
+    """1 - exp(x) clamped from below at the log (unlikelihood training's `clamp(1 - p, min=...)`): the candidate
+    after the exact form, for an x of exactly 0, where log(-expm1(0)) is -inf too."""
+    from nanreplay.diagnose.fixes import clamp_eps, edge_fix
+    from nanreplay.enums import FixKind
+
+    if s.packet != "aten.log":
+        return []
+    return edge_fix(s, FixKind.CLAMP, 1.0, "the log and its gradient", clamp_eps, lambda t, e: t.clamp_min(e),
+                    lambda e: f"clamp 1 - exp(x) at {e:g} from below")[:2]
 
 
 # ------------------------------------------------------------------ x * log(y) at 0 -> xlogy / xlog1py

@@ -50,6 +50,29 @@ def _logsumexp_text(src, node, dim_text: str) -> str | None:
     return f"torch.logsumexp({src(x)}, {', '.join(rest) if rest else dim_text})"
 
 
+def _exp_operand(node) -> codefix.ast.AST | None:
+    """x of torch.exp(x) / x.exp(), else None."""
+    return codefix.operand(node, "input") if isinstance(node, codefix.ast.Call) and \
+        codefix._callee(node) == "exp" else None
+
+
+def _softmax_text(src, node, dim, fn: str) -> str | None:
+    """torch.exp(x) / torch.exp(x).sum(d, keepdim=True) (or torch.sum(torch.exp(x), d, keepdim=True)) ->
+    F.softmax(x, dim=d): the same x on both sides, summed with keepdim (else the division broadcasts otherwise)."""
+    ast = codefix.ast
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)):
+        return None
+    x, den = _exp_operand(node.left), node.right
+    if x is None or not isinstance(den, ast.Call) or codefix._callee(den) != "sum":
+        return None
+    y = _exp_operand(codefix.operand(den, "input"))
+    keep = [k for k in den.keywords if k.arg == "keepdim"]
+    if y is None or src(y) != src(x) or not keep or not (isinstance(keep[0].value, ast.Constant)
+                                                          and keep[0].value.value is True):
+        return None
+    return f"{fn}.softmax({src(x)}, dim={dim!r})"
+
+
 @rule("handwritten_softmax", aten.exp, priority=60)
 def _handwritten_softmax(s: Site) -> Diagnosis | None:
     """exp(x) / exp(x).sum() or log(exp(x).sum()) written by hand: exp overflows before the division/log."""
@@ -99,10 +122,13 @@ def _handwritten_softmax(s: Site) -> Diagnosis | None:
         if len(siblings) == 1:  # one exp call to rewrite on the user's line
             rw = s.rewrite(codefix.with_operand(
                 "input", lambda t: codefix.plus(t, f"{codefix.paren(t)}.amax(dim={dim!r}, keepdim=True)", "-")))
+        ends = [r.call for r in cons if packet(str(r.op)) == "aten.div" and r.call]
+        if rw is None and len(siblings) > 1 and known and len(set(ends)) == 1:
+            # exp(x) / exp(x).sum(d, keepdim=True) on one line: the whole division becomes softmax(x, dim=d)
+            rw = s.rewrite(lambda src, node: _softmax_text(src, node, dim, codefix.functional(s.source)), ends[0])
         each = s.line_calls if rw is not None else (lambda c: [c])
         patch = {c: patch_fn for r in calls for c in each(r)} if all(calls) and len(set(calls)) == len(calls) else None
         # exp(x - max) is not exp(x): the softmax is the same where the rewritten expression ends, its division
-        ends = [r.call for r in cons if packet(str(r.op)) == "aten.div" and r.call]
         compare_at = sorted({c for e in ends for c in each(e)}) or None
         code = (f"subtract the maximum over dim {dim!r} from exp's input at {s.where} (or use torch.softmax(..., "
                 f"dim={dim!r}), which does)")
