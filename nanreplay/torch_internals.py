@@ -145,12 +145,32 @@ def autograd_nodes(root: Any, limit: int = 200_000):
 
 
 def is_custom_function_node(node: Any) -> bool:
-    """Is this autograd node the backward of a user-defined `torch.autograd.Function`?"""
+    """Is this autograd node the backward of a user-defined `torch.autograd.Function`?
+
+    Not the one torch puts around a module that has full backward hooks (`register_full_backward_hook`,
+    `register_full_backward_pre_hook`, the global `register_module_full_backward_hook`): its forward is an
+    identity (the ops a program records are the views it returns) and its backward only calls the hooks, which a
+    replay does not run, like a tensor's `register_hook`."""
     try:
-        return isinstance(node, torch.autograd.function.BackwardCFunction)
+        if not isinstance(node, torch.autograd.function.BackwardCFunction):
+            return False
+        fwd = getattr(node, "_forward_cls", None)
+        return fwd is None or fwd is not _module_hook_function()
     except Exception as e:  # noqa: BLE001
         _note("is_custom_function_node", e)
         return False
+
+
+@functools.cache
+def _module_hook_function() -> type | None:
+    """torch's identity Function for modules with full backward hooks (torch.nn.modules._functions)."""
+    try:
+        from torch.nn.modules._functions import BackwardHookFunction
+
+        return BackwardHookFunction
+    except Exception as e:  # noqa: BLE001
+        _note("is_custom_function_node", e)
+        return None
 
 
 def saved_tensors_of(node: Any) -> list[torch.Tensor]:
