@@ -31,6 +31,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from nanreplay import torch_internals as ti
+from nanreplay.capture import plain
 from nanreplay.capture.owned import storage_freed
 from nanreplay.formats.ops import ALLOWED_OPS
 from nanreplay.formats.program import (
@@ -550,9 +551,8 @@ def _batch_tensors(obj: Any, path: tuple = ()):
     if isinstance(obj, torch.Tensor):
         yield list(path), obj
     elif isinstance(obj, dict):
-        for k, v in obj.items():
-            if isinstance(k, (str, int)) and not isinstance(k, bool):
-                yield from _batch_tensors(v, path + (k,))
+        for k, v in obj.items():  # the key the snapshot's copy of the batch has (snapshot.cpu_copy)
+            yield from _batch_tensors(v, path + (plain.batch_key(k),))
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
             yield from _batch_tensors(v, path + (i,))

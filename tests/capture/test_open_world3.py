@@ -1,0 +1,180 @@
+"""Loops from the third open-world audit whose snapshots needed the training code (docs/recordable-ops.md,
+"Training patterns audited (round 3)"):
+
+* a module with full backward hooks (`register_full_backward_hook`, `register_full_backward_pre_hook`: gradient
+  logging, Captum, Opacus-style per-module clipping). torch wraps such a module's inputs and outputs in an identity
+  `autograd.Function`, which the recorder took for user code with a Python backward: "needs --model";
+* a heterogeneous graph (torch_geometric's `to_hetero`), whose batch holds `edge_index_dict`, a dict keyed by
+  `(src, relation, dst)` tuples: the guard wrote the snapshot, and the analysis refused it as "damaged" (a batch
+  key must be a string).
+
+Each loop trains guarded and unguarded (bitwise equal), then an all-zero row reaches an input normalisation
+without ε at step 2; the snapshot is analyzed where the training code cannot be imported, and the fix it shows is
+applied to a copy of the loop, which then trains on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from isolation import ROOT, apply_and_train, framework, marker_line, program_ops, train_then_analyze
+
+from nanreplay.errors import SnapshotError
+from nanreplay.formats import program as fprogram
+from nanreplay.formats import schema
+
+TRAINING = r'''
+import json, sys
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from nanreplay import NanGuard
+
+
+class Hooked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+        self.b.register_full_backward_hook(lambda m, gin, gout: (gin[0] * 0.5,))  # rescales what flows back
+        self.head.register_full_backward_pre_hook(lambda m, gout: (gout[0].clamp(-1, 1),))
+
+    def forward(self, x):
+        x = x / x.norm(dim=-1, keepdim=True)  # LINE: hooks
+        return self.head(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def hooks_batch(g, bad):
+    x, y = torch.randn(6, 6, generator=g), torch.randint(0, 3, (6,), generator=g)
+    if bad:
+        x[2] = 0  # an all-zero sample
+    return x, y
+
+
+def hetero_model():
+    from torch_geometric.nn import SAGEConv, to_hetero
+
+    class GNN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.c2 = SAGEConv((-1, -1), 8), SAGEConv((-1, -1), 3)
+
+        def forward(self, x, edge_index):
+            return self.c2(self.c1(x, edge_index).relu(), edge_index)
+
+    meta = (["paper", "author"], [("author", "writes", "paper"), ("paper", "rev_writes", "author")])
+    model = to_hetero(GNN(), meta, aggr="sum")
+    g = torch.Generator().manual_seed(5)
+    xd, ed, _ = hetero_batch(g, False)
+    with torch.no_grad():
+        model(xd, ed)  # the lazy input sizes
+    return model
+
+
+def hetero_batch(g, bad):
+    xd = {"paper": torch.randn(10, 6, generator=g), "author": torch.randn(7, 4, generator=g)}
+    src, dst = torch.randint(0, 7, (20,), generator=g), torch.randint(0, 10, (20,), generator=g)
+    ed = {("author", "writes", "paper"): torch.stack([src, dst]), ("paper", "rev_writes", "author"): torch.stack([dst, src])}
+    if bad:
+        xd["paper"][3] = 0  # a paper with no features
+    return xd, ed, torch.randint(0, 3, (10,), generator=g)
+
+
+def hetero_step(model, batch):
+    xd, ed, y = batch
+    xd = {k: v / v.norm(dim=-1, keepdim=True) for k, v in xd.items()}  # LINE: hetero
+    return F.cross_entropy(model(xd, ed)["paper"], y)
+
+
+def hooks_step(model, batch):
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def run(kind, folder, guarded, bad, stop=True):
+    torch.manual_seed(0)
+    model = Hooked() if kind == "hooks" else hetero_model()
+    step_fn, make = (hooks_step, hooks_batch) if kind == "hooks" else (hetero_step, hetero_batch)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    guard = NanGuard(model, opt, step_fn=step_fn, folder=folder) if guarded else None
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for step in range(4):
+        batch = make(g, step == bad)
+        if guard:
+            guard.begin(batch, step=step)
+        opt.zero_grad()
+        loss = step_fn(model, batch)
+        if guard and not guard.loss_ok(loss) and stop:
+            break
+        loss.backward()
+        if guard and not guard.grads_ok() and stop:
+            break
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
+        opt.step()
+        rows.append((loss.item(), norm.item()))
+    return rows, model, guard
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--plain":
+        print(json.dumps({sys.argv[2]: run(sys.argv[2], "unused", False, 2)[0]}))
+        sys.exit()
+    for kind in sys.argv[2:]:
+        plain, m0, _ = run(kind, f"{sys.argv[1]}/{kind}-off", False, None)
+        guarded, m1, guard = run(kind, f"{sys.argv[1]}/{kind}-on", True, None)
+        same = len(plain) == 4 and plain == guarded and guard.last_snapshot is None and \
+            all(torch.equal(p, q) for p, q in zip(m0.parameters(), m1.parameters()))
+        if not same:
+            sys.exit(f"{kind}: the guarded run differs from the unguarded one")
+        print(kind, run(kind, f"{sys.argv[1]}/{kind}", True, 2)[2].last_snapshot)
+'''
+
+
+def _check(tmp_path, kind, ops):
+    runs = train_then_analyze(tmp_path, TRAINING, (kind,))
+    path, d = runs[kind]
+    snap = torch.load(path, weights_only=True)
+    assert snap["program_error"] is None and snap["trigger"] == "loss"
+    assert ops <= program_ops(path)
+    assert d["verdict"] == "culprit_found", (d["verdict"], d.get("warnings"))
+    c = d["culprit"]
+    assert (c["forward_op"], c["phase"], c["kind"]) == ("aten.div.Tensor", "forward", "nan"), c
+    assert c["source"]["file"].endswith("trainmod.py") and c["source"]["line"] == marker_line(TRAINING, kind)
+    fix = d["diagnosis"]["fix"]
+    assert fix["verified"] is True, fix
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    apply_and_train(tmp_path / "fixed", TRAINING, "trainmod", kind, fix, bad=2, env=env)
+    return snap
+
+
+def test_a_module_with_full_backward_hooks_records_and_localises(tmp_path):
+    _check(tmp_path, "hooks", {"aten.linalg_vector_norm.default", "aten.div.Tensor"})
+
+
+def test_a_heterogeneous_graph_batch_keyed_by_edge_types_records_and_localises(tmp_path):
+    framework("torch_geometric")
+    snap = _check(tmp_path, "hetero", {"aten.div.Tensor", "aten.index_select.default"})
+    edges = snap["batch"]["batch"][1]
+    assert set(edges) == {("author", "writes", "paper"), ("paper", "rev_writes", "author")}
+    leaves = json.loads(snap["step_program"])["leaves"]  # the edge indices are the batch's, by their tuple keys
+    assert ["batch", 1, ["author", "writes", "paper"]] in [lf.get("path") for lf in leaves]
+
+
+def _program(path) -> str:
+    return json.dumps({"schema": fprogram.SCHEMA, "leaves": [{"ref": 0, "kind": "batch", "name": "x", "shape": [2],
+                                                              "dtype": "float32", "path": path}],
+                       "nodes": [], "loss": 0, "modules": [], "calls": [], "frames": []})
+
+
+def test_a_program_names_a_tensor_under_a_tuple_key_and_nothing_else():
+    assert fprogram.decode(_program(["batch", 1, ["author", "writes", "paper"]])).leaves[0].path == \
+        ["batch", 1, ("author", "writes", "paper")]
+    for bad in (["a", ["b"]], [], ["a"] * 9, ["a", True], [1.5]):
+        with pytest.raises(SnapshotError, match="path must be a short list of keys"):
+            fprogram.decode(_program(["batch", bad]))
+    assert schema.batch_tree({("a", 1): torch.zeros(1)}, "batch").keys() == {("a", 1)}
+    for key in (("a", ("b",)), (), ("a", None), ("a",) * 9):
+        with pytest.raises(schema.SchemaError):
+            schema.batch_tree({key: torch.zeros(1)}, "batch")
