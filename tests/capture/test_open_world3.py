@@ -178,3 +178,70 @@ def test_a_program_names_a_tensor_under_a_tuple_key_and_nothing_else():
     for key in (("a", ("b",)), (), ("a", None), ("a",) * 9):
         with pytest.raises(schema.SchemaError):
             schema.batch_tree({key: torch.zeros(1)}, "batch")
+
+
+class _Unit(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 16), torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x / x.norm(dim=-1, keepdim=True))))
+
+
+def test_cpu_fp16_autocast_with_a_grad_scaler_is_explained_in_the_loops_own_terms(tmp_path):
+    """`torch.autocast("cpu", float16)` with `torch.amp.GradScaler("cpu")`: the healthy steps are the unguarded
+    run's, the snapshot replays under the scaler's scale, and what the analysis says is in the loop's terms.
+    Before, the fix's verification quoted the scaled loss (7.1e+04 for a loss of 1.09), and an all-zero row of
+    the batch's first element was called 'the target'."""
+    import torch.nn.functional as F
+
+    from nanreplay import NanGuard
+    from nanreplay.analysis import analyze
+    from nanreplay.numbers import num
+
+    def step_fn(model, batch):
+        return F.cross_entropy(model(batch[0]), batch[1])
+
+    def train(folder, guarded, bad):
+        torch.manual_seed(0)
+        model = _Unit()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu")
+        guard = NanGuard(model, opt, step_fn=step_fn, scaler=scaler, folder=folder) if guarded else None
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for step in range(4):
+            x, y = torch.randn(6, 6, generator=g), torch.randint(0, 3, (6,), generator=g)
+            if step == bad:
+                x[2] = 0
+            if guard:
+                guard.begin((x, y), step=step)
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = step_fn(model, (x, y))
+            if guard and not guard.loss_ok(loss):
+                break
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            if guard and not guard.grads_ok():
+                break
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.detach().clone())
+        return losses, model, guard
+
+    plain, m0, _ = train(tmp_path / "off", False, None)
+    guarded, m1, guard = train(tmp_path / "on", True, None)
+    assert len(plain) == 4 and all(torch.equal(a, b) for a, b in zip(plain, guarded, strict=True))
+    assert all(torch.equal(p, q) for p, q in zip(m0.parameters(), m1.parameters(), strict=True))
+    assert guard.last_snapshot is None
+    _, _, guard = train(tmp_path / "bad", True, 2)
+    snap = torch.load(guard.last_snapshot, weights_only=True)
+    assert snap["autocast"]["dtype"] == "float16" and snap["grad_scale"] > 1
+    d = analyze(guard.last_snapshot).to_json()
+    assert d["culprit"]["forward_op"] == "aten.div.Tensor" and d["diagnosis"]["cause"] == "normalize_zero_norm"
+    fix = d["diagnosis"]["fix"]
+    assert fix["verified"] is True and 0.5 < fix["replay"]["loss"] < 3, fix["replay"]
+    assert f"loss {num(fix['replay']['loss'])}," in fix["verification"], fix["verification"]
+    assert "'batch[0]'" in d["diagnosis"]["explanation"] and "the target" not in d["diagnosis"]["explanation"]
