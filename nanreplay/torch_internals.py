@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -159,6 +160,38 @@ def is_custom_function_node(node: Any) -> bool:
     except Exception as e:  # noqa: BLE001
         _note("is_custom_function_node", e)
         return False
+
+
+def in_module_hook_function(depth: int = 12) -> bool:
+    """Is an op running inside that identity Function (autograd makes its outputs as views, under no_grad, called from
+    `torch.utils.hooks.BackwardHook._apply_on_tensors`)? Those views are connected to the graph by the Function's
+    node, so a program must replay them with grad on."""
+    code = _module_hook_apply_code()
+    if code is None:
+        return False
+    try:
+        f = sys._getframe(1)
+    except Exception as e:  # noqa: BLE001
+        _note("is_custom_function_node", e)
+        return False
+    for _ in range(depth):
+        if f is None:
+            return False
+        if f.f_code is code:
+            return True
+        f = f.f_back
+    return False
+
+
+@functools.cache
+def _module_hook_apply_code() -> Any:
+    try:
+        from torch.utils.hooks import BackwardHook
+
+        return BackwardHook._apply_on_tensors.__code__
+    except Exception as e:  # noqa: BLE001
+        _note("is_custom_function_node", e)
+        return None
 
 
 @functools.cache

@@ -209,7 +209,7 @@ class _Recorder:
         if kwargs:
             node["kwargs"] = {k: self.enc(v) for k, v in kwargs.items()}
         node["out"], node["meta"] = self._outputs(out)
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() and not ti.in_module_hook_function():  # (its views are on the graph)
             node["grad"] = False
         if self._autocast_cast(name, kwargs) or self._follows_autocast(_dtype_literals(args, kwargs)):
             node["cast"] = True
