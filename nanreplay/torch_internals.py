@@ -21,6 +21,7 @@ What degrades when an accessor fails:
 * `default_foreach`: the implementation path an optimizer with `foreach=None` took is guessed from the
   device (foreach on CUDA, single-tensor elsewhere), as torch does today.
 * `is_custom_function_node`: custom autograd.Functions are not detected at capture.
+* `accumulated_variable`: a program that would cut a parameter's gradient path is not detected at capture.
 * `fsdp_recompute_state`: a step of an FSDP2 model cannot be recorded (the sharded snapshot says why).
 * `fsdp_traffic_unseen`: `nanreplay analyze DIR --nproc N` refuses FSDP2 snapshots (single-process analysis works).
 * `dispatch_modes_off`: used only by the two above.
@@ -204,6 +205,18 @@ def _module_hook_function() -> type | None:
     except Exception as e:  # noqa: BLE001
         _note("is_custom_function_node", e)
         return None
+
+
+def accumulated_variable(node: Any) -> torch.Tensor | None:
+    """The leaf an `AccumulateGrad` node accumulates into; None for any other node (or when unknown)."""
+    if type(node).__name__ != "AccumulateGrad":
+        return None
+    try:
+        v = node.variable
+    except Exception as e:  # noqa: BLE001
+        _note("accumulated_variable", e)
+        return None
+    return v if isinstance(v, torch.Tensor) else None
 
 
 def saved_tensors_of(node: Any) -> list[torch.Tensor]:

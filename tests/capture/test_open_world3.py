@@ -265,3 +265,30 @@ def test_cpu_fp16_autocast_with_a_grad_scaler_is_explained_in_the_loops_own_term
     assert fix["verified"] is True and 0.5 < fix["replay"]["loss"] < 3, fix["replay"]
     assert f"loss {num(fix['replay']['loss'])}," in fix["verification"], fix["verification"]
     assert "'batch[0]'" in d["diagnosis"]["explanation"] and "the target" not in d["diagnosis"]["explanation"]
+
+
+def test_a_program_that_would_cut_a_gradient_path_is_refused_at_capture(tmp_path, monkeypatch):
+    """Any op recorded with grad off that the step's own graph runs through (the hook views above were one) would
+    leave parameters without a gradient in every replay: the guard now compares the program's paths with the
+    step's graph and says which parameters it would cut, instead of writing a program that replays wrongly."""
+    import warnings
+
+    from nanreplay import NanGuard
+    from nanreplay import torch_internals as ti
+
+    monkeypatch.setattr(ti, "in_module_hook_function", lambda *a: False)  # the hook views recorded with grad off
+    torch.manual_seed(0)
+    model = _Unit()
+    model.b.register_full_backward_hook(lambda m, gin, gout: None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = NanGuard(model, opt, loss_fn=torch.nn.functional.cross_entropy, folder=tmp_path)
+    x, y = torch.randn(6, 6), torch.randint(0, 3, (6,))
+    x[2] = 0
+    guard.begin(x, y, step=0)
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        assert not guard.loss_ok(torch.nn.functional.cross_entropy(model(x), y))
+    snap = torch.load(guard.last_snapshot, weights_only=True)
+    assert snap["step_program"] is None
+    assert "would not give a.bias, a.weight, b.bias" in snap["program_error"], snap["program_error"]
+    assert any("would not give" in str(w.message) for w in ws)
