@@ -21,6 +21,7 @@ What degrades when an accessor fails:
 * `default_foreach`: the implementation path an optimizer with `foreach=None` took is guessed from the
   device (foreach on CUDA, single-tensor elsewhere), as torch does today.
 * `is_custom_function_node`: custom autograd.Functions are not detected at capture.
+* `backward_hooks`: an unreproduced gradient failure does not name the step's backward hooks.
 * `accumulated_variable`: a program that would cut a parameter's gradient path is not detected at capture.
 * `fsdp_recompute_state`: a step of an FSDP2 model cannot be recorded (the sharded snapshot says why).
 * `fsdp_traffic_unseen`: `nanreplay analyze DIR --nproc N` refuses FSDP2 snapshots (single-process analysis works).
@@ -205,6 +206,19 @@ def _module_hook_function() -> type | None:
     except Exception as e:  # noqa: BLE001
         _note("is_custom_function_node", e)
         return None
+
+
+def backward_hooks(model: torch.nn.Module) -> list[str]:
+    """Where the model runs Python hooks in backward that change what flows back (module backward hooks, a
+    parameter's `register_hook`), as names; [] when none, or when unknown."""
+    try:
+        found = [f"module {n or '(the model)'!r}" for n, m in model.named_modules()
+                 if m._backward_hooks or m._backward_pre_hooks]
+        found += [f"parameter {n!r}" for n, p in model.named_parameters() if p._backward_hooks]
+    except Exception as e:  # noqa: BLE001
+        _note("backward_hooks", e)
+        return []
+    return found
 
 
 def accumulated_variable(node: Any) -> torch.Tensor | None:

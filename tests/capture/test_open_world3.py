@@ -292,3 +292,52 @@ def test_a_program_that_would_cut_a_gradient_path_is_refused_at_capture(tmp_path
     assert snap["step_program"] is None
     assert "would not give a.bias, a.weight, b.bias" in snap["program_error"], snap["program_error"]
     assert any("would not give" in str(w.message) for w in ws)
+
+
+class _TwoInputs(torch.nn.Module):
+    """A second, optional input (zeros where a sample lacks it) and a per-parameter gradient normalisation hook."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.extra, self.b = torch.nn.Linear(6, 16), torch.nn.Linear(2, 16), torch.nn.Linear(16, 3)
+        self.extra.weight.register_hook(lambda g: g / g.norm())  # unit-norm gradients: 0 / 0 where g is all 0
+
+    def forward(self, x, f):
+        return self.b(torch.relu(self.a(x) + self.extra(f)))
+
+
+def test_an_unreproduced_gradient_failure_names_the_steps_backward_hooks(tmp_path):
+    """A hook that divides a gradient by its own norm makes NaN where the batch gives that parameter no gradient (a
+    missing second input). The replay holds no Python and computes finite gradients; before, the analysis could
+    only say the failure "depends on something the snapshot does not hold". The snapshot now notes the hooks the
+    step ran, and the analysis names them as the likeliest source."""
+    import torch.nn.functional as F
+
+    from nanreplay import NanGuard
+    from nanreplay.analysis import analyze
+
+    torch.manual_seed(0)
+    model = _TwoInputs()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = NanGuard(model, opt, loss_fn=F.cross_entropy, folder=tmp_path)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x, f, y = torch.randn(6, 6, generator=g), torch.randn(6, 2, generator=g), torch.randint(0, 3, (6,), generator=g)
+        if step == 2:
+            f = torch.zeros(6, 2)  # no sample of this batch has the second input
+        guard.begin((x, f), y, step=step)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x, f), y)
+        assert guard.loss_ok(loss)
+        loss.backward()
+        if not guard.grads_ok():
+            break
+        opt.step()
+    assert step == 2 and "_gradient_" in guard.last_snapshot
+    snap = torch.load(guard.last_snapshot, weights_only=True)
+    assert any("parameter 'extra.weight'" in n for n in snap["notes"]), snap["notes"]
+    d = analyze(guard.last_snapshot, verify=False).to_json()
+    diag = d["diagnosis"]
+    assert (d["verdict"], diag["cause"]) == ("not_reproduced", "not_reproduced"), diag
+    assert diag["title"] == "not reproduced without the step's backward hooks"
+    assert "parameter 'extra.weight'" in diag["explanation"]
