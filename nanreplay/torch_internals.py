@@ -21,6 +21,8 @@ What degrades when an accessor fails:
 * `default_foreach`: the implementation path an optimizer with `foreach=None` took is guessed from the
   device (foreach on CUDA, single-tensor elsewhere), as torch does today.
 * `is_custom_function_node`: custom autograd.Functions are not detected at capture.
+* `backward_hooks`: an unreproduced gradient failure does not name the step's backward hooks.
+* `accumulated_variable`: a program that would cut a parameter's gradient path is not detected at capture.
 * `fsdp_recompute_state`: a step of an FSDP2 model cannot be recorded (the sharded snapshot says why).
 * `fsdp_traffic_unseen`: `nanreplay analyze DIR --nproc N` refuses FSDP2 snapshots (single-process analysis works).
 * `dispatch_modes_off`: used only by the two above.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -145,12 +148,89 @@ def autograd_nodes(root: Any, limit: int = 200_000):
 
 
 def is_custom_function_node(node: Any) -> bool:
-    """Is this autograd node the backward of a user-defined `torch.autograd.Function`?"""
+    """Is this autograd node the backward of a user-defined `torch.autograd.Function`?
+
+    Not the one torch puts around a module that has full backward hooks (`register_full_backward_hook`,
+    `register_full_backward_pre_hook`, the global `register_module_full_backward_hook`): its forward is an
+    identity (the ops a program records are the views it returns) and its backward only calls the hooks, which a
+    replay does not run, like a tensor's `register_hook`."""
     try:
-        return isinstance(node, torch.autograd.function.BackwardCFunction)
+        if not isinstance(node, torch.autograd.function.BackwardCFunction):
+            return False
+        fwd = getattr(node, "_forward_cls", None)
+        return fwd is None or fwd is not _module_hook_function()
     except Exception as e:  # noqa: BLE001
         _note("is_custom_function_node", e)
         return False
+
+
+def in_module_hook_function(depth: int = 12) -> bool:
+    """Is an op running inside that identity Function (autograd makes its outputs as views, under no_grad, called from
+    `torch.utils.hooks.BackwardHook._apply_on_tensors`)? Those views are connected to the graph by the Function's
+    node, so a program must replay them with grad on."""
+    code = _module_hook_apply_code()
+    if code is None:
+        return False
+    try:
+        f = sys._getframe(1)
+    except Exception as e:  # noqa: BLE001
+        _note("is_custom_function_node", e)
+        return False
+    for _ in range(depth):
+        if f is None:
+            return False
+        if f.f_code is code:
+            return True
+        f = f.f_back
+    return False
+
+
+@functools.cache
+def _module_hook_apply_code() -> Any:
+    try:
+        from torch.utils.hooks import BackwardHook
+
+        return BackwardHook._apply_on_tensors.__code__
+    except Exception as e:  # noqa: BLE001
+        _note("is_custom_function_node", e)
+        return None
+
+
+@functools.cache
+def _module_hook_function() -> type | None:
+    """torch's identity Function for modules with full backward hooks (torch.nn.modules._functions)."""
+    try:
+        from torch.nn.modules._functions import BackwardHookFunction
+
+        return BackwardHookFunction
+    except Exception as e:  # noqa: BLE001
+        _note("is_custom_function_node", e)
+        return None
+
+
+def backward_hooks(model: torch.nn.Module) -> list[str]:
+    """Where the model runs Python hooks in backward that change what flows back (module backward hooks, a
+    parameter's `register_hook`), as names; [] when none, or when unknown."""
+    try:
+        found = [f"module {n or '(the model)'!r}" for n, m in model.named_modules()
+                 if m._backward_hooks or m._backward_pre_hooks]
+        found += [f"parameter {n!r}" for n, p in model.named_parameters() if p._backward_hooks]
+    except Exception as e:  # noqa: BLE001
+        _note("backward_hooks", e)
+        return []
+    return found
+
+
+def accumulated_variable(node: Any) -> torch.Tensor | None:
+    """The leaf an `AccumulateGrad` node accumulates into; None for any other node (or when unknown)."""
+    if type(node).__name__ != "AccumulateGrad":
+        return None
+    try:
+        v = node.variable
+    except Exception as e:  # noqa: BLE001
+        _note("accumulated_variable", e)
+        return None
+    return v if isinstance(v, torch.Tensor) else None
 
 
 def saved_tensors_of(node: Any) -> list[torch.Tensor]:

@@ -67,10 +67,11 @@ def _kind(kind: str) -> str:
     return "NaN" if kind == "nan" else "Inf"  # spelled as everywhere else, not upper-cased
 
 
-def _outcome(step: replay.Step) -> Outcome:
+def _outcome(step: replay.Step, k: float = 1.0) -> Outcome:
     if step.failure is None:
         if step.loss is not None and all(g["nan"] == 0 and g["inf"] == 0 for g in step.grads):  # ([] when stopped)
-            return Outcome(True, f"replayed with the fix: loss {stats.num(step.loss)}, every parameter gradient finite")
+            return Outcome(True, f"replayed with the fix: loss {stats.num(step.loss / k)}, every parameter gradient "
+                                 "finite")
         return Outcome(False, "replayed with the fix, but the step did not complete")
     ch = culprit_mod.chain(step.events, step.failure.event)
     c = culprit_mod.culprit(step.events, ch)
@@ -167,7 +168,8 @@ def _replay(copy: Subject, intercepts: dict[int, Callable] | None, label: str, s
             return Outcome(False, f"copying the step to replay it {label} raised {raised(e)}", raised=True)
     if quick is not None:
         loss, norms = quick
-        out = Outcome(True, f"replayed {label}: loss {stats.num(loss)}, every parameter gradient finite", loss=loss / k)
+        out = Outcome(True, f"replayed {label}: loss {stats.num(loss / k)}, every parameter gradient finite",
+                      loss=loss / k)  # the loss the loop saw, not the GradScaler's scaled one
         out.grad_norms = {n: v / k for n, v in norms.items()}
         out.grad_norm = math.sqrt(sum(v * v for v in out.grad_norms.values()))
         return out
@@ -175,7 +177,7 @@ def _replay(copy: Subject, intercepts: dict[int, Callable] | None, label: str, s
         step = replay.run_subject(copy, intercepts=intercepts, backward_after_bad_loss=False, stop_at_failure=True)
     except Exception as e:  # noqa: BLE001 - a fix that breaks the model is a failed fix, not a crash
         return Outcome(False, f"replaying {label} raised {raised(e)}", raised=True)
-    out = _outcome(step)
+    out = _outcome(step, k)
     out.detail = out.detail.replace("with the fix", label)
     if step.loss is not None and math.isfinite(step.loss):
         out.loss = step.loss / k

@@ -583,7 +583,7 @@ class NanGuard:
                 self.last_error = why
                 self._warn_once("record", f"the step could not be recorded as a program ({why}); analyzing its "
                                           "snapshot will need the model's code (--model, or --trust for its factory)")
-        notes: list[str] = [self._loss_note] if self._loss_note else []
+        notes: list[str] = [n for n in (self._loss_note, ms.backward_hooks_note(self.model)) if n]
         extra["record_seconds"] = round(seconds, 3) if program is not None else None
         extra.setdefault("loss_value", self._row().get("loss"))
         extra["micro_batch"] = st.micro_batch

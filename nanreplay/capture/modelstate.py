@@ -84,3 +84,16 @@ def saved_low_precision(loss: torch.Tensor, model: nn.Module, limit: int = 20000
     except Exception as e:  # noqa: BLE001 - an observer must never break the training step
         log.debug("nanreplay: could not inspect the autograd graph: %s", e)
     return None
+
+
+HOOKS_NOTE = "backward hooks ran in training that a replay does not run"  # read by diagnose/finite.py
+
+
+def backward_hooks_note(model: nn.Module) -> str | None:
+    """A snapshot note naming the Python backward hooks the step ran (a replay holds no Python, so it computes the
+    gradients without them): when the replay's gradients are finite and the training's were not, they are the
+    likeliest source."""
+    found = ti.backward_hooks(model)
+    if not found:
+        return None
+    return f"{HOOKS_NOTE}: " + ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")

@@ -125,6 +125,19 @@ def _torch_dtype(dt: Any) -> torch.dtype | None:
     return _NP_TO_TORCH.get(str(dt))
 
 
+MAX_KEY_ITEMS = 8  # a tuple key's items (torch_geometric's edge types have three)
+
+
+def batch_key(k: Any) -> str | int | tuple:
+    """A batch dict's key as a snapshot holds it: strings and ints as they are, a short tuple of them as a tuple
+    (torch_geometric's `edge_index_dict` is keyed by `(src, relation, dst)`), anything else as `_key` spells it.
+    The step program names batch tensors by the same keys."""
+    if isinstance(k, tuple) and type(k) is tuple and 0 < len(k) <= MAX_KEY_ITEMS and \
+            all(type(x) in (str, int) for x in k):
+        return k
+    return _key(k)
+
+
 def _key(k: Any) -> str | int:
     if type(k) in (str, int):
         return k

@@ -31,6 +31,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from nanreplay import torch_internals as ti
+from nanreplay.capture import plain
 from nanreplay.capture.owned import storage_freed
 from nanreplay.formats.ops import ALLOWED_OPS
 from nanreplay.formats.program import (
@@ -208,7 +209,7 @@ class _Recorder:
         if kwargs:
             node["kwargs"] = {k: self.enc(v) for k, v in kwargs.items()}
         node["out"], node["meta"] = self._outputs(out)
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() and not ti.in_module_hook_function():  # (its views are on the graph)
             node["grad"] = False
         if self._autocast_cast(name, kwargs) or self._follows_autocast(_dtype_literals(args, kwargs)):
             node["cast"] = True
@@ -521,6 +522,10 @@ def record_step(forward: Callable[[], Any], loss: Callable[[Any], torch.Tensor],
     if custom:
         raise NotRecordable(f"the step uses custom autograd.Function(s) {', '.join(custom)} (or reentrant "
                             "checkpointing), whose backward is Python code a program cannot hold")
+    cut = _gradient_cut(loss_t, rec, loss_ref) if hooks is None else []  # (FSDP2's hooks gather other tensors)
+    if cut:
+        raise NotRecordable(f"the program would not give {', '.join(cut[:3])}{' ...' if len(cut) > 3 else ''} the "
+                            "gradient the step gave it (an op it recorded with grad off is on the step's graph)")
     program = {"schema": SCHEMA, "leaves": rec.leaves, "nodes": rec.nodes, "loss": loss_ref,
                "modules": rec.modules, "scopes": rec.scopes, "frames": rec.frames, "calls": rec.calls}
     return Recorded(program, rec.constants, loss_t)
@@ -534,6 +539,35 @@ def _unseen(rec: _Recorder, fn: Callable[[], Any]) -> None:
         fn()
     finally:
         rec.busy = was
+
+
+def _gradient_cut(loss: torch.Tensor, rec: _Recorder, loss_ref: int) -> list[str]:
+    """The parameters the step's own graph gives a gradient and the program's would not: a replay would leave them
+    without one, and a NaN gradient would come out "not reproduced" (the views autograd makes for a module's
+    backward hooks, under no_grad, were one such op). Over-approximates the program's paths (every input of a
+    node that needs a gradient counts), so it never flags a parameter the replay does reach; a program that writes
+    in place is not checked (its writes through views would need alias tracking)."""
+    if any(n["op"].rsplit(".", 1)[0].endswith("_") for n in rec.nodes):
+        return []  # a write through a view (copy_ into a slice) reaches its base's later readers: not followed here
+    ids = {id(v) for v in map(ti.accumulated_variable, ti.autograd_nodes(loss.grad_fn)) if v is not None}
+    eager = {info[1] for i, info in rec.leaf_info.items() if info[0] == "param" and i in ids}
+    need = {loss_ref}
+    for node in reversed(rec.nodes):
+        if node.get("grad") is not False and need.intersection(_refs(node["out"], outs=True)):
+            need.update(_refs(node["args"]), _refs(node.get("kwargs")))
+    return sorted(lf["name"] for lf in rec.leaves if lf["kind"] == "param" and lf["name"] in eager
+                  and lf["ref"] not in need)
+
+
+def _refs(v: Any, outs: bool = False) -> list[int]:
+    """The refs in a node's encoded arguments ({"r": n}), or in its outputs (plain ints, with `outs`)."""
+    if outs and isinstance(v, int) and not isinstance(v, bool):
+        return [v]
+    if isinstance(v, dict):
+        return [v["r"]] if isinstance(v.get("r"), int) and len(v) == 1 else [r for x in v.values() for r in _refs(x)]
+    if isinstance(v, list):
+        return [r for x in v for r in _refs(x, outs)]
+    return []
 
 
 def _custom_functions(loss: torch.Tensor) -> list[str]:
@@ -550,9 +584,8 @@ def _batch_tensors(obj: Any, path: tuple = ()):
     if isinstance(obj, torch.Tensor):
         yield list(path), obj
     elif isinstance(obj, dict):
-        for k, v in obj.items():
-            if isinstance(k, (str, int)) and not isinstance(k, bool):
-                yield from _batch_tensors(v, path + (k,))
+        for k, v in obj.items():  # the key the snapshot's copy of the batch has (snapshot.cpu_copy)
+            yield from _batch_tensors(v, path + (plain.batch_key(k),))
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
             yield from _batch_tensors(v, path + (i,))

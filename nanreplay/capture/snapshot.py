@@ -134,8 +134,8 @@ def cpu_copy(obj: Any) -> Any:
                     t = x.detach().to("cpu", copy=True)
                 memo[id(x)] = t
             return t
-        if isinstance(x, dict):
-            return {k: copy(v) for k, v in x.items()}
+        if isinstance(x, dict):  # keys a snapshot can hold (plain.batch_key): the program names tensors by them
+            return {plain.batch_key(k): copy(v) for k, v in x.items()}
         if isinstance(x, tuple):
             return tuple(copy(v) for v in x)
         if isinstance(x, list):

@@ -30,6 +30,7 @@ from nanreplay.pytree import iter_tensors
 from nanreplay.replay.subject import batch_tensors
 
 GRADIENT_TRIGGERS = ("gradient", "grad_norm_overflow")
+HOOKS_NOTE = "backward hooks ran in training that a replay does not run"  # capture/modelstate.py writes it
 
 
 def _result(cause: str, title: str, explanation: str, fix: Fix, **extra) -> dict:
@@ -66,6 +67,9 @@ def diagnose_finite(result, subject, step: replay.Step | None, info: dict, *, ve
         return _diverged(result, info, d, machine)
     if env.get("compiled"):
         return _compiled(result, info)
+    hooks = next((n for n in info.get("notes") or [] if isinstance(n, str) and n.startswith(HOOKS_NOTE)), None)
+    if trigger in GRADIENT_TRIGGERS and hooks:
+        return _hooked(result, hooks, machine)
     if trigger in ("loss", *GRADIENT_TRIGGERS) and info.get("format") == "native":
         return _transient(result, info, env)
     return _generic(result)
@@ -149,6 +153,20 @@ def _compiled(result, info: dict) -> dict:
                    _none("rerun this step with torch.compile(model, backend='aot_eager') or without torch.compile: "
                          "if it is finite there, the fused kernels are at fault (report it, or compile that part "
                          "with a wider dtype)"))
+
+
+def _hooked(result, note: str, machine: dict) -> dict:
+    """A gradient failure the replay does not reproduce, in a step that ran Python backward hooks: the replay
+    computes the gradients without them (a program holds no Python), so they are the likeliest source."""
+    rerun = f" {machine['sentence']}" if machine.get("verdict") == "reproducible" and machine.get("sentence") else ""
+    expl = (f"Not reproduced by the replay ({_replayed(result)}), which computes the gradients without the step's "
+            f"Python backward hooks: {note.removeprefix(HOOKS_NOTE + ': ')}.{rerun} What flows back is finite "
+            "without them, so the likeliest source of the non-finite gradient is one of those hooks (a gradient "
+            "divided by its own norm where that norm is 0, a log or a rescale of it). Check what each computes on "
+            "this step's gradients.")
+    return _result("not_reproduced", "not reproduced without the step's backward hooks", expl,
+                   _none("check the backward hooks named above on this step's gradients (guard a division by a "
+                         "gradient's norm with an epsilon)"), evidence=[note, f"this replay: {_replayed(result)}"])
 
 
 def _transient(result, info: dict, env: dict, machine: dict | None = None) -> dict:

@@ -339,9 +339,10 @@ def _leaf(lf: Any, i: int, defined: set[int]) -> Leaf:
         raise _Invalid(f"{what}.kind must be one of {LEAF_KINDS}")
     path = lf.get("path")
     if path is not None:
-        path = _list(path, f"{what}.path")
-        if len(path) > 16 or not all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in path):
-            raise _Invalid(f"{what}.path must be a short list of keys and indices")
+        key = lambda p: isinstance(p, (str, int)) and not isinstance(p, bool)  # noqa: E731
+        path = [tuple(p) if isinstance(p, list) else p for p in _list(path, f"{what}.path")]  # a tuple key
+        if len(path) > 16 or not all(key(p) or (type(p) is tuple and 0 < len(p) <= 8 and all(map(key, p))) for p in path):
+            raise _Invalid(f"{what}.path must be a short list of keys and indices (or of short lists of keys)")
     defined.add(ref)
     return Leaf(ref, kind, _str(lf.get("name"), f"{what}.name"), _shape(lf.get("shape"), f"{what}.shape"),
                 _dtype(lf.get("dtype"), f"{what}.dtype"), path, cast)

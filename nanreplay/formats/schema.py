@@ -198,6 +198,18 @@ def plain_value(v: Any, where: str, depth: int = 0) -> Any:
     raise SchemaError(f"{where} holds {_what(v)}, which a snapshot field may not")
 
 
+MAX_KEY_ITEMS = 8
+
+
+def batch_key(k: Any, where: str) -> str | int | tuple:
+    """A batch dict's key: a string, an int, or a short tuple of them (torch_geometric's edge types)."""
+    if isinstance(k, int) and not isinstance(k, bool):
+        return k
+    if isinstance(k, tuple) and 0 < len(k) <= MAX_KEY_ITEMS:
+        return tuple(x if isinstance(x, int) and not isinstance(x, bool) else string(1000)(x, where) for x in k)
+    return string(1000)(k, where)
+
+
 def batch_tree(v: Any, where: str, depth: int = 0) -> Any:
     """A batch: tensors and plain values in dicts, lists and tuples (structure kept)."""
     if depth > MAX_DEPTH:
@@ -211,8 +223,7 @@ def batch_tree(v: Any, where: str, depth: int = 0) -> Any:
             raise SchemaError(f"{where} has too many items")
         return [batch_tree(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]
     if isinstance(v, dict):
-        return {(string(1000)(k, f"{where} key") if not isinstance(k, int) or isinstance(k, bool) else k):
-                batch_tree(x, f"{where}[{k!r}]", depth + 1) for k, x in v.items()}
+        return {batch_key(k, f"{where} key"): batch_tree(x, f"{where}[{k!r}]", depth + 1) for k, x in v.items()}
     if v is None or isinstance(v, (bool, int, float, str)):
         return plain_value(v, where, depth)
     raise SchemaError(f"{where} holds {_what(v)}, which a batch may not")

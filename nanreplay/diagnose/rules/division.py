@@ -445,7 +445,7 @@ def _data_rows(s: Site, idx: int, label: str) -> Fix | None:
         rec, i = o, 0
     if leaf is None or leaf[0] == "parameter":
         return None
-    name = leaf[1] if leaf[1].isidentifier() else "the target"
+    name = leaf[1]  # as the batch spells it ('batch[0]', 'target'): a position is not a role
     den = None
     loc = codefix.locate(s.source, (s.source or {}).get("line"), s.spelled(s.call), ordinal=s.ordinal(s.call))
     if loc is not None:
@@ -458,11 +458,11 @@ def _data_rows(s: Site, idx: int, label: str) -> Fix | None:
     rw = _row_filter(s, idx, den, label, kept_dims=bool(raw) and raw != den, rows_at=rows_at) if den else None
     return Fix(FixKind.MASK_ROWS, "", verification="not replayed: the remedy is in the data", rewrite=rw,
                reasoning=(f"The {label} is that of the batch's own {name!r}: for a row where it is all zeros (a silent "
-                          "reference clip) the quantity is undefined, and an ε only moves the infinity to the next "
-                          "op (a projection on a zero vector is 0, and the log of a zero energy follows). The remedy "
-                          f"is in the data: leave those rows out of the batch, or out of this loss, before it is "
-                          f"computed." + (f" The all-zero rows of {leaf[1]!r} in this batch: {rows_at}." if rows_at
-                                          else "")),
+                          "reference clip, an empty sample) the quantity is undefined, and an ε only sets a value for "
+                          "it (a projection on a zero vector is 0; the log of a zero energy that follows stays "
+                          "infinite). Where such rows are not meant to be there, the remedy is in the data: leave "
+                          "them out of the batch, or out of this loss, before it is computed."
+                          + (f" The all-zero rows of {leaf[1]!r} in this batch: {rows_at}." if rows_at else "")),
                guidance=(f"the remedy is in the data: leave out of this loss the rows where {keep} is false, before "
                          f"it is computed at {s.where} (keep = {keep}; index every per-row tensor of the loss with "
                          "keep), or drop such samples from the dataset; masking the loss after it is computed "
