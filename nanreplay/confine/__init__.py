@@ -56,6 +56,30 @@ def needed(*, trust: bool, model: str | None, loss: str | None) -> bool:
     return sys.platform.startswith("linux") and not (trust or model or (loss and ":" in loss))
 
 
+def weaker(doc: object) -> str | None:
+    """The terminal line for an analysis that ran less confined than docs/trust.md describes (no Landlock on this
+    kernel, seccomp refused, a limit lowered by `ulimit`, `--device cuda`): the child's own
+    `environment.confinement.lost`, escaped, or None. Before, only the JSON said so."""
+    c = ((doc.get("environment") or {}).get("confinement") if isinstance(doc, dict) else None) or {}
+    lost = c.get("lost") if isinstance(c, dict) else None
+    if not lost:
+        return None
+    return f"nanreplay: warning: the analysis ran less confined than usual: {one_line(str(lost), 600)}"
+
+
+def no_file_filter() -> str | None:
+    """Triage's line, said once before it starts: this kernel has no Landlock, so no snapshot's analysis has its
+    files filtered (each child still records it in its JSON). None where Landlock is there (or not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    from nanreplay.confine import filters
+
+    if filters.landlock_abi() is not None:
+        return None
+    return ("nanreplay: warning: no Landlock on this kernel: the snapshots' analyses run confined without a file "
+            "filter (only the limits, seccomp and an empty private folder hold)")
+
+
 def analyze(path: str, *, device: str | None = None, verify: bool = True, max_memory: int | None = None,
             source: list[str] | None = None, loss: str | None = None, timeout: float | None = None,
             threads: int | None = None, fork: bool = False, progress=None, compile_replay: bool = False,
