@@ -11,6 +11,9 @@ the meta kernel, which computes shapes only, passes it. These kernels then walk 
   formats/gradchecks.py; a stride-0 expansion of one value has the right shape);
 * `_weight_norm_interface` reads `v` contiguously and makes its `norms` output with `g`'s strides, then writes one
   norm per slice into it: a stride-0 `g` has a 1-element storage, and the write corrupted the heap (glibc abort);
+* `_embedding_bag` reads `indices` and `offsets` as dense arrays (a strided view's gaps came back as indices:
+  a stride-0 expansion of one index to 1000 reads 8 KB of the heap as row numbers; the kernel's own range check
+  then quotes a heap word, or selects rows by it);
 * the CPU flash-attention kernel walks `query`, `key` and `value` assuming the head dimension has stride 1.
 
 torch's public forms make these arguments contiguous before the call (`F.group_norm`, `torch._weight_norm`, the
@@ -52,5 +55,6 @@ LAYOUT_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "native_group_norm": lambda c: _dense(c, "weight", "bias"),
     "native_layer_norm_backward": lambda c: _dense(c, "mean", "rstd"),
     "_weight_norm_interface": lambda c: _dense(c, "v", "g"),
+    "_embedding_bag": lambda c: _dense(c, "indices", "offsets"),
     "_scaled_dot_product_flash_attention_for_cpu": lambda c: _last_dim_dense(c, "query", "key", "value"),
 }

@@ -52,6 +52,12 @@ CASES = {
                                                          [True, True, True]], {},
              [[[512, 4], F32], [[4], F32], [[4], F32]])]),
         ("rstd is a strided view",)),
+    "embedding bag with one index expanded to 1000 (reads the heap as row numbers)": (
+        lambda d: with_nodes(d, {"w": torch.randn(10, 3), "i": torch.tensor([1]), "o": torch.tensor([0])}, [
+            ("aten.expand.default", [R("i"), [1000]], {}, [[[1000], "int64"]]),
+            ("aten._embedding_bag.default", [R("w"), R(0), R("o"), False, 0, False, None, False, -1], {},
+             [[[1, 3], F32], [[1000], "int64"], [[1], "int64"], [[1], "int64"]])]),
+        ("indices is a strided view",)),
     "CPU flash attention with a head dimension of stride 0 (reads past the query)": (
         lambda d: with_nodes(d, {"q": torch.randn(1, 2, 64, 1), "k": torch.randn(1, 2, 64, 64),
                                  "v": torch.randn(1, 2, 64, 64)}, [
@@ -96,9 +102,11 @@ class _Calls(TorchDispatchMode):
 
 def test_the_arguments_real_steps_pass_these_kernels_are_not_refused():
     """What torch passes: GroupNorm (affine, and a weight that is an expanded view in the user's code), weight
-    norm, LayerNorm's backward, and attention whose query/key/value are transposed heads (not contiguous)."""
+    norm, LayerNorm's backward, attention whose query/key/value are transposed heads (not contiguous), and
+    EmbeddingBag given strided indices, offsets and per-sample weights."""
     torch.manual_seed(0)
     gn = torch.nn.GroupNorm(2, 8)
+    bag = torch.nn.EmbeddingBag(10, 3, mode="sum")
     wn = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(6, 8))
     ln = torch.nn.LayerNorm(6)
     x = torch.randn(3, 8, 5, requires_grad=True)
@@ -108,10 +116,12 @@ def test_the_arguments_real_steps_pass_these_kernels_are_not_refused():
         y = y + wn(torch.randn(4, 6)).sum() + ln(torch.randn(4, 6, requires_grad=True)).pow(2).sum()
         q, k, v = qkv.view(2, 7, 3, 2, 8).permute(2, 0, 3, 1, 4)  # heads transposed: strided, head dim dense
         y = y + F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+        idx = torch.tensor([1, 0, 2, 0, 3, 0, 4, 0])
+        y = y + bag(idx[::2], torch.tensor([0, 2, 9])[:2], per_sample_weights=torch.randn(8)[::2]).sum()
+        y = y + bag(torch.arange(6).view(3, 2).t()).sum()  # a transposed batch of bags
         y.backward()
     packets = {p for _, p, _, _ in mode.calls}
-    assert packets >= {"native_group_norm", "_weight_norm_interface", "native_layer_norm_backward",
-                       "_scaled_dot_product_flash_attention_for_cpu"}, packets
+    assert packets == set(LAYOUT_CHECKS), packets
     assert any(not a.is_contiguous() for _, p, args, _ in mode.calls if p.startswith("_scaled")
                for a in args[:3])
     for func, packet, args, kwargs in mode.calls:
