@@ -135,3 +135,34 @@ def test_the_rules_refuse_on_the_meta_device_too():
     with pytest.raises(opchecks.Refused, match="weight is a strided view"):
         opchecks.check(torch.ops.aten.native_group_norm.default, "native_group_norm", [x, w, b, 2, C, 2, 4, 1e-5],
                        {}, lambda t: None)
+
+
+def test_a_later_node_reads_ctc_log_alpha_as_zeros(tmp_path, monkeypatch):
+    """`_ctc_loss` fills its log_alpha output only up to each sample's lengths; the rest is whatever the heap held
+    (a freed buffer's values came back in 1023 of 2100 entries). A program that reads it in a later node would
+    carry heap memory into its values and the report. The replay binds zeros for it (as for oneDNN's RNN
+    workspace); autograd keeps the real one for the backward."""
+    from nanreplay.formats import load, native
+    from nanreplay.formats.stepmodel import StepModule
+
+    t, n, c, s = 20, 2, 6, 5
+    _, d = valid_snapshot(tmp_path)
+    d = with_nodes(d, {"lp": torch.randn(t, n, c).log_softmax(2), "tg": torch.randint(1, c, (n, s)),
+                       "il": torch.tensor([t, 3]), "tl": torch.tensor([s, 1])}, [
+        ("aten._ctc_loss.Tensor", [R("lp"), R("tg"), R("il"), R("tl"), 0, False], {},
+         [[[n], F32], [[n, t, 2 * s + 1], F32]]),
+        ("aten.sum.default", [R(0, 1)], {}, [[[], F32]])])
+    path = save(d, tmp_path / "ctc.pt")
+    seen = []
+    bind = StepModule._bind
+
+    def spy(self, node, out, env, i):
+        bind(self, node, out, env, i)
+        if node.name == "aten.sum.default" and not seen:
+            seen.append(env[node.out])
+    monkeypatch.setattr(StepModule, "_bind", spy)
+    snap = load(path)
+    dev = torch.device("cpu")
+    subject = native.program_subject(snap, dev, None, native.replay_options(snap.raw, dev))
+    subject.model(subject.inputs, subject.target)
+    assert seen and float(seen[0]) == 0.0
