@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -41,6 +42,7 @@ HEADROOM = 1 << 30
 PER_THREAD = 80 << 20
 _CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGFPE, signal.SIGBUS, signal.SIGILL, signal.SIGABRT, signal.SIGSYS,
                   signal.SIGTRAP}
+_OP_NAME = re.compile(r"aten\.[A-Za-z0-9_]{1,80}\.[A-Za-z0-9_]{1,40}")
 _REQUIRED = ("schema", "snapshot", "verdict", "diagnosis", "environment", "stats")
 # What the child keeps of the analyst's environment: thread counts, the visible devices, and the math libraries'
 # code-path settings (the analysis must compute with the kernels the analyst chose: a confined and an unconfined
@@ -507,7 +509,9 @@ def _died(shown: str, status: int, page: int, timeout: float | None, max_memory:
         return LimitError(f"{shown}: the analysis was killed (SIGKILL: out of memory, or past its CPU time) under "
                           f"{_memory_cap(max_memory)}; nothing was written")
     where = progress.read(page)
-    if where is not None and where[1] >= 0 and where[2] and sig in _CRASH_SIGNALS:
+    # the page is the child's memory: an op name is quoted only in the form an allowlisted op has (a child taken
+    # over could otherwise write a sentence of its own into nanreplay's crash line)
+    if where is not None and where[1] >= 0 and _OP_NAME.fullmatch(where[2]) and sig in _CRASH_SIGNALS:
         phase, node, op = where
         return ConfinedCrash(f"{shown}: the snapshot's step crashed torch's `{op}` kernel at node {node} ({name} in "
                              f"{phase}; a crafted or corrupt snapshot); nothing was written")
