@@ -14,6 +14,8 @@ the meta kernel, which computes shapes only, passes it. These kernels then walk 
 * `_embedding_bag` reads `indices` and `offsets` as dense arrays (a strided view's gaps came back as indices:
   a stride-0 expansion of one index to 1000 reads 8 KB of the heap as row numbers; the kernel's own range check
   then quotes a heap word, or selects rows by it);
+* `mkldnn_rnn_layer` hands oneDNN the input and the hidden and cell states as dense memory: a stride-0 input read
+  past its storage (torch's LSTM passes them contiguous, whatever `batch_first` says);
 * the CPU flash-attention kernel walks `query`, `key` and `value` assuming the head dimension has stride 1.
 
 torch's public forms make these arguments contiguous before the call (`F.group_norm`, `torch._weight_norm`, the
@@ -56,5 +58,6 @@ LAYOUT_CHECKS: dict[str, Callable[[Any], str | None]] = {
     "native_layer_norm_backward": lambda c: _dense(c, "mean", "rstd"),
     "_weight_norm_interface": lambda c: _dense(c, "v", "g"),
     "_embedding_bag": lambda c: _dense(c, "indices", "offsets"),
+    "mkldnn_rnn_layer": lambda c: _dense(c, "input", "weight0", "weight1", "weight2", "weight3", "hx_", "cx_"),
     "_scaled_dot_product_flash_attention_for_cpu": lambda c: _last_dim_dense(c, "query", "key", "value"),
 }

@@ -26,6 +26,16 @@ def _expand(name: str, shape: list[int]) -> tuple:
     return ("aten.expand.default", [R(name), shape], {}, [[shape, F32]])
 
 
+_LSTM = {"w0": torch.randn(32, 4), "w1": torch.randn(32, 8), "w2": torch.randn(32), "w3": torch.randn(32),
+         "h": torch.zeros(2, 8), "c": torch.zeros(2, 8)}
+
+
+def _lstm_meta() -> list:
+    outs = torch.ops.aten.mkldnn_rnn_layer.default(torch.randn(5, 2, 4), *_LSTM.values(), False, [], 2, 8, 1, True,
+                                                   False, False, True)
+    return [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in outs]
+
+
 CASES = {
     "group norm with a weight expanded from one float to 4096 channels (reads the heap into its output)": (
         lambda d: with_nodes(d, {"x": torch.randn(2, C, 2), "w": torch.ones(1), "b": torch.zeros(C)}, [
@@ -58,6 +68,12 @@ CASES = {
             ("aten._embedding_bag.default", [R("w"), R(0), R("o"), False, 0, False, None, False, -1], {},
              [[[1, 3], F32], [[1000], "int64"], [[1], "int64"], [[1], "int64"]])]),
         ("indices is a strided view",)),
+    "LSTM layer with its input expanded from one float (oneDNN reads it as dense memory)": (
+        lambda d: with_nodes(d, {"x": torch.randn(1, 1, 1), **_LSTM}, [
+            ("aten.expand.default", [R("x"), [5, 2, 4]], {}, [[[5, 2, 4], F32]]),
+            ("aten.mkldnn_rnn_layer.default", [R(0), *(R(k) for k in _LSTM), False, [], 2, 8, 1, True, False,
+                                                False, True], {}, _lstm_meta())]),
+        ("input is a strided view",)),
     "CPU flash attention with a head dimension of stride 0 (reads past the query)": (
         lambda d: with_nodes(d, {"q": torch.randn(1, 2, 64, 1), "k": torch.randn(1, 2, 64, 64),
                                  "v": torch.randn(1, 2, 64, 64)}, [
@@ -103,9 +119,11 @@ class _Calls(TorchDispatchMode):
 def test_the_arguments_real_steps_pass_these_kernels_are_not_refused():
     """What torch passes: GroupNorm (affine, and a weight that is an expanded view in the user's code), weight
     norm, LayerNorm's backward, attention whose query/key/value are transposed heads (not contiguous), and
-    EmbeddingBag given strided indices, offsets and per-sample weights."""
+    EmbeddingBag given strided indices, offsets and per-sample weights, a bidirectional batch-first LSTM given a
+    transposed batch."""
     torch.manual_seed(0)
     gn = torch.nn.GroupNorm(2, 8)
+    lstm = torch.nn.LSTM(6, 4, num_layers=2, batch_first=True, bidirectional=True)
     bag = torch.nn.EmbeddingBag(10, 3, mode="sum")
     wn = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(6, 8))
     ln = torch.nn.LayerNorm(6)
@@ -119,6 +137,7 @@ def test_the_arguments_real_steps_pass_these_kernels_are_not_refused():
         idx = torch.tensor([1, 0, 2, 0, 3, 0, 4, 0])
         y = y + bag(idx[::2], torch.tensor([0, 2, 9])[:2], per_sample_weights=torch.randn(8)[::2]).sum()
         y = y + bag(torch.arange(6).view(3, 2).t()).sum()  # a transposed batch of bags
+        y = y + lstm(torch.randn(5, 3, 6).transpose(0, 1))[0].sum()  # batch first, given as a transposed view
         y.backward()
     packets = {p for _, p, _, _ in mode.calls}
     assert packets == set(LAYOUT_CHECKS), packets
