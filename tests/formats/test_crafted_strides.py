@@ -74,6 +74,11 @@ CASES = {
             ("aten.mkldnn_rnn_layer.default", [R(0), *(R(k) for k in _LSTM), False, [], 2, 8, 1, True, False,
                                                 False, True], {}, _lstm_meta())]),
         ("input is a strided view",)),
+    "antialiased resize 16 -> 4 with a scale of 1e-12 (windows of 10**12 taps: SIGSEGV)": (
+        lambda d: with_nodes(d, {"x": torch.randn(1, 1, 16, 16)}, [
+            ("aten._upsample_bilinear2d_aa.default", [R("x"), [4, 4], False, 1e-12, 1e-12], {},
+             [[[1, 1, 4, 4], F32]])]),
+        ("scales_h 1e-12 does not match the resize of 16 to 4",)),
     "CPU flash attention with a head dimension of stride 0 (reads past the query)": (
         lambda d: with_nodes(d, {"q": torch.randn(1, 2, 64, 1), "k": torch.randn(1, 2, 64, 64),
                                  "v": torch.randn(1, 2, 64, 64)}, [
@@ -185,3 +190,26 @@ def test_a_later_node_reads_ctc_log_alpha_as_zeros(tmp_path, monkeypatch):
     subject = native.program_subject(snap, dev, None, native.replay_options(snap.raw, dev))
     subject.model(subject.inputs, subject.target)
     assert seen and float(seen[0]) == 0.0
+
+
+def test_the_scales_real_antialiased_resizes_pass_are_not_refused():
+    """F.interpolate(antialias=True) with a scale factor passes it to the kernel beside floor(size * factor)."""
+    calls = []
+
+    class _Aa(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith("_upsample_") and "_aa" in func.__name__:
+                calls.append((func, func.__name__.split(".")[0], list(args), dict(kwargs or {})))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(1, 2, 17, 23, requires_grad=True)
+    with _Aa():
+        for mode in ("bilinear", "bicubic"):
+            for f in (0.1, 0.37, 0.5, 1 / 3, 1.0, 1.7, 3.0):
+                for recompute in (None, True):
+                    F.interpolate(x, scale_factor=f, mode=mode, antialias=True,
+                                  recompute_scale_factor=recompute).sum().backward()
+            F.interpolate(x, size=(5, 40), mode=mode, antialias=True).sum().backward()
+    assert len(calls) >= 30
+    for func, packet, args, kwargs in calls:
+        opchecks.check(func, packet, args, kwargs, opchecks.real_values)

@@ -313,7 +313,9 @@ CASES["affine_grid_generator"] = [
 for _p in ("_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"):
     _x = torch.randn(1, 1, 4, 4)
     CASES[_p] = [("default", dict(self=_x, output_size=[2, 2], align_corners=False, scales_h=0.5, scales_w=0.5),
-                  dict(self=_x, output_size=[2, 2], align_corners=False, scales_h=float("nan"), scales_w=0.5))]
+                  dict(self=_x, output_size=[2, 2], align_corners=False, scales_h=float("nan"), scales_w=0.5)),
+                 ("default", dict(self=_x, output_size=[2, 2], align_corners=False, scales_h=0.5, scales_w=0.5),
+                  dict(self=_x, output_size=[2, 2], align_corners=False, scales_h=0.5, scales_w=1e-9))]
 
 CASES["_pdist_forward"] = [("default", dict(self=torch.randn(5, 3), p=2.0), dict(self=torch.randn(2, 5, 3), p=2.0)),
                            ("default", dict(self=torch.randn(5, 3), p=2.0), dict(self=torch.randn(5, 3), p=float("nan")))]
