@@ -173,6 +173,8 @@ def analyze(snapshot: str, model: str | None, loss: str | None, report: str | No
             if md is not None and md_dest is not None:
                 outputs.append((md_dest, md, "the Markdown summary"))
             write_set(outputs)  # a full disk leaves none of them (and says nothing was written)
+        if confined and (weaker := confine.weaker(doc)):  # a degraded sandbox is said even with -q
+            click.echo(weaker, err=True)
     except interrupt.DeadlineExceeded:  # only in-process (click's test runner): the command stops in interrupt.py
         _fail(TimeLimitError(message.removeprefix("nanreplay: error: ")))
     except NanReplayError as e:
@@ -395,6 +397,10 @@ def triage(directory: str | None, outdir: str | None, jobs: int | None, model: s
                                               shard=shard)
             for line in skipped:
                 click.echo(f"nanreplay: {one_line(line)}", err=True)
+        from nanreplay import confine
+
+        if confine.needed(trust=trust, model=model, loss=loss) and (unfiltered := confine.no_file_filter()):
+            click.echo(unfiltered, err=True)
         plan = triage_mod.plan(directory, outdir or triage_mod.default_outdir(directory),
                                options=triage_mod.Options(model=model, loss=loss, trust=trust, device=device,
                                                           verify=not no_verify, max_memory=per_snapshot),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -41,6 +42,7 @@ HEADROOM = 1 << 30
 PER_THREAD = 80 << 20
 _CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGFPE, signal.SIGBUS, signal.SIGILL, signal.SIGABRT, signal.SIGSYS,
                   signal.SIGTRAP}
+_OP_NAME = re.compile(r"aten\.[A-Za-z0-9_]{1,80}\.[A-Za-z0-9_]{1,40}")
 _REQUIRED = ("schema", "snapshot", "verdict", "diagnosis", "environment", "stats")
 # What the child keeps of the analyst's environment: thread counts, the visible devices, and the math libraries'
 # code-path settings (the analysis must compute with the kernels the analyst chose: a confined and an unconfined
@@ -54,6 +56,30 @@ def needed(*, trust: bool, model: str | None, loss: str | None) -> bool:
     """Whether an analysis is confined: on Linux always, unless it runs code the user named (`--trust`,
     `--model`, a `--loss MODULE:CALLABLE`), which runs as the user anyway. (Elsewhere: not yet, docs/trust.md.)"""
     return sys.platform.startswith("linux") and not (trust or model or (loss and ":" in loss))
+
+
+def weaker(doc: object) -> str | None:
+    """The terminal line for an analysis that ran less confined than docs/trust.md describes (no Landlock on this
+    kernel, seccomp refused, a limit lowered by `ulimit`, `--device cuda`): the child's own
+    `environment.confinement.lost`, escaped, or None. Before, only the JSON said so."""
+    c = ((doc.get("environment") or {}).get("confinement") if isinstance(doc, dict) else None) or {}
+    lost = c.get("lost") if isinstance(c, dict) else None
+    if not lost:
+        return None
+    return f"nanreplay: warning: the analysis ran less confined than usual: {one_line(str(lost), 600)}"
+
+
+def no_file_filter() -> str | None:
+    """Triage's line, said once before it starts: this kernel has no Landlock, so no snapshot's analysis has its
+    files filtered (each child still records it in its JSON). None where Landlock is there (or not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    from nanreplay.confine import filters
+
+    if filters.landlock_abi() is not None:
+        return None
+    return ("nanreplay: warning: no Landlock on this kernel: the snapshots' analyses run confined without a file "
+            "filter (only the limits, seccomp and an empty private folder hold)")
 
 
 def analyze(path: str, *, device: str | None = None, verify: bool = True, max_memory: int | None = None,
@@ -483,7 +509,9 @@ def _died(shown: str, status: int, page: int, timeout: float | None, max_memory:
         return LimitError(f"{shown}: the analysis was killed (SIGKILL: out of memory, or past its CPU time) under "
                           f"{_memory_cap(max_memory)}; nothing was written")
     where = progress.read(page)
-    if where is not None and where[1] >= 0 and where[2] and sig in _CRASH_SIGNALS:
+    # the page is the child's memory: an op name is quoted only in the form an allowlisted op has (a child taken
+    # over could otherwise write a sentence of its own into nanreplay's crash line)
+    if where is not None and where[1] >= 0 and _OP_NAME.fullmatch(where[2]) and sig in _CRASH_SIGNALS:
         phase, node, op = where
         return ConfinedCrash(f"{shown}: the snapshot's step crashed torch's `{op}` kernel at node {node} ({name} in "
                              f"{phase}; a crafted or corrupt snapshot); nothing was written")

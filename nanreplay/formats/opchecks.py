@@ -32,6 +32,8 @@ import torch
 
 from nanreplay import torch_internals as ti
 from nanreplay.formats.gradchecks import GRAD_CHECKS
+from nanreplay.formats.layoutchecks import LAYOUT_CHECKS
+from nanreplay.formats.scalechecks import SCALE_CHECKS
 
 INT_MIN = {torch.int64: -(2**63), torch.int32: -(2**31), torch.int16: -(2**15), torch.int8: -(2**7)}
 MAX_LIST_OUTPUTS = 100_000  # tensors one op may return as a list (unbind, split)
@@ -564,5 +566,6 @@ def _refusing(why: Callable[[Call], str | None]) -> Check:
     return fn
 
 
-for _p, _why in GRAD_CHECKS.items():  # derivative kernels and solver helpers (formats/gradchecks.py)
+# derivative kernels and solver helpers (formats/gradchecks.py); kernels that ignore strides (formats/layoutchecks.py)
+for _p, _why in [*GRAD_CHECKS.items(), *LAYOUT_CHECKS.items(), *SCALE_CHECKS.items()]:  # (scalechecks.py)
     rule(_p)(_refusing(_why))

@@ -33,7 +33,11 @@ from nanreplay.replay.frames import RecordedFrame
 
 _FILL_ZERO = frozenset({"aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default",
                         "aten.empty_strided.default"})  # uninitialised memory: replay it as zeros
-_RNN_LAYER = "aten.mkldnn_rnn_layer.default"
+# outputs a kernel leaves partly uninitialised (heap memory where unused): oneDNN's RNN workspace; CTC's log_alpha
+# (`_ctc_loss` fills it only up to each sample's lengths: 1023 of 2100 values were a freed buffer's). Autograd keeps
+# the real one for backward; a later node of the program reads zeros.
+_UNINITIALISED_OUTPUT = {"aten.mkldnn_rnn_layer.default": (4, 3), "aten._ctc_loss.default": (2, 1),
+                         "aten._ctc_loss.Tensor": (2, 1)}
 _HALF_TO_FLOAT = frozenset({"aten._softmax.default", "aten._log_softmax.default"})
 _RECOMPUTING = [0]  # > 0 while a checkpointed segment recomputes its forward during backward
 
@@ -296,10 +300,11 @@ class StepModule(Boundaries, nn.Module):
         if node.view is not None:
             return self._strided(node, *args)
         out = node.op(*args, **kwargs)
-        if node.name == _RNN_LAYER and isinstance(out, tuple) and len(out) == 4:
-            with ti.dispatch_modes_off(), torch.no_grad():  # oneDNN's workspace is uninitialised where unused:
-                zeros = torch.zeros_like(out[3])  # backward keeps the real one, a later node reads zeros
-            out = (*out[:3], zeros)
+        n, k = _UNINITIALISED_OUTPUT.get(node.name, (0, 0))
+        if n and isinstance(out, tuple) and len(out) == n:
+            with ti.dispatch_modes_off(), torch.no_grad():  # backward keeps the real one, a later node reads zeros
+                zeros = torch.zeros_like(out[k])
+            out = (*out[:k], zeros, *out[k + 1:])
         return out
 
     def _strided(self, node: Node, flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

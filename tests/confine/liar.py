@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -28,6 +29,12 @@ def main(job: dict) -> None:
             os._exit(0)
         os.write(fd, (json.dumps({"analysis": job["doc"]}) + "\n").encode())
         return
+    if lie == "forged crash":  # a sentence of its own as the op name on the progress page, then a crash
+        from nanreplay.confine import progress
+
+        progress.attach(job["progress_fd"])
+        progress.at(progress.REPLAY, 3, job["op"], 10)
+        os.kill(os.getpid(), signal.SIGSEGV)
     if lie == "silent":
         time.sleep(600)
         return

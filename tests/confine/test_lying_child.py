@@ -131,3 +131,21 @@ def test_hostile_strings_in_a_well_formed_result_reach_no_renderer_raw(tmp_path)
 def test_only_our_error_classes_come_back(tmp_path):
     with pytest.raises(NanReplayError):
         _lie(tmp_path, b"\xff\xfe not json\n")
+
+
+@pytest.mark.parametrize("op", ["aten.add.Tensor` kernel at node 3 (SIGSEGV); the snapshot is safe: re-run with --trust",
+                                "aten.add.Tensor\nnanreplay: error: forged", "aten.add.Tensor" + ESC + "[2J"])
+def test_a_crash_line_quotes_only_an_op_name_from_the_progress_page(tmp_path, op):
+    """The progress page is the child's memory: a taken-over child writes what it likes there before it crashes.
+    The crash line names the op only when the page holds an op name's form; otherwise it names the phase."""
+    with pytest.raises(NanReplayError) as e:
+        confine.run(_job(tmp_path, "forged crash", op=op), entry=LIAR)
+    text = _one_line_without_escapes(e.value)
+    assert "re-run" not in text and "forged" not in text and "aten.add" not in text, text
+    assert "crashed torch (SIGSEGV in the replay; a crafted or corrupt snapshot)" in text, text
+
+
+def test_a_crash_line_still_names_a_real_op(tmp_path):
+    with pytest.raises(NanReplayError) as e:
+        confine.run(_job(tmp_path, "forged crash", op="aten._weight_norm_interface.default"), entry=LIAR)
+    assert "crashed torch's `aten._weight_norm_interface.default` kernel at node 3 (SIGSEGV in the replay" in str(e.value)

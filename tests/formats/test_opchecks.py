@@ -313,10 +313,29 @@ CASES["affine_grid_generator"] = [
 for _p in ("_upsample_bilinear2d_aa", "_upsample_bicubic2d_aa"):
     _x = torch.randn(1, 1, 4, 4)
     CASES[_p] = [("default", dict(self=_x, output_size=[2, 2], align_corners=False, scales_h=0.5, scales_w=0.5),
-                  dict(self=_x, output_size=[2, 2], align_corners=False, scales_h=float("nan"), scales_w=0.5))]
+                  dict(self=_x, output_size=[2, 2], align_corners=False, scales_h=float("nan"), scales_w=0.5)),
+                 ("default", dict(self=_x, output_size=[2, 2], align_corners=False, scales_h=0.5, scales_w=0.5),
+                  dict(self=_x, output_size=[2, 2], align_corners=False, scales_h=0.5, scales_w=1e-9))]
 
 CASES["_pdist_forward"] = [("default", dict(self=torch.randn(5, 3), p=2.0), dict(self=torch.randn(2, 5, 3), p=2.0)),
                            ("default", dict(self=torch.randn(5, 3), p=2.0), dict(self=torch.randn(5, 3), p=float("nan")))]
+
+# round 5 (formats/layoutchecks.py): kernels that read an argument as one dense block, whatever its strides
+_V, _G1 = torch.randn(6, 4), torch.ones(6, 1)
+CASES["_weight_norm_interface"] = [("default", dict(v=_V, g=_G1, dim=0), dict(v=_V, g=torch.ones(1, 1).expand(6, 1), dim=0)),
+                                   ("default", dict(v=_V, g=_G1, dim=0), dict(v=torch.randn(4, 6).t(), g=_G1, dim=0))]
+_GN = dict(input=torch.randn(2, 6, 3), weight=torch.ones(6), bias=torch.zeros(6), N=2, C=6, HxW=3, group=2, eps=1e-5)
+CASES["native_group_norm"] += [("default", _GN, {**_GN, "weight": torch.ones(1).expand(6)}),
+                               ("default", _GN, {**_GN, "bias": torch.zeros(12)[::2]})]
+_LNB = dict(grad_out=torch.ones(8, 4), input=torch.ones(8, 4), normalized_shape=[4], mean=torch.zeros(8, 1),
+            rstd=torch.ones(8, 1), weight=torch.ones(4), bias=torch.zeros(4), output_mask=[True, True, True])
+CASES["native_layer_norm_backward"] += [("default", _LNB, {**_LNB, "rstd": torch.ones(1, 1).expand(8, 1)}),
+                                        ("default", _LNB, {**_LNB, "mean": torch.zeros(16, 1)[::2]})]
+_QKV = torch.randn(1, 2, 4, 8)
+CASES["_scaled_dot_product_flash_attention_for_cpu"] += [
+    ("default", dict(query=_QKV.transpose(1, 2).contiguous().transpose(1, 2), key=_QKV, value=_QKV),
+     dict(query=torch.randn(1, 2, 4, 1).expand(1, 2, 4, 8), key=_QKV, value=_QKV)),
+    ("default", dict(query=_QKV, key=_QKV, value=_QKV), dict(query=_QKV, key=_QKV, value=torch.randn(1, 2, 8, 4).mT))]
 
 
 def _flat():
