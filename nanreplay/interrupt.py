@@ -23,6 +23,7 @@ Standard library only: it is imported before anything else.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -46,6 +47,17 @@ def install() -> None:
     signal.signal(signal.SIGINT, _on_sigint)
     signal.signal(signal.SIGTERM, _on_sigterm)  # `kill`, a batch scheduler: the same clean stop (children, temp folders)
     _state["installed"] = True
+    atexit.register(_exiting)
+
+
+def _exiting() -> None:
+    """The command is done (its outputs written or its one line said) and the interpreter is shutting down. Python's
+    finalisation puts the default SIGINT handler back before it unloads torch (which can take a second), so a Ctrl-C
+    landing then killed the finished command by the signal (exit -2, not its own code). Stops are ignored from here:
+    there is nothing left to stop cleanly."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def installed() -> bool:
