@@ -159,6 +159,19 @@ def run_cli_cases(cases: list[dict], *, timeout: float = 900) -> dict[str, dict]
 MEMORY_WORD = re.compile(r"\d{10,}")  # a number as long as a heap word or pointer
 
 
+def analyze_crafted(folder: Path, cases: dict) -> dict[str, dict]:
+    """Each case's build (name -> (build, words)) applied to a copy of one valid snapshot and analyzed by the CLI,
+    unconfined (the checks must hold without the sandbox), JSON to `c{i}.json`, no report: the CLI's results."""
+    _, base = valid_snapshot(folder / "v")
+    runs = []
+    for i, (name, (build, _)) in enumerate(cases.items()):
+        d = {**base, "batch": dict(base["batch"]), "constants": dict(base.get("constants") or {})}
+        path = save(build(d), folder / f"c{i}.pt")
+        runs.append({"name": name, "cwd": str(folder), "args": ["analyze", str(path), "--no-confine", "--json",
+                                                                 str(folder / f"c{i}.json"), "--no-report"]})
+    return run_cli_cases(runs)
+
+
 def assert_one_line_refusal(r: dict, *words: str, code: int = 2) -> str:
     """Exit `code`, no signal, no traceback, one line on stderr holding every word and no memory word."""
     assert r.get("signal") is None, f"killed by signal {r.get('signal')}: {r['err'][-500:]}"

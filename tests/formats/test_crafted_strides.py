@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from crafting import R, assert_one_line_refusal, run_cli_cases, save, valid_snapshot, with_nodes
+from crafting import R, analyze_crafted, assert_one_line_refusal, save, valid_snapshot, with_nodes
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanreplay.formats import opchecks
@@ -92,14 +92,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("strides")
-    _, base = valid_snapshot(folder / "v")
-    cases = []
-    for i, (name, (build, _)) in enumerate(CASES.items()):
-        d = {**base, "batch": dict(base["batch"]), "constants": dict(base.get("constants") or {})}
-        path = save(build(d), folder / f"c{i}.pt")
-        cases.append({"name": name, "cwd": str(folder), "args": ["analyze", str(path), "--no-confine", "--json",
-                                                                  str(folder / f"c{i}.json"), "--no-report"]})
-    return folder, run_cli_cases(cases)
+    return folder, analyze_crafted(folder, CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))
