@@ -198,3 +198,15 @@ def train_and_analyze_isolated(root: Path, module: str, training: str, kinds, en
     assert set(paths) == set(kinds) and all(p.endswith(".pt") for p in paths.values()), res.stdout
     out = analyze_isolated(list(paths.values()), root / "elsewhere", also_blocked=(module,))
     return {k: out[paths[k]] for k in kinds}
+
+
+def guard_invisible(train, tmp_path: Path, steps: int):
+    """`train(folder, guarded, bad_step) -> (losses, model, guard)` run healthy without and with the guard: the same
+    `steps` losses and the same weights, bitwise (same machine, same computation). The guarded run's guard."""
+    import torch
+
+    plain, m0, _ = train(tmp_path / "off", False, None)
+    guarded, m1, guard = train(tmp_path / "on", True, None)
+    assert len(plain) == steps and all(torch.equal(a, b) for a, b in zip(plain, guarded, strict=True))
+    assert all(torch.equal(p, q) for p, q in zip(m0.parameters(), m1.parameters(), strict=True))
+    return guard

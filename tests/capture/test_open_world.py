@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from isolation import guard_invisible
 
 from nanreplay import NanGuard
 from nanreplay.analysis import analyze
@@ -459,10 +460,7 @@ def test_a_packed_sequence_step_is_recorded_and_analyzed(tmp_path):
             losses.append(loss.detach().clone())
         return losses, model, guard
 
-    plain, m0, _ = train(tmp_path / "off", False, None)
-    guarded, m1, guard = train(tmp_path / "on", True, None)
-    assert len(plain) == len(guarded) == 3 and all(torch.equal(a, b) for a, b in zip(plain, guarded, strict=True))
-    assert all(torch.equal(p, q) for p, q in zip(m0.parameters(), m1.parameters(), strict=True))
+    guard_invisible(train, tmp_path, 3)
     _, _, guard = train(tmp_path / "bad", True, 2)
     snap = torch.load(guard.last_snapshot, weights_only=True)
     assert snap["program_error"] is None
