@@ -24,6 +24,7 @@ DISPATCH_ORDER = [
     "log1mexp",
     "where_trap",
     "eigh_degenerate",
+    "logdet_not_positive_definite",  # the NaN constant of torch.logdet's where over slogdet's sign
     "logsumexp_underflow",
     "exp_underflow",
     "log_of_zero",

@@ -1,0 +1,42 @@
+"""Fixture module for tests/diagnose/test_real_bugs4.py (the model factories a snapshot is replayed with)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from cases import Registry, seeded
+
+CASES = Registry(__name__)
+case = CASES.case
+
+
+class CovarianceHead(nn.Module):
+    """A Gaussian NLL over a 2x2 covariance predicted entry by entry: a free off-diagonal term larger than the
+    geometric mean of the variances makes the determinant negative, and torch.logdet is NaN there."""
+
+    def __init__(self):
+        super().__init__()
+        self.cov = nn.Linear(3, 3)
+
+    def forward(self, x):
+        a, b, c = self.cov(x).unbind(1)
+        cov = torch.stack([torch.stack([a.exp(), c], 1), torch.stack([c, b.exp()], 1)], 1)  # CULPRIT: matrix
+        return 0.5 * torch.logdet(cov).mean()  # CULPRIT: logdet
+
+
+def _indefinite_batch():
+    x = torch.zeros(4, 3)
+    x[2, 2] = 4.0  # this row's off-diagonal term is 4 * w + b, beyond exp(0) = 1 for the weight set below
+    return {"x": x}
+
+
+@case("logdet_indefinite", _indefinite_batch, cause="logdet_not_positive_definite", phase="forward", kind="nan")
+@seeded
+def covariance_head():
+    m = CovarianceHead()
+    with torch.no_grad():
+        m.cov.weight.zero_()
+        m.cov.bias.zero_()
+        m.cov.weight[2, 2] = 1.0
+    return m
