@@ -77,6 +77,9 @@ class FormModel(nn.Module):
     def logcosh(self, h, k):  # the log-cosh loss of residuals h
         return torch.log(torch.cosh(h)).sum()  # CULPRIT: logcosh
 
+    def log_of_product(self, h, k):  # a likelihood as a product of probabilities: tiny factors underflow it to 0
+        return -torch.log(h.prod(0))  # CULPRIT: log_of_product
+
     def ratio_to_zero_target(self, h, k):  # a relative error (MAPE) with a target of exactly 0
         return ((h - k).abs() / k.abs()).mean()  # CULPRIT: ratio_to_zero_target
 
@@ -97,6 +100,7 @@ ROWS = {
     "ctc_infeasible": (([1.0, 1.0, 2.0, 0.5], [3.0, 0, 0, 0]), ([1.0, 1.0, 2.0, 0.5], [1.0, 0, 0, 0])),
     "log_ratio_of_exps": (([100.0, 1.0, 2.0, 0.5], [1.0] * 4), ([3.0, 1.0, 2.0, 0.5], [1.0] * 4)),
     "logcosh": (([100.0, 1.0, 2.0, 0.5], [1.0] * 4), ([3.0, 1.0, 2.0, 0.5], [1.0] * 4)),
+    "log_of_product": (([1e-20, 1e-20, 1e-10, 0.5], [1.0] * 4), ([0.1, 0.2, 0.3, 0.4], [1.0] * 4)),
     "ratio_to_zero_target": (([1.0, 1.0, 2.0, 0.5], [0.0, 1.0, 1.0, 1.0]), ([1.0, 1.0, 2.0, 0.5], [2.0, 1.0, 1.0, 1.0])),
 }
 

@@ -40,3 +40,28 @@ def covariance_head():
         m.cov.bias.zero_()
         m.cov.weight[2, 2] = 1.0
     return m
+
+
+class CombinationLikelihood(nn.Module):
+    """A DROP-style head: the likelihood of a sign combination is the product of each number's sign probability,
+    made on one line and logged on the next; a hundred factors near 1/3 underflow float32 to 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        probs = torch.softmax(self.fc(x), dim=-1)[..., 0]
+        likelihood = probs.prod(dim=1)  # CULPRIT: prod
+        return -torch.log(likelihood).mean()  # CULPRIT: logprod
+
+
+def product_batch(n: int = 100) -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"x": torch.randn(2, n, 4, generator=g) * 0.1}
+
+
+@case("log_of_product", product_batch, cause="log_of_product_underflow", phase="forward", kind="inf")
+@seeded
+def combination_likelihood():
+    return CombinationLikelihood()

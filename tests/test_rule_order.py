@@ -26,6 +26,7 @@ DISPATCH_ORDER = [
     "eigh_degenerate",
     "logdet_not_positive_definite",  # the NaN constant of torch.logdet's where over slogdet's sign
     "logsumexp_underflow",
+    "log_of_product_underflow",  # log(p.prod(d)) -> log(p).sum(d), before the ε of log_of_zero
     "exp_underflow",
     "log_of_zero",
     "log_prob_at_support_edge",

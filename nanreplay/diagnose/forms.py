@@ -113,6 +113,14 @@ TABLE: dict[str, Form] = {
         ("F.ctc_loss(log_probs, targets, input_lengths, target_lengths)", "nn.CTCLoss()(log_probs, targets, ...)"),
         "no alignment exists (target length plus its repeats > input length): the loss is +inf by definition; "
         "zero_infinity=True drops those samples' loss and gradient, or filter them from the batch"),
+    "log_of_product": Form(
+        "log(prod(p, d)), the likelihood of many independent events", "torch.log(p).sum(d)", FixKind.SUM_OF_LOGS,
+        "log_of_product_underflow",
+        ("torch.log(p.prod(d))", "likelihood = p.prod(dim=d); -torch.log(likelihood)", "torch.log(torch.prod(p, d))"),
+        "log(p1 * ... * pn) = log(p1) + ... + log(pn) for positive p; the product of a hundred probabilities near "
+        "1/3 is below float32's smallest number and rounds to 0 (log(0) = -inf), while each log is moderate. An "
+        "ε inside the log caps that sample's loss at -log(ε), takes away its gradient, and moves every product "
+        "that is small but not 0"),
     "ratio_to_zero_target": Form(
         "|pred - y| / |y| with y = 0 (MAPE, a relative error)", "", FixKind.MASK_ROWS, "ratio_to_zero_target",
         ("((pred - y).abs() / y.abs()).mean()", "torch.mean(torch.abs((y - pred) / y))"),

@@ -5,11 +5,21 @@
   the NaN constant on the logdet line, and the step used to be "unrecognised". It is now named, and the advice is
   the parameterisation (a Cholesky factor, L Lᵀ): no line change at logdet is exact, and slogdet's logabsdet would
   be finite but the likelihood of an indefinite matrix is unbounded below.
+* the log of a product of many probabilities (allenai/allennlp-reading-comprehension-research#5), made on the line
+  above: the product underflows to 0 with no factor 0, and the ε the log used to get moved every healthy value of
+  the loss (applied, "healthy values changed"); the fix is the sum of the logs, on both lines.
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
+from pathlib import Path
+
 import realbugs4_cases
+import torch
+
+from tolerance import close
 
 
 def test_logdet_of_an_indefinite_covariance_is_named_and_advised(run_case):
@@ -24,3 +34,33 @@ def test_logdet_of_an_indefinite_covariance_is_named_and_advised(run_case):
     assert "L @ L.mT" in diag["fix"]["code"] and "scale_tril" in diag["fix"]["code"]
     # the matrix's own line is named: that is where the parameterisation changes
     assert f":{realbugs4_cases.CASES.marker_line('matrix')}" in diag["explanation"]
+
+
+def test_log_of_a_product_made_on_the_line_above_becomes_a_sum_of_logs(run_case, tmp_path, monkeypatch):
+    """log(p.prod(d)) across two lines: the product line makes the sum of the logs instead, the log line reads it;
+    applied, the underflowed batch is finite and a healthy one (20 factors) keeps its value."""
+    res, _ = run_case("log_of_product", module=realbugs4_cases)
+    d = res.to_json()
+    assert d["culprit"]["source"]["line"] == realbugs4_cases.CASES.marker_line("logprod")
+    diag = d["diagnosis"]
+    assert diag["cause"] == "log_of_product_underflow", diag["title"]
+    fix = diag["fix"]
+    assert fix["kind"] == "sum_of_logs" and fix["verified"] is True, fix["verification"]
+    assert [e["line"] for e in fix["edits"]] == [realbugs4_cases.CASES.marker_line(m) for m in ("prod", "logprod")]
+    src = Path(realbugs4_cases.__file__).read_text()
+    for e in fix["edits"]:
+        assert e["before"] in src, e
+        src = src.replace(e["before"], e["after"], 1)
+    (tmp_path / "realbugs4_fixed.py").write_text(src)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fixed = importlib.import_module("realbugs4_fixed")
+    try:
+        for n in (100, 20):
+            b = realbugs4_cases.product_batch(n)
+            new = fixed.combination_likelihood()(b["x"])
+            assert torch.isfinite(new), n
+            if n == 20:  # healthy: the product did not underflow, and the sum of logs is the same value
+                old = realbugs4_cases.combination_likelihood()(b["x"])
+                assert close(new.item(), old.item()), (new.item(), old.item())
+    finally:
+        sys.modules.pop("realbugs4_fixed", None)

@@ -11,6 +11,7 @@ from nanreplay.diagnose.rules import (
     forms,
     generic,
     logcosh,
+    logprod,
     logratio,
     logs,
     optimizer,
@@ -25,6 +26,6 @@ from nanreplay.diagnose.rules import (
     where,
 )
 
-__all__ = ["constants", "division", "domain", "forms", "generic", "logcosh", "logratio", "logs", "optimizer",
+__all__ = ["constants", "division", "domain", "forms", "generic", "logcosh", "logprod", "logratio", "logs", "optimizer",
            "precision", "roots_powers",
            "scalar_divisor", "smoothing", "softmax", "spectral", "support", "underflow", "where"]
