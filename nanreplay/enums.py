@@ -98,6 +98,7 @@ class FixKind(StrEnum):
     MASK_ROWS = "mask_rows"  # the remedy is in the data: leave out the rows where the quantity is undefined
     LOGADDEXP = "logaddexp"  # log(cosh(x)) -> logaddexp(x, -x) - log(2) (diagnose/forms.py)
     EIGENSPACE = "eigenspace"  # a loss on eigenvectors of a repeated eigenvalue: make it a function of the eigenspace
+    LOG_TARGET = "log_target"  # kl_div(input, softmax(z)) -> kl_div(input, log_softmax(z), log_target=True)
     SUM_OF_LOGS = "sum_of_logs"  # log(prod(p, d)) -> log(p).sum(d): a product of probabilities that underflowed
     POSITIVE_DEFINITE = "positive_definite"  # logdet of a matrix that is not positive definite: build it as L Lᵀ
     FLOAT32_SOFTMAX = "float32_softmax"  # a float16 product in float32 up to its softmax (diagnose/edits/upcast.py)

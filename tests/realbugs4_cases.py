@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from cases import Registry, seeded
 
@@ -65,3 +66,30 @@ def product_batch(n: int = 100) -> dict:
 @seeded
 def combination_likelihood():
     return CombinationLikelihood()
+
+
+TEACHER = torch.log_softmax(torch.tensor([0.0, 1.0, 2.0, 0.5, -1.0]), -1)
+
+
+class ReverseKL(nn.Module):
+    """Reverse-KL distillation at a low temperature: the student's softmax is kl_div's target, and some of its
+    probabilities underflow to exactly 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+
+    def forward(self, x):
+        student_p = F.softmax(self.fc(x) / 0.01, dim=-1)  # CULPRIT: softmax
+        return F.kl_div(TEACHER.expand(x.shape[0], 5), student_p, reduction="batchmean")  # CULPRIT: kldiv
+
+
+def kl_batch(scale: float = 30.0) -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {"x": torch.randn(3, 4, generator=g) * scale}
+
+
+@case("reverse_kl", kl_batch, cause="kl_div_target_zero", phase="backward", kind="nan")
+@seeded
+def reverse_kl():
+    return ReverseKL()

@@ -29,6 +29,7 @@ DISPATCH_ORDER = [
     "log_of_product_underflow",  # log(p.prod(d)) -> log(p).sum(d), before the ε of log_of_zero
     "exp_underflow",
     "log_of_zero",
+    "kl_div_target_zero",  # an xlogy too: kl_div's target carried the gradient (before the support edge's clamp)
     "log_prob_at_support_edge",
     "log_of_negative",
     "sqrt_cancellation",

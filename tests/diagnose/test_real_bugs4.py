@@ -64,3 +64,33 @@ def test_log_of_a_product_made_on_the_line_above_becomes_a_sum_of_logs(run_case,
                 assert close(new.item(), old.item()), (new.item(), old.item())
     finally:
         sys.modules.pop("realbugs4_fixed", None)
+
+
+def test_kl_div_with_a_softmax_target_that_underflowed_takes_log_target(run_case, tmp_path, monkeypatch):
+    """Reverse-KL with the student's softmax as kl_div's target: the loss is finite, the target's derivative
+    log(0) is not. The fix gives kl_div the log-probabilities (log_target=True), on both lines; applied, the
+    gradients are finite and the loss is the same value."""
+    res, _ = run_case("reverse_kl", module=realbugs4_cases)
+    d = res.to_json()
+    assert d["culprit"]["source"]["line"] == realbugs4_cases.CASES.marker_line("kldiv")
+    diag = d["diagnosis"]
+    assert diag["cause"] == "kl_div_target_zero", diag["title"]
+    fix = diag["fix"]
+    assert fix["kind"] == "log_target" and fix["verified"] is True, fix["verification"]
+    assert [e["line"] for e in fix["edits"]] == [realbugs4_cases.CASES.marker_line(m) for m in ("softmax", "kldiv")]
+    src = Path(realbugs4_cases.__file__).read_text()
+    for e in fix["edits"]:
+        assert e["before"] in src, e
+        src = src.replace(e["before"], e["after"], 1)
+    (tmp_path / "realbugs4_kl_fixed.py").write_text(src)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fixed = importlib.import_module("realbugs4_kl_fixed")
+    try:
+        b = realbugs4_cases.kl_batch()
+        old, new = realbugs4_cases.reverse_kl(), fixed.reverse_kl()
+        lo, ln = old(b["x"]), new(b["x"])
+        ln.backward()
+        assert all(torch.isfinite(p.grad).all() for p in new.parameters())
+        assert close(ln.item(), lo.item()), (ln.item(), lo.item())
+    finally:
+        sys.modules.pop("realbugs4_kl_fixed", None)

@@ -10,6 +10,7 @@ from nanreplay.diagnose.rules import (
     domain,
     forms,
     generic,
+    kldiv,
     logcosh,
     logprod,
     logratio,
@@ -26,6 +27,6 @@ from nanreplay.diagnose.rules import (
     where,
 )
 
-__all__ = ["constants", "division", "domain", "forms", "generic", "logcosh", "logprod", "logratio", "logs", "optimizer",
+__all__ = ["constants", "division", "domain", "forms", "generic", "kldiv", "logcosh", "logprod", "logratio", "logs", "optimizer",
            "precision", "roots_powers",
            "scalar_divisor", "smoothing", "softmax", "spectral", "support", "underflow", "where"]
