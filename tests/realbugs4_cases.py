@@ -93,3 +93,22 @@ def kl_batch(scale: float = 30.0) -> dict:
 @seeded
 def reverse_kl():
     return ReverseKL()
+
+
+class SurvivalCurve(nn.Module):
+    """A survival curve as the cumulative product of 1 - hazard over 200 intervals, logged on one line."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 200)
+
+    def forward(self, x):
+        keep = 0.5 * torch.sigmoid(self.fc(x))  # each factor near 1/4
+        return -torch.log(torch.cumprod(keep, dim=1)).mean()  # CULPRIT: cumprod
+
+
+@case("log_of_cumprod", lambda: {"x": torch.zeros(2, 4)}, cause="log_of_product_underflow", phase="forward",
+      kind="inf")
+@seeded
+def survival_curve():
+    return SurvivalCurve()

@@ -94,3 +94,13 @@ def test_kl_div_with_a_softmax_target_that_underflowed_takes_log_target(run_case
         assert close(ln.item(), lo.item()), (ln.item(), lo.item())
     finally:
         sys.modules.pop("realbugs4_kl_fixed", None)
+
+
+def test_log_of_a_cumulative_product_becomes_a_cumulative_sum_of_logs(run_case):
+    """A survival curve, cumprod(1 - hazard), logged: the same family on one line, cumsum for cumprod."""
+    res, _ = run_case("log_of_cumprod", module=realbugs4_cases)
+    diag = res.to_json()["diagnosis"]
+    assert diag["cause"] == "log_of_product_underflow", diag["title"]
+    fix = diag["fix"]
+    assert fix["verified"] is True, fix["verification"]
+    assert fix["after"].startswith("return -torch.log(keep).cumsum(dim=1).mean()"), fix["after"]

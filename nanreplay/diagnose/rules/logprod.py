@@ -1,12 +1,13 @@
 """The log of a product of probabilities that underflowed to 0 (the reformulation table's `log_of_product` row).
 
-A sequence's or a combination's likelihood written as `p.prod(d)` and then logged: with enough factors the
-product is below the dtype's smallest number and rounds to exactly 0 even though no factor is 0, and log(0) =
--inf. The exact form is the sum of the logs, `torch.log(p).sum(d)`: the same value wherever the product did not
-underflow, finite where it did. The product may be made on an earlier line (`likelihood = p.prod(dim=1)`, then
-`-torch.log(likelihood)`): that line then makes `log_likelihood = torch.log(p).sum(dim=1)` and the log's line
-reads it (crossline.Definitions). A factor that is exactly 0 keeps the sum -inf: the replay of the exact form
-then fails, and the ε the log-of-zero rule would give is the next candidate.
+A sequence's or a combination's likelihood written as `p.prod(d)` (a survival curve as `cumprod`) and then
+logged: with enough factors the product is below the dtype's smallest number and rounds to exactly 0 even though
+no factor is 0, and log(0) = -inf. The exact form is the sum of the logs, `torch.log(p).sum(d)` (`.cumsum(d)` for
+a cumprod): the same value wherever the product did not underflow, finite where it did. The product may be made
+on an earlier line (`likelihood = p.prod(dim=1)`, then `-torch.log(likelihood)`): that line then makes
+`log_likelihood = torch.log(p).sum(dim=1)` and the log's line reads it (crossline.Definitions). A factor that is
+exactly 0 keeps the sum -inf: the replay of the exact form then fails, and the ε the log-of-zero rule would give
+is the next candidate.
 """
 
 from __future__ import annotations
@@ -25,15 +26,18 @@ aten = torch.ops.aten
 ast = codefix.ast
 
 
+_SUMS = {"prod": "sum", "cumprod": "cumsum"}
+
+
 def _sum_of_logs(src, prod) -> str | None:
-    """`X.prod(d)` / `torch.prod(X, d)` -> `torch.log(X).sum(d)`."""
-    if not (isinstance(prod, ast.Call) and _name(prod) == "prod"):
+    """`X.prod(d)` / `torch.prod(X, d)` -> `torch.log(X).sum(d)`; `X.cumprod(d)` -> `torch.log(X).cumsum(d)`."""
+    if not (isinstance(prod, ast.Call) and _name(prod) in _SUMS):
         return None
     x = codefix.operand(prod, "input")
     if x is None:
         return None
     rest = [src(a) for a in codefix.arguments(prod)] + [f"{k.arg}={src(k.value)}" for k in prod.keywords]
-    return f"torch.log({src(x)}).sum({', '.join(rest)})"
+    return f"torch.log({src(x)}).{_SUMS[_name(prod)]}({', '.join(rest)})"
 
 
 def _text(src, node, defs: crossline.Definitions) -> str | None:
@@ -56,10 +60,12 @@ def _text(src, node, defs: crossline.Definitions) -> str | None:
     return new
 
 
-def _stable(args, kwargs):
+def _stable(cumulative: bool):
     """What the rewritten line computes, from prod's own arguments: prod(input, dim, keepdim, dtype=) and
-    sum(input, dim, keepdim, dtype=) take the same ones."""
-    return torch.sum(torch.log(args[0]), *args[1:], **kwargs)
+    sum(input, dim, keepdim, dtype=) take the same ones, as cumprod(input, dim, dtype=) and cumsum do."""
+    def f(args, kwargs):
+        return (torch.cumsum if cumulative else torch.sum)(torch.log(args[0]), *args[1:], **kwargs)
+    return f
 
 
 @rule("log_of_product_underflow", aten.log, priority=184)  # after logsumexp_underflow (185), before log_of_zero
@@ -68,14 +74,14 @@ def _log_of_product(s: Site) -> Diagnosis | None:
     if not (s.forward and s.event.kind == "inf" and s.call_is("log") and x.get("zeros") and not x.get("negatives")):
         return None
     prod = s.origin(0)
-    if prod is None or packet(str(prod.op)) != "aten.prod" or not prod.call:
+    if prod is None or packet(str(prod.op)) not in ("aten.prod", "aten.cumprod") or not prod.call:
         return None
     row = TABLE["log_of_product"]
     defs = crossline.Definitions(s.source, (s.source or {}).get("line"))
     rw = defs.attach(s.rewrite(lambda src, node: _text(src, node, defs)))
     if rw is not None and rw.extra and not crossline.covers(rw, [_line(prod)]):
         rw = None  # the product is not on the line the edit changes
-    patch = _swap(s, prod, s.rec, _stable, rw is not None)
+    patch = _swap(s, prod, s.rec, _stable(packet(str(prod.op)) == "aten.cumprod"), rw is not None)
     if patch is None:
         return None
     eps = edge_fix(s, FixKind.EPSILON, x.get("absmax"), "log(x + eps) and its gradient 1/(x + eps)",
