@@ -226,6 +226,10 @@ def main() -> None:
     ap.add_argument("--snapshots", default=str(Path(tempfile.gettempdir()) / "nanreplay-model-scale"),
                     help="where snapshots are kept")
     args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.end_to_end import installed_bytecode
+
+    installed_bytecode()  # (as an installed package has it)
     names = [n for n in args.sizes.split(",") if n]
     if unknown := [n for n in names if n not in SIZES]:
         raise SystemExit(f"unknown size(s) {unknown}; known: {', '.join(SIZES)}")

@@ -29,6 +29,8 @@ What degrades when an accessor fails:
 * `function_modes_off`: a step program's own bookkeeping (restoring buffers, checking arguments) is seen by
   the replay's call numbering; a fix's patch, keyed by call number, can then land on another call in a
   second replay of the same copy (the engine's landing check refuses it, and says so).
+* `lazy_dynamo_off` (nanreplay's `TorchDispatchMode`): torch wraps each mode's handler itself again, and the
+  first replay of a process imports torch._dynamo (~1.1 s) where nothing else has: slower, the same values.
 * `decomposition`: the kernel differential (differential/reference.py) has no reference composition for the
   fused norms (`native_layer_norm`, `native_group_norm`, `native_batch_norm`): those rows say `skipped`.
 """
@@ -44,7 +46,7 @@ from typing import Any
 import torch
 
 # Public-but-underscored modules every dispatch-level tool uses; a torch without them cannot run nanreplay.
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
+from torch.utils._python_dispatch import TorchDispatchMode as _TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary  # noqa: F401  (re-exported)
 
 OpOverload = torch._ops.OpOverload
@@ -55,6 +57,59 @@ _broken: dict[str, str] = {}  # accessor -> why it failed the first time (shown 
 
 def _note(name: str, e: BaseException) -> None:
     _broken.setdefault(name, f"{type(e).__name__}: {e}"[:200])
+
+
+# ------------------------------------------------------------------ dispatch modes
+
+
+def _dynamo_loaded() -> bool:  # (absent, or still importing: no frame callback can be set)
+    return hasattr(sys.modules.get("torch._dynamo"), "disable")
+
+
+def _as_torch_wraps(owner: type, raw: Callable) -> Callable:  # `owner`'s handler from now on: torch's own wrap
+    owner.__torch_dispatch__ = wrapped = torch._disable_dynamo(raw, recursive=True)
+    return wrapped
+
+
+def _dynamo_off_when_loaded(owner: type, raw: Callable) -> Callable:
+    """`raw`, unwrapped until torch._dynamo is loaded (torch's `_disable_dynamo` wrap imports it, ~1.1 s, only to
+    turn off a frame callback nothing can have set without it); then torch's wrap, swapped in at `__enter__` or
+    at the first call after the import (the user compiled, built an optimizer)."""
+
+    @functools.wraps(raw)
+    def handler(self, func, types, args=(), kwargs=None):
+        if _dynamo_loaded():
+            return _as_torch_wraps(owner, raw)(self, func, types, args, kwargs)
+        return raw(self, func, types, args, kwargs)
+
+    handler._nanreplay_raw = raw
+    return handler
+
+
+class TorchDispatchMode(_TorchDispatchMode):
+    """torch's TorchDispatchMode whose handler imports torch._dynamo only once something else has."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # torch's wrap is replaced by `_dynamo_off_when_loaded` below
+
+    def __init_subclass__(cls, **kwargs):
+        raw = cls.__dict__.get("__torch_dispatch__")
+        super().__init_subclass__(**kwargs)
+        if raw is None or isinstance(raw, classmethod):
+            return
+        if cls.__dict__["__torch_dispatch__"] is raw:  # torch wrapped nothing: ours instead
+            cls.__torch_dispatch__ = _dynamo_off_when_loaded(cls, raw)
+        else:
+            _broken.setdefault("lazy_dynamo_off", "torch wraps the handler itself: a replay imports torch._dynamo")
+
+    def __enter__(self):
+        if _dynamo_loaded():  # before any handler runs, where no compiled frame can be tracing it
+            for klass in type(self).__mro__:
+                raw = getattr(klass.__dict__.get("__torch_dispatch__"), "_nanreplay_raw", None)
+                if raw is not None:
+                    _as_torch_wraps(klass, raw)
+        return super().__enter__()
 
 
 # ------------------------------------------------------------------ autograd
@@ -106,26 +161,17 @@ def node_name(node: Any) -> str | None:
 
 def run_backward(loss: torch.Tensor, retain_graph: bool = False) -> None:
     """`loss.backward()` without passing through a torch function (see replay.run for why)."""
-    try:
-        from torch.autograd.variable import Variable
-
-        engine = Variable._execution_engine
-    except Exception as e:  # noqa: BLE001
-        _note("run_backward", e)
-        loss.backward(retain_graph=retain_graph)
-        return
-    engine.run_backward((loss,), (torch.ones_like(loss),), retain_graph, False, (), allow_unreachable=True,
-                        accumulate_grad=True)
+    run_backward_from([loss], [torch.ones_like(loss)], retain_graph, _name="run_backward")
 
 
-def run_backward_from(tensors: list, grads: list, retain_graph: bool = False) -> None:
+def run_backward_from(tensors: list, grads: list, retain_graph: bool = False, _name="run_backward_from") -> None:
     """Backward from several tensors with the given gradients, without passing through a torch function."""
     try:
         from torch.autograd.variable import Variable
 
         engine = Variable._execution_engine
     except Exception as e:  # noqa: BLE001
-        _note("run_backward_from", e)
+        _note(_name, e)
         torch.autograd.backward(tensors, grads, retain_graph=retain_graph)
         return
     engine.run_backward(tuple(tensors), tuple(grads), retain_graph, False, (), allow_unreachable=True,
@@ -527,6 +573,7 @@ def probe() -> dict[str, str]:
         "is_random_op": lambda: is_random_op(torch.ops.aten.bernoulli.default),
         "foreach_norm": lambda: float(foreach_norm([torch.ones(4)], torch.float64)[0]) == 2.0,
         "function_modes_off": lambda: not isinstance(function_modes_off(), contextlib.nullcontext),
+        "lazy_dynamo_off": lambda: "lazy_dynamo_off" not in _broken,
     }
 
     def node_checks() -> bool:

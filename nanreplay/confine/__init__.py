@@ -165,6 +165,8 @@ def run(job: dict, *, fork: bool = False, entry: str = "nanreplay.confine", prog
     sent back, checked. Tests give their own `entry` (a script) to run probes in the same sandbox. `progress(stage,
     doc)` is called for each pass the child reports before its result (analyze(progress=) in the child)."""
     job = {**job, "parent": os.getpid()}
+    if not fork:
+        _bytecode_ready()
     base = job.get("tmpdir") if job.get("tmpdir") and os.path.isdir(job["tmpdir"]) else None  # (triage's)
     work = tempfile.mkdtemp(prefix="nanreplay-confined-", dir=base)
     os.chmod(work, 0o500)  # empty, and stays so: the child cannot write there either
@@ -194,6 +196,26 @@ def run(job: dict, *, fork: bool = False, entry: str = "nanreplay.confine", prog
         if page >= 0:
             os.close(page)
         remove()
+
+
+def _bytecode_ready() -> None:
+    """nanreplay's own modules compiled to bytecode, by this trusted process, where Python may write it.
+
+    The child runs with -B: it may write nothing outside its outputs (a child that could write the package's
+    bytecode could plant code this process runs unconfined). A wheel's install compiled them; an editable install
+    or a source checkout has bytecode only for the few modules this process imported, so every child compiled the
+    other ~140 from source (~0.2 s CPU an analysis). compileall compiles only what is missing or stale; a folder
+    this user may not write is left as it is. PYTHONDONTWRITEBYTECODE / -B are obeyed."""
+    if sys.dont_write_bytecode:
+        return
+    import compileall
+
+    import nanreplay
+
+    try:
+        compileall.compile_dir(os.path.dirname(os.path.abspath(nanreplay.__file__)), quiet=2, workers=1)
+    except Exception:  # noqa: BLE001 - an optimisation: the child compiles in memory, as before
+        pass
 
 
 def _cpu_seconds(timeout: float | None, threads: int | None) -> int | None:

@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 from nanreplay import stats
 from nanreplay import torch_internals as ti
 from nanreplay.enums import Kind, Phase, Role
+from nanreplay.replay import copies
 from nanreplay.replay.frames import Frame, skip_frames_of, user_frame
 from nanreplay.replay.records import Anomaly, Event, OpRecord
 
@@ -139,6 +140,7 @@ class Recorder:
         self.intercepts: dict[int, Callable] = {}  # call number -> fn(func, args, kwargs): fix verification
         self.producer = ti.WeakTensorKeyDictionary()  # forward output tensor -> forward op index
         self.workspaces = ti.WeakTensorKeyDictionary()  # workspace outputs (VALUE_OUTPUTS) -> True
+        self.proved = ti.WeakTensorKeyDictionary()  # op output -> its version when its sum proved it finite
         self.leaf_names = ti.WeakTensorKeyDictionary()  # batch tensor / parameter -> (kind, name)
         self.activations: list[list] = []  # [module, max |output|, dtype] in forward completion order
         self.grad_shapes: list[list] = []  # [module, output shape, gradient shape or None]
@@ -190,7 +192,16 @@ class Recorder:
             for t in _tensors(out):
                 prod[t] = fwd
         if view and not self._has_nonfinite_input(args):
+            if copies.inputs_proved_finite(args, kwargs, self.proved, self.by_storage, _storage_key) is not None:
+                copies.prove(self.proved, _tensors(out))  # (a view shares its base's version counter)
             return  # a view of finite data is finite
+        if func in copies.COPIES:  # moves values only: finite when its inputs were proved so
+            floats = copies.inputs_proved_finite(args, kwargs, self.proved, self.by_storage, _storage_key)
+            if floats is not None:
+                outs = list(_tensors(out))
+                if copies.widens(outs, floats):
+                    copies.prove(self.proved, outs)
+                    return
         bad = []
         mutates = bool(ti.op_mutated_args(func)[0])
         outs = list(_tensors(out))
@@ -209,7 +220,9 @@ class Recorder:
                 total = 0.0
             else:
                 total = t.sum().item()
-            if not math.isfinite(total):
+            if math.isfinite(total):
+                copies.prove(self.proved, (t,))
+            else:
                 if lazy:  # past the failure's event: the kinds, not the counts
                     n, i = stats.kinds_after(t, total)
                     if n or i:

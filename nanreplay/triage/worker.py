@@ -13,8 +13,8 @@ from nanreplay.triage.plan import content_hash, path_stat
 from nanreplay.triage.rows import failed
 
 # Modules a worker needs, imported once: by the fork server (each worker is then a cheap
-# fork) or, without one, by each worker at start. torch._dynamo is what the first replay
-# would otherwise import lazily (it is behind TorchDispatchMode): about 1.5 s.
+# fork) or, without one, by each worker at start. torch._dynamo is what a step program's meta
+# dry run would otherwise import lazily (torch's Python meta kernels are behind it): about 1.5 s.
 WORKER_PRELOAD = ("torch", "torch._dynamo", "jinja2", "nanreplay.analysis", "nanreplay.diagnose",
                   "nanreplay.verify", "nanreplay.report.html", "nanreplay.triage")
 
