@@ -79,9 +79,10 @@ def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]
             raise SnapshotError(f"invalid step program: {what}: {refused}")
         view = ti.op_is_view(node.op)
         declared = sum(_nbytes(s, DTYPES[d]) for s, d in node.meta)
-        upper = _data_dependent_bytes(node.name, args)
+        named = by_position(node.op, args, kwargs)  # a tensor given by keyword counts as one given by position
+        upper = _data_dependent_bytes(node.name, named)
         if budget is not None and not view:
-            work += node_work(node.name, args, node.meta)
+            work += node_work(node.name, named, node.meta)
             if work > budget:
                 raise LimitError(f"replaying this step needs about {work:.2g} element operations by {what} (counted "
                                  f"from the step program's shapes before anything runs), more than --timeout allows "
@@ -233,7 +234,38 @@ def node_work(name: str, args: list, meta: list) -> int:
         q, k = ts[0], ts[1]
         if q.dim() >= 2 and k.dim() >= 2:
             touched += 2 * q.numel() * k.shape[-2]
+    elif packet in _POOL_WINDOW and ts:  # every output (every gradient, backward) visits its whole window
+        touched += max(out, ts[0].numel()) * _window(packet, args[_POOL_WINDOW[packet]])
+    elif packet == "multilabel_margin_loss_forward" and ts and ts[0].dim():
+        touched += ts[0].numel() * ts[0].shape[-1]  # each sample: every target label against every class
     return touched
+
+
+# pooling packets -> the position of their kernel_size (the work is the output's elements times the window's)
+_POOL_WINDOW = {p: 1 for p in ("max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices",
+                               "max_pool3d_with_indices", "avg_pool1d", "avg_pool2d", "avg_pool3d",
+                               "fractional_max_pool2d", "fractional_max_pool3d")} | {"avg_pool2d_backward": 2}
+
+
+def _window(packet: str, kernel_size: Any) -> int:
+    """The elements of one pooling window (a one-number kernel_size stands for every spatial dimension)."""
+    ks = [k for k in (kernel_size if isinstance(kernel_size, (list, tuple)) else [kernel_size]) if isinstance(k, int)]
+    dims = 3 if "3d" in packet else 1 if "1d" in packet else 2
+    if not ks:
+        return 1
+    return max(ks[0], 1) ** dims if len(ks) == 1 else math.prod(max(k, 1) for k in ks)
+
+
+def by_position(op, args: list, kwargs: dict) -> list:
+    """The call's arguments in the schema's order, those given by keyword in their place (a program may name
+    any argument: `convolution(x, weight=w)`), defaults filled in: what the counts below index by position."""
+    schema = ti.op_schema(op)
+    if schema is None or not kwargs:
+        return list(args)
+    out = list(args)
+    for p in schema.arguments[len(args):]:
+        out.append(kwargs[p.name] if p.name in kwargs else p.default_value if p.has_default_value() else None)
+    return out
 
 
 def _einsum_work(equation: str, operands: list) -> int:
@@ -255,7 +287,7 @@ _CUBIC = frozenset({"linalg_cholesky_ex", "cholesky", "_linalg_solve_ex", "_lina
                     "_cholesky_solve_helper", "cholesky_inverse", "triangular_solve", "logdet", "geqrf",
                     "linalg_householder_product", "linalg_solve_triangular", "matrix_exp", "linalg_matrix_exp"})
 _CONTRACT_LAST = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot",
-                            "vdot", "_grouped_mm", "inner"})
+                            "vdot", "_grouped_mm", "inner", "cdist", "_cdist_forward", "_pdist_forward"})
 
 
 def _expanded_bytes(args: list, kwargs: dict) -> int:
