@@ -7,10 +7,13 @@ from the arguments given by position, and knew products, convolutions and attent
 * A pooling kernel visits its whole window for every output: a 1024x1024 max pool of a 4 MiB zeros tensor counted
   2e6 elements and runs 1e12 comparisons (until --timeout, the analysis stalled: 20 s or 600 s, not refused).
 
-Each file is analyzed confined, as a stranger's file is; those to refuse with `--timeout 5` (a work budget of 2.5e11).
+Each file is analyzed confined, as a stranger's file is; those to refuse with `--timeout 60` (a work budget of 3e12; a
+five-second one was spent by the child's start on a loaded machine).
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -31,22 +34,31 @@ CONV_BY_KEYWORD = [
                                           "dilation": [1, 1], "transposed": False, "output_padding": [0, 0],
                                           "groups": 1}, [[[1, 1, 4097, 4097], F32]])]
 
+def _by_keyword(d: dict) -> dict:
+    d = with_nodes(d, {"x": torch.randn(8), "m": torch.ones(8, dtype=torch.bool)}, [
+        ("aten.masked_select.default", [R("x")], {"mask": R("m")}, [[[8], F32]]),
+        ("aten.native_dropout.default", [R("x")], {"p": 0.5, "train": True}, [[[8], F32], [[8], "bool"]])])
+    prog = json.loads(d["step_program"])
+    prog["nodes"][1]["mask"] = "crafted_m"  # dropout replays its recorded mask
+    d["step_program"] = json.dumps(prog)
+    return d
+
+
 CASES = {
     "a convolution whose weight is given by keyword (7e13 multiply-adds, uncounted)": (
         lambda d: with_nodes(d, {}, CONV_BY_KEYWORD), ("element operations", "aten.convolution")),
-    "a max pool with a 1024x1024 window over a 4 MiB input (1e12 comparisons)": (
+    "a max pool with a 2048x2048 window over a 16 MiB input (1.8e13 comparisons)": (
         lambda d: with_nodes(d, {}, [
-            _zeros([1, 1, 1024, 1024]),
-            ("aten.max_pool2d_with_indices.default", [R(0), [1024, 1024], [1, 1], [512, 512]], {},
-             [[[1, 1, 1025, 1025], F32], [[1, 1, 1025, 1025], "int64"]])]), ("element operations", "max_pool2d")),
+            _zeros([1, 1, 2048, 2048]),
+            ("aten.max_pool2d_with_indices.default", [R(0), [2048, 2048], [1, 1], [1024, 1024]], {},
+             [[[1, 1, 2049, 2049], F32], [[1, 1, 2049, 2049], "int64"]])]), ("element operations", "max_pool2d")),
     "an average pool whose window is one number for three dimensions": (
         lambda d: with_nodes(d, {}, [
-            _zeros([1, 1, 128, 128, 128]),
-            ("aten.avg_pool3d.default", [R(0)], {"kernel_size": [128], "stride": [1], "padding": [64]},
-             [[[1, 1, 129, 129, 129], F32]])]), ("element operations", "avg_pool3d")),
-    "masked_select with its mask by keyword (the memory bound indexed a missing argument)": (
-        lambda d: with_nodes(d, {"x": torch.randn(8), "m": torch.ones(8, dtype=torch.bool)}, [
-            ("aten.masked_select.default", [R("x")], {"mask": R("m")}, [[[8], F32]])]), None),
+            _zeros([1, 1, 160, 160, 160]),
+            ("aten.avg_pool3d.default", [R(0)], {"kernel_size": [160], "stride": [1], "padding": [80]},
+             [[[1, 1, 161, 161, 161], F32]])]), ("element operations", "avg_pool3d")),
+    "masked_select with its mask by keyword (the memory bound indexed a missing argument), dropout with p by "
+    "keyword (the replay of its recorded mask indexed a missing argument)": (_by_keyword, None),
 }
 
 
@@ -58,7 +70,7 @@ def results(tmp_path_factory):
     for i, (name, (build, _)) in enumerate(CASES.items()):
         d = {**base, "batch": dict(base["batch"]), "constants": dict(base.get("constants") or {})}
         path = save(build(d), folder / f"c{i}.pt")
-        timeout = "5" if CASES[name][1] else "300"  # (a refusal comes from the count, before anything runs)
+        timeout = "60" if CASES[name][1] else "300"  # (a refusal comes from the count, before anything runs)
         runs.append({"name": name, "cwd": str(folder), "args": ["analyze", str(path), "--timeout", timeout, "--json",
                                                                  str(folder / f"c{i}.json"), "--no-report", "-q"]})
     return folder, run_cli_cases(runs)
