@@ -210,7 +210,8 @@ def _tensors(args: list, kwargs: dict | None = None):
 def node_work(name: str, args: list, meta: list) -> int:
     """Element operations one node costs, roughly: the elements of its tensor arguments (an expanded view counted
     at its full size: the kernel visits every element) and of its declared outputs, and for a matrix product,
-    convolution or attention its multiply-adds."""
+    convolution or attention its multiply-adds, for a pooling its windows. `args` in the schema's order
+    (`by_position`: a tensor given by keyword is counted in its place)."""
     touched = sum(t.numel() for t in _tensors(args)) + sum(math.prod(s) for s, _ in meta)
     out = math.prod(meta[0][0]) if meta else 0
     packet = name.split(".")[1] if "." in name else name
