@@ -272,11 +272,17 @@ def by_position(op, args: list, kwargs: dict) -> list:
 def _einsum_work(equation: str, operands: list) -> int:
     """The multiply-adds of an einsum: the product of the sizes of every index it names (0 where it cannot say)."""
     terms = equation.replace(" ", "").split("->")[0].split(",")
-    if "." in equation or len(terms) != len(operands):
-        return 0  # an ellipsis: the elements touched stand for it
+    if len(terms) != len(operands):
+        return 0
     sizes: dict[str, int] = {}
     for term, t in zip(terms, operands, strict=True):
-        if len(term) != t.dim():
+        head, dots, tail = term.partition("...")
+        if dots:  # the ellipsis's dimensions broadcast from the right: named '0' (the last), '1', ... here
+            n = t.dim() - len(head) - len(tail)
+            if "." in head + tail or not 0 <= n <= 10:
+                return 0  # the elements touched stand for it
+            term = head + "".join(str(j) for j in reversed(range(n))) + tail
+        if "." in term or len(term) != t.dim():
             return 0
         for c, n in zip(term, t.shape, strict=True):
             sizes[c] = max(sizes.get(c, 1), n)

@@ -114,3 +114,17 @@ def test_keyword_arguments_take_their_schema_places():
     assert node_work(str(op), named, meta) == node_work(str(op), pos, meta) > x.numel() + 36 + 36 * 9
     # a default left out is its default
     assert by_position(torch.ops.aten.avg_pool2d.default, [x], {"kernel_size": [2]})[1:4] == [[2], [], [0, 0]]
+
+
+def test_an_einsum_with_an_ellipsis_counts_its_multiply_adds():
+    """An ellipsis used to count only the elements touched: a batched product of two expanded views, n**3
+    multiply-adds per matrix, was counted as a few n**2."""
+    n = 2**12
+    x = torch.empty(1, 1, 1, device="meta").expand(3, n, n)
+    out = [[[3, n, n], F32]]
+    elements = 3 * 3 * n * n
+    assert node_work("aten.einsum.default", ["...ij,...jk->...ik", [x, x]], out) == elements + 3 * n**3
+    assert node_work("aten.einsum.default", ["bij,bjk->bik", [x, x]], out) == elements + 3 * n**3
+    y = torch.empty(n, n, device="meta")  # broadcast against the batch: still 3 products
+    assert node_work("aten.einsum.default", ["...ij,...jk->...ik", [x, y]], out) == 2 * elements // 3 + n * n + \
+        3 * n**3
