@@ -222,7 +222,7 @@ def node_work(name: str, args: list, meta: list) -> int:
         if packet == "addbmm" and a.dim() == 3:
             k *= a.shape[0]
         touched += out * k
-    elif packet in ("convolution", "_convolution", "convolution_backward") and len(ts) > 1:
+    elif packet in _CONVOLUTION and len(ts) > 1:
         w = ts[1] if packet != "convolution_backward" else ts[2] if len(ts) > 2 else ts[1]
         touched += max(out, ts[0].numel()) * (w.numel() // max(w.shape[0], 1) if w.dim() else 1)
     elif packet == "einsum" and args and isinstance(args[0], str) and len(args) > 1:
@@ -242,6 +242,9 @@ def node_work(name: str, args: list, meta: list) -> int:
     return touched
 
 
+# (conv2d and its kin reach `convolution` below the dispatcher: only a crafted program names them, uncounted before)
+_CONVOLUTION = frozenset({"convolution", "_convolution", "convolution_backward", "conv1d", "conv2d", "conv3d",
+                          "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
 # pooling packets -> the position of their kernel_size (the work is the output's elements times the window's)
 _POOL_WINDOW = {p: 1 for p in ("max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices",
                                "max_pool3d_with_indices", "avg_pool1d", "avg_pool2d", "avg_pool3d",

@@ -4,6 +4,8 @@ from the arguments given by position, and knew products, convolutions and attent
 * A program may name any argument by keyword (`convolution(x, weight=w, ...)`): the work count missed the weight,
   so a convolution of 7e13 multiply-adds ran until --timeout instead of being refused at once; `masked_select(x,
   mask=m)` made the data-dependent memory bound index a missing argument (a traceback, "a bug in nanreplay").
+* `aten.conv2d` (and conv1d, conv3d, the transposed ones), which real steps reach only as `convolution`, was counted
+  as its elements when a program named it directly.
 * A pooling kernel visits its whole window for every output: a 1024x1024 max pool of a 4 MiB zeros tensor counted
   2e6 elements and runs 1e12 comparisons (until --timeout, the analysis stalled: 20 s or 600 s, not refused).
 
@@ -47,6 +49,10 @@ def _by_keyword(d: dict) -> dict:
 CASES = {
     "a convolution whose weight is given by keyword (7e13 multiply-adds, uncounted)": (
         lambda d: with_nodes(d, {}, CONV_BY_KEYWORD), ("element operations", "aten.convolution")),
+    "conv2d named directly (its work was counted as elements: only `convolution` was known)": (
+        lambda d: with_nodes(d, {}, [*CONV_BY_KEYWORD[:2], (
+            "aten.conv2d.default", [R(0), R(1), None, [1], [1024]], {}, [[[1, 1, 4097, 4097], F32]])]),
+        ("element operations", "aten.conv2d")),
     "a max pool with a 2048x2048 window over a 16 MiB input (1.8e13 comparisons)": (
         lambda d: with_nodes(d, {}, [
             _zeros([1, 1, 2048, 2048]),
@@ -112,6 +118,7 @@ def test_keyword_arguments_take_their_schema_places():
     assert named == pos
     meta = [[[1, 1, 6, 6], F32]]
     assert node_work(str(op), named, meta) == node_work(str(op), pos, meta) > x.numel() + 36 + 36 * 9
+    assert node_work("aten.conv2d.default", [x, w], meta) == node_work(str(op), pos, meta)
     # a default left out is its default
     assert by_position(torch.ops.aten.avg_pool2d.default, [x], {"kernel_size": [2]})[1:4] == [[2], [], [0, 0]]
 
