@@ -237,6 +237,14 @@ def node_work(name: str, args: list, meta: list) -> int:
             touched += 2 * q.numel() * k.shape[-2]
     elif packet in _POOL_WINDOW and ts:  # every output (every gradient, backward) visits its whole window
         touched += max(out, ts[0].numel()) * _window(packet, args[_POOL_WINDOW[packet]])
+    elif packet in ("index_put", "index_put_") and len(args) > 1 and isinstance(args[0], torch.Tensor):
+        touched += _indexed(args[0], args[1] if isinstance(args[1], (list, tuple)) else [])  # values broadcast
+    elif packet in ("index_fill", "index_fill_") and len(args) > 2 and isinstance(args[0], torch.Tensor) \
+            and isinstance(args[2], torch.Tensor) and isinstance(args[1], int) and args[0].dim():
+        x = args[0]  # every index fills a whole slice
+        touched += args[2].numel() * (x.numel() // max(x.shape[args[1] % x.dim()], 1))
+    elif packet in ("_embedding_bag", "embedding_bag") and len(ts) > 1 and ts[0].dim():
+        touched += ts[1].numel() * ts[0].shape[-1]  # every index adds a row of the weight into its bag
     elif packet == "multilabel_margin_loss_forward" and ts and ts[0].dim():
         touched += ts[0].numel() * ts[0].shape[-1]  # each sample: every target label against every class
     return touched
@@ -249,6 +257,27 @@ _CONVOLUTION = frozenset({"convolution", "_convolution", "convolution_backward",
 _POOL_WINDOW = {p: 1 for p in ("max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices",
                                "max_pool3d_with_indices", "avg_pool1d", "avg_pool2d", "avg_pool3d",
                                "fractional_max_pool2d", "fractional_max_pool3d")} | {"avg_pool2d_backward": 2}
+
+
+def _indexed(x: torch.Tensor, indices: list) -> int:
+    """The elements `x[indices]` names (a boolean mask at its size, the most it can select): what index_put writes,
+    whatever the values' shape (a 1-element value broadcasts to all of them)."""
+    rest, dim, shapes = 1, 0, []
+    for t in indices:
+        if not isinstance(t, torch.Tensor):  # None: that dimension whole
+            rest *= x.shape[dim] if dim < x.dim() else 1
+            dim += 1
+        elif t.dtype in (torch.bool, torch.uint8):
+            shapes.append((t.numel(),))
+            dim += max(t.dim(), 1)
+        else:
+            shapes.append(tuple(t.shape))
+            dim += 1
+    try:
+        n = math.prod(torch.broadcast_shapes(*shapes)) if shapes else 1
+    except RuntimeError:
+        n = max((math.prod(sh) for sh in shapes), default=1)
+    return n * rest * math.prod(x.shape[dim:])
 
 
 def _window(packet: str, kernel_size: Any) -> int:

@@ -135,3 +135,24 @@ def test_an_einsum_with_an_ellipsis_counts_its_multiply_adds():
     y = torch.empty(n, n, device="meta")  # broadcast against the batch: still 3 products
     assert node_work("aten.einsum.default", ["...ij,...jk->...ik", [x, y]], out) == 2 * elements // 3 + n * n + \
         3 * n**3
+
+
+def test_an_indexed_write_counts_every_slice_it_names():
+    """index_put broadcasts a 1-element value to every slice its indices name, index_fill fills a slice per index,
+    an embedding bag adds a weight row per index: 10**5 zero indices into a [1, 10**4] tensor are 10**9 writes
+    (half a second here), counted before as the 10**5 + 2 * 10**4 elements of the arguments and output."""
+    x, v = torch.empty(1, 10**4, device="meta"), torch.empty(1, device="meta")
+    i = torch.empty(10**5, dtype=torch.long, device="meta")
+    out = [[[1, 10**4], F32]]
+    assert node_work("aten.index_put.default", [x, [i], v, True], out) >= 10**9
+    assert node_work("aten.index_put_.default", by_position(torch.ops.aten.index_put_.default, [x],
+                                                              {"indices": [i], "values": v}), out) >= 10**9
+    assert node_work("aten.index_fill.int_Scalar", [x, 0, i, 1.0], out) >= 10**9
+    bag = [[[1, 10**4], F32], [[10**5], "int64"], [[1], "int64"], [[1], "int64"]]
+    assert node_work("aten._embedding_bag.default", [x, i, torch.empty(1, dtype=torch.long, device="meta")],
+                     bag) >= 10**9
+    y = torch.empty(4, 5, 6, device="meta")  # a None keeps its dimension whole; a mask counts at its size
+    assert node_work("aten.index_put.default", [y, [None, torch.empty(3, dtype=torch.long, device="meta")], v],
+                     [[[4, 5, 6], F32]]) == 2 * 120 + 3 + 1 + 4 * 3 * 6
+    assert node_work("aten.index_put.default", [y, [torch.empty(4, 5, dtype=torch.bool, device="meta")], v],
+                     [[[4, 5, 6], F32]]) == 2 * 120 + 20 + 1 + 20 * 6
