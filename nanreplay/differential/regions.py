@@ -133,7 +133,7 @@ def region_graph(model, a: int, b: int, wide: torch.dtype | None = None,
             out = g.call_function(torch.ops.aten.copy_.default, (args[0], value)) \
                 if ti.op_mutated_args(node.op)[0] else value
         elif node.mask is not None:
-            p = float(args[1])
+            p = float(args[1] if len(args) > 1 else kwargs["p"])  # (a program may name p)
             mask = const(model.constants[node.mask], False)
             kept = g.call_function(torch.ops.aten.mul.Tensor, (args[0], g.call_method("type_as", (mask, args[0]))))
             out = (g.call_function(torch.ops.aten.mul.Tensor, (kept, 0.0 if p >= 1 else 1.0 / (1.0 - p))), mask)

@@ -79,9 +79,10 @@ def dry_run(program: Program, leaf_meta: dict[int, tuple[list[int], torch.dtype]
             raise SnapshotError(f"invalid step program: {what}: {refused}")
         view = ti.op_is_view(node.op)
         declared = sum(_nbytes(s, DTYPES[d]) for s, d in node.meta)
-        upper = _data_dependent_bytes(node.name, args)
+        named = by_position(node.op, args, kwargs)  # a tensor given by keyword counts as one given by position
+        upper = _data_dependent_bytes(node.name, named)
         if budget is not None and not view:
-            work += node_work(node.name, args, node.meta)
+            work += node_work(node.name, named, node.meta)
             if work > budget:
                 raise LimitError(f"replaying this step needs about {work:.2g} element operations by {what} (counted "
                                  f"from the step program's shapes before anything runs), more than --timeout allows "
@@ -209,7 +210,8 @@ def _tensors(args: list, kwargs: dict | None = None):
 def node_work(name: str, args: list, meta: list) -> int:
     """Element operations one node costs, roughly: the elements of its tensor arguments (an expanded view counted
     at its full size: the kernel visits every element) and of its declared outputs, and for a matrix product,
-    convolution or attention its multiply-adds."""
+    convolution or attention its multiply-adds, for a pooling its windows. `args` in the schema's order
+    (`by_position`: a tensor given by keyword is counted in its place)."""
     touched = sum(t.numel() for t in _tensors(args)) + sum(math.prod(s) for s, _ in meta)
     out = math.prod(meta[0][0]) if meta else 0
     packet = name.split(".")[1] if "." in name else name
@@ -220,7 +222,7 @@ def node_work(name: str, args: list, meta: list) -> int:
         if packet == "addbmm" and a.dim() == 3:
             k *= a.shape[0]
         touched += out * k
-    elif packet in ("convolution", "_convolution", "convolution_backward") and len(ts) > 1:
+    elif packet in _CONVOLUTION and len(ts) > 1:
         w = ts[1] if packet != "convolution_backward" else ts[2] if len(ts) > 2 else ts[1]
         touched += max(out, ts[0].numel()) * (w.numel() // max(w.shape[0], 1) if w.dim() else 1)
     elif packet == "einsum" and args and isinstance(args[0], str) and len(args) > 1:
@@ -233,17 +235,86 @@ def node_work(name: str, args: list, meta: list) -> int:
         q, k = ts[0], ts[1]
         if q.dim() >= 2 and k.dim() >= 2:
             touched += 2 * q.numel() * k.shape[-2]
+    elif packet in _POOL_WINDOW and ts:  # every output (every gradient, backward) visits its whole window
+        touched += max(out, ts[0].numel()) * _window(packet, args[_POOL_WINDOW[packet]])
+    elif packet in ("index_put", "index_put_") and len(args) > 1 and isinstance(args[0], torch.Tensor):
+        touched += _indexed(args[0], args[1] if isinstance(args[1], (list, tuple)) else [])  # values broadcast
+    elif packet in ("index_fill", "index_fill_") and len(args) > 2 and isinstance(args[0], torch.Tensor) \
+            and isinstance(args[2], torch.Tensor) and isinstance(args[1], int) and args[0].dim():
+        x = args[0]  # every index fills a whole slice
+        touched += args[2].numel() * (x.numel() // max(x.shape[args[1] % x.dim()], 1))
+    elif packet in ("_embedding_bag", "embedding_bag") and len(ts) > 1 and ts[0].dim():
+        touched += ts[1].numel() * ts[0].shape[-1]  # every index adds a row of the weight into its bag
+    elif packet == "multilabel_margin_loss_forward" and ts and ts[0].dim():
+        touched += ts[0].numel() * ts[0].shape[-1]  # each sample: every target label against every class
     return touched
+
+
+# (conv2d and its kin reach `convolution` below the dispatcher: only a crafted program names them, uncounted before)
+_CONVOLUTION = frozenset({"convolution", "_convolution", "convolution_backward", "conv1d", "conv2d", "conv3d",
+                          "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"})
+# pooling packets -> the position of their kernel_size (the work is the output's elements times the window's)
+_POOL_WINDOW = {p: 1 for p in ("max_pool1d", "max_pool2d", "max_pool3d", "max_pool2d_with_indices",
+                               "max_pool3d_with_indices", "avg_pool1d", "avg_pool2d", "avg_pool3d",
+                               "fractional_max_pool2d", "fractional_max_pool3d")} | {"avg_pool2d_backward": 2}
+
+
+def _indexed(x: torch.Tensor, indices: list) -> int:
+    """The elements `x[indices]` names (a boolean mask at its size, the most it can select): what index_put writes,
+    whatever the values' shape (a 1-element value broadcasts to all of them)."""
+    rest, dim, shapes = 1, 0, []
+    for t in indices:
+        if not isinstance(t, torch.Tensor):  # None: that dimension whole
+            rest *= x.shape[dim] if dim < x.dim() else 1
+            dim += 1
+        elif t.dtype in (torch.bool, torch.uint8):
+            shapes.append((t.numel(),))
+            dim += max(t.dim(), 1)
+        else:
+            shapes.append(tuple(t.shape))
+            dim += 1
+    try:
+        n = math.prod(torch.broadcast_shapes(*shapes)) if shapes else 1
+    except RuntimeError:
+        n = max((math.prod(sh) for sh in shapes), default=1)
+    return n * rest * math.prod(x.shape[dim:])
+
+
+def _window(packet: str, kernel_size: Any) -> int:
+    """The elements of one pooling window (a one-number kernel_size stands for every spatial dimension)."""
+    ks = [k for k in (kernel_size if isinstance(kernel_size, (list, tuple)) else [kernel_size]) if isinstance(k, int)]
+    dims = 3 if "3d" in packet else 1 if "1d" in packet else 2
+    if not ks:
+        return 1
+    return max(ks[0], 1) ** dims if len(ks) == 1 else math.prod(max(k, 1) for k in ks)
+
+
+def by_position(op, args: list, kwargs: dict) -> list:
+    """The call's arguments in the schema's order, those given by keyword in their place (a program may name
+    any argument: `convolution(x, weight=w)`), defaults filled in: what the counts below index by position."""
+    schema = ti.op_schema(op)
+    if schema is None or not kwargs:
+        return list(args)
+    out = list(args)
+    for p in schema.arguments[len(args):]:
+        out.append(kwargs[p.name] if p.name in kwargs else p.default_value if p.has_default_value() else None)
+    return out
 
 
 def _einsum_work(equation: str, operands: list) -> int:
     """The multiply-adds of an einsum: the product of the sizes of every index it names (0 where it cannot say)."""
     terms = equation.replace(" ", "").split("->")[0].split(",")
-    if "." in equation or len(terms) != len(operands):
-        return 0  # an ellipsis: the elements touched stand for it
+    if len(terms) != len(operands):
+        return 0
     sizes: dict[str, int] = {}
     for term, t in zip(terms, operands, strict=True):
-        if len(term) != t.dim():
+        head, dots, tail = term.partition("...")
+        if dots:  # the ellipsis's dimensions broadcast from the right: named '0' (the last), '1', ... here
+            n = t.dim() - len(head) - len(tail)
+            if "." in head + tail or not 0 <= n <= 10:
+                return 0  # the elements touched stand for it
+            term = head + "".join(str(j) for j in reversed(range(n))) + tail
+        if "." in term or len(term) != t.dim():
             return 0
         for c, n in zip(term, t.shape, strict=True):
             sizes[c] = max(sizes.get(c, 1), n)
@@ -255,7 +326,7 @@ _CUBIC = frozenset({"linalg_cholesky_ex", "cholesky", "_linalg_solve_ex", "_lina
                     "_cholesky_solve_helper", "cholesky_inverse", "triangular_solve", "logdet", "geqrf",
                     "linalg_householder_product", "linalg_solve_triangular", "matrix_exp", "linalg_matrix_exp"})
 _CONTRACT_LAST = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot",
-                            "vdot", "_grouped_mm", "inner"})
+                            "vdot", "_grouped_mm", "inner", "cdist", "_cdist_forward", "_pdist_forward"})
 
 
 def _expanded_bytes(args: list, kwargs: dict) -> int:

@@ -365,7 +365,7 @@ class StepModule(Boundaries, nn.Module):
                 return args[0]
             return value
         if node.mask is not None:
-            x, p = args[0], float(args[1])
+            x, p = args[0], float(args[1] if len(args) > 1 else kwargs["p"])  # (a program may name p)
             mask = self.constants[node.mask]
             scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
             out = torch.ops.aten.mul.Tensor(torch.ops.aten.mul.Tensor(x, mask.to(x.dtype)), scale)
