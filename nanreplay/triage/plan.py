@@ -155,7 +155,7 @@ def mark_duplicates(items: list[Item]) -> None:
 def discover(d: Path, out: Path, *, recursive: bool) -> tuple[list[str], list[str]]:
     """Snapshot files (by suffix), sharded snapshot folders (one item each: every rank of one step is one
     incident) and the other files, relative to d; hidden files and OUTDIR skipped."""
-    out_r = out.resolve()
+    out_r, d_r = out.resolve(), d.resolve()
     snaps: list[str] = []
     other: list[str] = []
     for root, dirs, files in os.walk(d):
@@ -169,6 +169,10 @@ def discover(d: Path, out: Path, *, recursive: bool) -> tuple[list[str], list[st
             if f.startswith(".") or not p.is_file():
                 continue
             rel = p.relative_to(d).as_posix()
+            if p.is_symlink() and not p.resolve().is_relative_to(d_r):
+                # a stranger's folder may link to this user's files: neither hashed nor opened (analyze it by path)
+                other.append(f"{rel} (a link to a file outside the folder: not followed)")
+                continue
             (snaps if p.suffix.lower() in SNAPSHOT_SUFFIXES else other).append(rel)
     return snaps, other
 

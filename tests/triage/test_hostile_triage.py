@@ -221,3 +221,18 @@ def test_failure_lines_are_escaped_one_per_file(tmp_path):
 def test_bad_max_memory_is_a_usage_error(tmp_path, size):
     res = run(tmp_path, "-o", tmp_path / "out", "--max-memory", size)
     assert res.exit_code == 2 and "--max-memory" in res.stderr and "Traceback" not in res.output
+
+
+def test_a_link_out_of_the_folder_is_neither_hashed_nor_opened(tmp_path):
+    """A stranger's archive may hold `leak.pt -> ~/secret`: triage lists it as not followed (its hash would be
+    written in the index, its bytes handed to the analysis); a link inside the folder is followed as before."""
+    d, outside = tmp_path / "archive", tmp_path / "home"
+    (d / "sub").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "secret.pt").write_bytes(b"private")
+    (d / "sub" / "real.pt").write_bytes(b"not a snapshot either")
+    (d / "leak.pt").symlink_to(outside / "secret.pt")
+    (d / "alias.pt").symlink_to(d / "sub" / "real.pt")
+    snaps, other = plan_mod.discover(d, tmp_path / "out", recursive=True)
+    assert snaps == ["alias.pt", "sub/real.pt"]
+    assert other == ["leak.pt (a link to a file outside the folder: not followed)"]
