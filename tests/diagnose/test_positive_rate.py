@@ -1,10 +1,11 @@
 """A quantity that must be positive made non-negative by a ReLU (or a clamp at 0), then logged, divided by, or put
 under an rsqrt (diagnose/edits/posfix.py): a Poisson rate through F.relu into log, a scale through clamp(min=0) as a
 divisor, a Normal's std through torch.relu into Normal.log_prob (log(scale) runs inside torch.distributions), a
-variance through .relu() under rsqrt. Before, each got an ε at the log / divisor that does not verify (the loss
-moves with ε: the dead unit's log(ε) has no gradient back); the fix is softplus at the ReLU's line. Each loop is
-analyzed where the training code cannot be imported, and the edit shown is applied to a copy of the loop, which
-trains on finite (the healthy steps differ by design: softplus is another function than relu).
+variance through .relu() under rsqrt, a rate through .clamp_min(0) logged in a helper the forward calls. Before,
+each got an ε at the log / divisor that does not verify (the loss moves with ε: the dead unit's log(ε) has no
+gradient back); the fix is softplus at the ReLU's line. Each loop is analyzed where the training code cannot be
+imported, and the edit shown is applied to a copy of the loop, which trains on finite (the healthy steps differ by
+design: softplus is another function than relu).
 """
 
 from __future__ import annotations
@@ -74,8 +75,24 @@ class Whiten(nn.Module):
         return self.head(x * torch.rsqrt(v))  # LINE: rsqrt
 
 
-MODELS = {"poisson": (Poisson, poisson_nll), "divide": (Scaled, F.mse_loss), "normal": (Gauss, gauss_nll),
-          "rsqrt": (Whiten, F.mse_loss)}
+def counts_nll(lam, k):
+    return (lam - k * torch.log(lam)).mean()  # LINE: helper
+
+
+class PoissonLoss(nn.Module):
+    """The model returns its own loss, computed by a helper function its forward calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.rate = nn.Linear(4, 1)
+
+    def forward(self, x, k):
+        lam = self.rate(x).squeeze(-1).clamp_min(0)  # LINE: helper_make
+        return counts_nll(lam, k)
+
+
+MODELS = {"helper": (PoissonLoss, None), "poisson": (Poisson, poisson_nll), "divide": (Scaled, F.mse_loss),
+          "normal": (Gauss, gauss_nll), "rsqrt": (Whiten, F.mse_loss)}
 
 
 def batches(kind, step):
@@ -84,11 +101,12 @@ def batches(kind, step):
     if step == 2:  # one sample far along what lowers the pre-activation: the ReLU gives exactly 0
         torch.manual_seed(0)
         m = MODELS[kind][0]()
-        w = {"poisson": lambda: m.rate.weight, "divide": lambda: m.scale.weight, "normal": lambda: m.sigma.weight,
-             "rsqrt": lambda: m.var.weight}[kind]()
+        w = {"poisson": lambda: m.rate.weight, "helper": lambda: m.rate.weight, "divide": lambda: m.scale.weight,
+             "normal": lambda: m.sigma.weight, "rsqrt": lambda: m.var.weight}[kind]()
         x[3] = -4.0 * w.sum(0).sign()
-    if kind == "poisson":
-        return x, torch.poisson(torch.full((6,), 2.0), generator=g)
+    if kind in ("poisson", "helper"):
+        k = torch.poisson(torch.full((6,), 2.0), generator=g)
+        return ((x, k), None) if kind == "helper" else (x, k)
     return x, torch.randn(6, 2, generator=g)
 
 
@@ -108,7 +126,7 @@ def run(kind, folder=None, f64=False):
         if guard:
             guard.begin(x, y, step=step)
         opt.zero_grad()
-        loss = loss_fn(model(x), y)
+        loss = model(*x) if loss_fn is None else loss_fn(model(x), y)
         if guard:
             if not guard.step(loss):
                 return guard.last_snapshot
@@ -129,13 +147,15 @@ if __name__ == "__main__":
             print(kind, run(kind, f"{sys.argv[1]}/{kind}"))
 '''
 
-KINDS = ("poisson", "divide", "normal", "rsqrt")
+KINDS = ("poisson", "divide", "normal", "rsqrt", "helper")
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 MADE = {"poisson": "lam = {F}.softplus(self.rate(x)).squeeze(-1)",
         "divide": "s = {F}.softplus(self.scale(x))",
         "normal": "return self.mu(x), {F}.softplus(self.sigma(x))",
-        "rsqrt": "v = {F}.softplus(self.var(x))"}
-CAUSE = {"poisson": "log_of_zero", "divide": "division_by_zero", "normal": "log_of_zero", "rsqrt": "domain_edge"}
+        "rsqrt": "v = {F}.softplus(self.var(x))",
+        "helper": "lam = {F}.softplus(self.rate(x).squeeze(-1))"}
+CAUSE = {"poisson": "log_of_zero", "divide": "division_by_zero", "normal": "log_of_zero", "rsqrt": "domain_edge",
+         "helper": "log_of_zero"}
 
 
 @pytest.fixture(scope="module")
@@ -159,11 +179,23 @@ def test_a_relu_made_rate_gets_softplus_where_it_is_made(runs, kind):
     assert edit["after"].split("  #")[0] in (MADE[kind].format(F="F"), MADE[kind].format(F="torch.nn.functional"))
     # verified where the softplus step's loss is in the history's range; where the outlier's scale is small but
     # positive (1/softplus(-3) ≈ 20), the true loss is large: finite, shown, and not verified
-    assert fix["verified"] is (kind in ("poisson", "rsqrt")), fix["verification"]
+    assert fix["verified"] is (kind in ("poisson", "rsqrt", "helper")), fix["verification"]
     assert fix["replay"]["loss"] is not None
     fixed = apply_and_train(root / f"fixed_{kind}", TRAINING, "posrate", kind, fix, bad=2, env=ENV,
                             changes_model=True)
     assert fixed[2][1] > 0  # the step that broke now trains the rate's layer
+
+
+@pytest.mark.integrations
+def test_a_helper_the_forward_calls_is_the_models_code_not_step_code(runs):
+    """The log runs in counts_nll(), a plain function the model's forward calls (the model returns its loss): it
+    is the model's code, not "the loss/step code outside the model's modules"."""
+    _, out = runs
+    d = out["helper"]
+    assert d["culprit"]["module"] == "" and d["culprit"]["source"]["function"] == "counts_nll"
+    expl = d["diagnosis"]["explanation"]
+    assert "(in counts_nll(), a function the model's own forward called)" in expl, expl
+    assert "loss/step code" not in expl
 
 
 @pytest.mark.parametrize("code, z", [("F.relu(h @ w)", "h @ w"), ("torch.relu(z)", "z"), ("self.lin(x).relu()",
