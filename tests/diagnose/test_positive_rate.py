@@ -1,7 +1,9 @@
 """A quantity that must be positive made non-negative by a ReLU (or a clamp at 0), then logged, divided by, or put
 under an rsqrt (diagnose/edits/posfix.py): a Poisson rate through F.relu into log, a scale through clamp(min=0) as a
 divisor, a Normal's std through torch.relu into Normal.log_prob (log(scale) runs inside torch.distributions), a
-variance through .relu() under rsqrt, a rate through .clamp_min(0) logged in a helper the forward calls. Before,
+variance through .relu() under rsqrt, a rate through .clamp_min(0) logged in a helper the forward calls, a Poisson's
+and a Gamma's rate through F.relu into torch.distributions' xlogy(c, rate) (the support rule clamped the scored value
+there, while its replay clamped the rate: the edit shown did not fix it). Before,
 each got an ε at the log / divisor that does not verify (the loss moves with ε: the dead unit's log(ε) has no
 gradient back); the fix is softplus at the ReLU's line. Each loop is analyzed where the training code cannot be
 imported, and the edit shown is applied to a copy of the loop, which trains on finite (the healthy steps differ by
@@ -91,7 +93,26 @@ class PoissonLoss(nn.Module):
         return counts_nll(lam, k)
 
 
-MODELS = {"helper": (PoissonLoss, None), "poisson": (Poisson, poisson_nll), "divide": (Scaled, F.mse_loss),
+def pois_nll(lam, k):
+    return -torch.distributions.Poisson(lam, validate_args=False).log_prob(k).mean()  # LINE: dpois
+
+
+def gamma_nll(out, y):
+    a, b = out
+    return -torch.distributions.Gamma(a, b, validate_args=False).log_prob(y.abs() + 0.1).mean()  # LINE: dgamma
+
+
+class GammaHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conc, self.rate = nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return F.softplus(self.conc(x)) + 1.0, F.relu(self.rate(x))  # LINE: dgamma_make
+
+
+MODELS = {"dpois": (Poisson, pois_nll), "dgamma": (GammaHead, gamma_nll), "helper": (PoissonLoss, None),
+          "poisson": (Poisson, poisson_nll), "divide": (Scaled, F.mse_loss),
           "normal": (Gauss, gauss_nll), "rsqrt": (Whiten, F.mse_loss)}
 
 
@@ -101,10 +122,11 @@ def batches(kind, step):
     if step == 2:  # one sample far along what lowers the pre-activation: the ReLU gives exactly 0
         torch.manual_seed(0)
         m = MODELS[kind][0]()
-        w = {"poisson": lambda: m.rate.weight, "helper": lambda: m.rate.weight, "divide": lambda: m.scale.weight,
+        w = {"dpois": lambda: m.rate.weight, "dgamma": lambda: m.rate.weight, "poisson": lambda: m.rate.weight,
+             "helper": lambda: m.rate.weight, "divide": lambda: m.scale.weight,
              "normal": lambda: m.sigma.weight, "rsqrt": lambda: m.var.weight}[kind]()
         x[3] = -4.0 * w.sum(0).sign()
-    if kind in ("poisson", "helper"):
+    if kind in ("poisson", "helper", "dpois"):
         k = torch.poisson(torch.full((6,), 2.0), generator=g)
         return ((x, k), None) if kind == "helper" else (x, k)
     return x, torch.randn(6, 2, generator=g)
@@ -116,7 +138,7 @@ def run(kind, folder=None, f64=False):
     model = cls()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("bias") and name.split(".")[0] in ("rate", "scale", "sigma", "var"):
+            if name.endswith("bias") and name.split(".")[0] in ("rate", "scale", "sigma", "var", "conc"):
                 p.fill_(1.0)  # a positive rate/scale to start
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     guard = NanGuard(model, opt, loss_fn=loss_fn, folder=folder) if folder else None
@@ -147,15 +169,19 @@ if __name__ == "__main__":
             print(kind, run(kind, f"{sys.argv[1]}/{kind}"))
 '''
 
-KINDS = ("poisson", "divide", "normal", "rsqrt", "helper")
+KINDS = ("poisson", "divide", "normal", "rsqrt", "helper", "dpois", "dgamma")
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 MADE = {"poisson": "lam = {F}.softplus(self.rate(x)).squeeze(-1)",
         "divide": "s = {F}.softplus(self.scale(x))",
         "normal": "return self.mu(x), {F}.softplus(self.sigma(x))",
         "rsqrt": "v = {F}.softplus(self.var(x))",
-        "helper": "lam = {F}.softplus(self.rate(x).squeeze(-1))"}
+        "helper": "lam = {F}.softplus(self.rate(x).squeeze(-1))",
+        "dpois": "lam = {F}.softplus(self.rate(x)).squeeze(-1)",
+        "dgamma": "return {F}.softplus(self.conc(x)) + 1.0, {F}.softplus(self.rate(x))"}
 CAUSE = {"poisson": "log_of_zero", "divide": "division_by_zero", "normal": "log_of_zero", "rsqrt": "domain_edge",
-         "helper": "log_of_zero"}
+         "helper": "log_of_zero", "dpois": "log_prob_at_support_edge", "dgamma": "log_prob_at_support_edge"}
+# the make line of each kind's marker (dpois reuses Poisson's)
+MAKE = {"dpois": "poisson_make"}
 
 
 @pytest.fixture(scope="module")
@@ -175,11 +201,11 @@ def test_a_relu_made_rate_gets_softplus_where_it_is_made(runs, kind):
     fix = diag["fix"]
     assert fix["kind"] == "positive_parametrisation" and fix["tested_as"] == "line", fix
     (edit,) = fix["edits"]
-    assert edit["line"] == marker_line(TRAINING, f"{kind}_make"), edit  # the ReLU's line, not the culprit's
+    assert edit["line"] == marker_line(TRAINING, MAKE.get(kind, f"{kind}_make")), edit  # the ReLU's, not the culprit's
     assert edit["after"].split("  #")[0] in (MADE[kind].format(F="F"), MADE[kind].format(F="torch.nn.functional"))
     # verified where the softplus step's loss is in the history's range; where the outlier's scale is small but
     # positive (1/softplus(-3) ≈ 20), the true loss is large: finite, shown, and not verified
-    assert fix["verified"] is (kind in ("poisson", "rsqrt", "helper")), fix["verification"]
+    assert fix["verified"] is (kind in ("poisson", "rsqrt", "helper", "dpois", "dgamma")), fix["verification"]
     assert fix["replay"]["loss"] is not None
     fixed = apply_and_train(root / f"fixed_{kind}", TRAINING, "posrate", kind, fix, bad=2, env=ENV,
                             changes_model=True)
