@@ -111,7 +111,17 @@ class GammaHead(nn.Module):
         return F.softplus(self.conc(x)) + 1.0, F.relu(self.rate(x))  # LINE: dgamma_make
 
 
-MODELS = {"dpois": (Poisson, pois_nll), "dgamma": (GammaHead, gamma_nll), "helper": (PoissonLoss, None),
+class SeqRate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rate = nn.Sequential(nn.Linear(4, 1), nn.ReLU())  # LINE: seq_make
+
+    def forward(self, x):
+        return self.rate(x).squeeze(-1)
+
+
+MODELS = {"seq": (SeqRate, poisson_nll), "dpois": (Poisson, pois_nll), "dgamma": (GammaHead, gamma_nll),
+          "helper": (PoissonLoss, None),
           "poisson": (Poisson, poisson_nll), "divide": (Scaled, F.mse_loss),
           "normal": (Gauss, gauss_nll), "rsqrt": (Whiten, F.mse_loss)}
 
@@ -122,11 +132,12 @@ def batches(kind, step):
     if step == 2:  # one sample far along what lowers the pre-activation: the ReLU gives exactly 0
         torch.manual_seed(0)
         m = MODELS[kind][0]()
-        w = {"dpois": lambda: m.rate.weight, "dgamma": lambda: m.rate.weight, "poisson": lambda: m.rate.weight,
+        w = {"seq": lambda: m.rate[0].weight, "dpois": lambda: m.rate.weight, "dgamma": lambda: m.rate.weight,
+             "poisson": lambda: m.rate.weight,
              "helper": lambda: m.rate.weight, "divide": lambda: m.scale.weight,
              "normal": lambda: m.sigma.weight, "rsqrt": lambda: m.var.weight}[kind]()
         x[3] = -4.0 * w.sum(0).sign()
-    if kind in ("poisson", "helper", "dpois"):
+    if kind in ("poisson", "helper", "dpois", "seq"):
         k = torch.poisson(torch.full((6,), 2.0), generator=g)
         return ((x, k), None) if kind == "helper" else (x, k)
     return x, torch.randn(6, 2, generator=g)
@@ -169,7 +180,7 @@ if __name__ == "__main__":
             print(kind, run(kind, f"{sys.argv[1]}/{kind}"))
 '''
 
-KINDS = ("poisson", "divide", "normal", "rsqrt", "helper", "dpois", "dgamma")
+KINDS = ("poisson", "divide", "normal", "rsqrt", "helper", "dpois", "dgamma", "seq")
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 MADE = {"poisson": "lam = {F}.softplus(self.rate(x)).squeeze(-1)",
         "divide": "s = {F}.softplus(self.scale(x))",
@@ -177,11 +188,16 @@ MADE = {"poisson": "lam = {F}.softplus(self.rate(x)).squeeze(-1)",
         "rsqrt": "v = {F}.softplus(self.var(x))",
         "helper": "lam = {F}.softplus(self.rate(x).squeeze(-1))",
         "dpois": "lam = {F}.softplus(self.rate(x)).squeeze(-1)",
-        "dgamma": "return {F}.softplus(self.conc(x)) + 1.0, {F}.softplus(self.rate(x))"}
+        "dgamma": "return {F}.softplus(self.conc(x)) + 1.0, {F}.softplus(self.rate(x))",
+        "seq": "self.rate = nn.Sequential(nn.Linear(4, 1), nn.Softplus())"}
 CAUSE = {"poisson": "log_of_zero", "divide": "division_by_zero", "normal": "log_of_zero", "rsqrt": "domain_edge",
-         "helper": "log_of_zero", "dpois": "log_prob_at_support_edge", "dgamma": "log_prob_at_support_edge"}
-# the make line of each kind's marker (dpois reuses Poisson's)
+         "helper": "log_of_zero", "dpois": "log_prob_at_support_edge", "dgamma": "log_prob_at_support_edge",
+         "seq": "log_of_zero"}
+# the marker of the line each kind's fix edits (dpois reuses Poisson's; seq's ReLU is an nn.ReLU() child of a
+# Sequential, edited where the Sequential is built, and replayed as an op-level patch at its relu)
 MAKE = {"dpois": "poisson_make"}
+CULPRIT = {"seq": "poisson"}
+TESTED_AS = {"seq": "op"}
 
 
 @pytest.fixture(scope="module")
@@ -195,17 +211,17 @@ def runs(tmp_path_factory):
 def test_a_relu_made_rate_gets_softplus_where_it_is_made(runs, kind):
     root, out = runs
     d = out[kind]
-    assert d["culprit"]["source"]["line"] == marker_line(TRAINING, kind)  # the log / divisor / rsqrt's line
+    assert d["culprit"]["source"]["line"] == marker_line(TRAINING, CULPRIT.get(kind, kind))  # the log's line ...
     diag = d["diagnosis"]
     assert diag["cause"] == CAUSE[kind], (diag["cause"], diag["title"])
     fix = diag["fix"]
-    assert fix["kind"] == "positive_parametrisation" and fix["tested_as"] == "line", fix
+    assert fix["kind"] == "positive_parametrisation" and fix["tested_as"] == TESTED_AS.get(kind, "line"), fix
     (edit,) = fix["edits"]
     assert edit["line"] == marker_line(TRAINING, MAKE.get(kind, f"{kind}_make")), edit  # the ReLU's, not the culprit's
     assert edit["after"].split("  #")[0] in (MADE[kind].format(F="F"), MADE[kind].format(F="torch.nn.functional"))
     # verified where the softplus step's loss is in the history's range; where the outlier's scale is small but
     # positive (1/softplus(-3) ≈ 20), the true loss is large: finite, shown, and not verified
-    assert fix["verified"] is (kind in ("poisson", "rsqrt", "helper", "dpois", "dgamma")), fix["verification"]
+    assert fix["verified"] is (kind not in ("divide", "normal")), fix["verification"]
     assert fix["replay"]["loss"] is not None
     fixed = apply_and_train(root / f"fixed_{kind}", TRAINING, "posrate", kind, fix, bad=2, env=ENV,
                             changes_model=True)

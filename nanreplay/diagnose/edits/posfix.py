@@ -19,7 +19,7 @@ import ast
 
 import torch.nn.functional as F
 
-from nanreplay.diagnose.edits import codefix
+from nanreplay.diagnose.edits import codefix, construction
 from nanreplay.diagnose.model import Fix
 from nanreplay.diagnose.site import Site, packet
 from nanreplay.enums import FixKind
@@ -102,6 +102,10 @@ def positive_fixes(s: Site, arg: int, what: str) -> list[Fix]:
     if packet(str(r.op)) != "aten.relu" or not r.module:
         return []
     mod = r.module  # an nn.ReLU module: its relu runs inside torch, the edit is where the module is made
+    built = construction.replace_child(getattr(s.subject, "constructions", None), r, "ReLU", "Softplus")
+    if built is not None:  # a child of an nn.Sequential(...) the guard saw built: that statement, ReLU -> Softplus
+        return [Fix(FixKind.POSITIVE_PARAMETRISATION, "", rewrite=built, patch={r.call: softplus}, reasoning=why,
+                    noop_exempt=WHY_EXEMPT, tested_as="op")]
     return [Fix(FixKind.POSITIVE_PARAMETRISATION, "", patch={r.call: softplus}, reasoning=why,
                 noop_exempt=WHY_EXEMPT,
                 guidance=f"make the module {mod!r} an nn.Softplus() instead of nn.ReLU() where the model builds it: "
