@@ -68,6 +68,8 @@ if __name__ == "__main__":
             print(kind, run(kind, f"{sys.argv[1]}/{kind}"))
 '''
 
+pytestmark = pytest.mark.integrations  # training loops run and analyzed in subprocesses, as test_real_bugs3.py
+
 KINDS = ("name", "module", "attribute")
 SPELLED = {"name": ("from lrconf import LR", "LR"), "module": ("import lrconf", "lrconf.LR"),
            "attribute": ("from lrconf import cfg", "cfg.lr")}  # each its own loop: one optimizer line a file
