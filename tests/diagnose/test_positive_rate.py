@@ -111,6 +111,16 @@ class GammaHead(nn.Module):
         return F.softplus(self.conc(x)) + 1.0, F.relu(self.rate(x))  # LINE: dgamma_make
 
 
+class MaskRate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rate = nn.Linear(4, 1)
+
+    def forward(self, x):
+        z = self.rate(x).squeeze(-1)
+        return z * (z > 0)  # LINE: maskmul_make
+
+
 class SeqRate(nn.Module):
     def __init__(self):
         super().__init__()
@@ -120,7 +130,8 @@ class SeqRate(nn.Module):
         return self.rate(x).squeeze(-1)
 
 
-MODELS = {"seq": (SeqRate, poisson_nll), "dpois": (Poisson, pois_nll), "dgamma": (GammaHead, gamma_nll),
+MODELS = {"maskmul": (MaskRate, poisson_nll), "seq": (SeqRate, poisson_nll), "dpois": (Poisson, pois_nll),
+          "dgamma": (GammaHead, gamma_nll),
           "helper": (PoissonLoss, None),
           "poisson": (Poisson, poisson_nll), "divide": (Scaled, F.mse_loss),
           "normal": (Gauss, gauss_nll), "rsqrt": (Whiten, F.mse_loss)}
@@ -132,12 +143,13 @@ def batches(kind, step):
     if step == 2:  # one sample far along what lowers the pre-activation: the ReLU gives exactly 0
         torch.manual_seed(0)
         m = MODELS[kind][0]()
-        w = {"seq": lambda: m.rate[0].weight, "dpois": lambda: m.rate.weight, "dgamma": lambda: m.rate.weight,
+        w = {"maskmul": lambda: m.rate.weight, "seq": lambda: m.rate[0].weight, "dpois": lambda: m.rate.weight,
+             "dgamma": lambda: m.rate.weight,
              "poisson": lambda: m.rate.weight,
              "helper": lambda: m.rate.weight, "divide": lambda: m.scale.weight,
              "normal": lambda: m.sigma.weight, "rsqrt": lambda: m.var.weight}[kind]()
         x[3] = -4.0 * w.sum(0).sign()
-    if kind in ("poisson", "helper", "dpois", "seq"):
+    if kind in ("poisson", "helper", "dpois", "seq", "maskmul"):
         k = torch.poisson(torch.full((6,), 2.0), generator=g)
         return ((x, k), None) if kind == "helper" else (x, k)
     return x, torch.randn(6, 2, generator=g)
@@ -180,7 +192,7 @@ if __name__ == "__main__":
             print(kind, run(kind, f"{sys.argv[1]}/{kind}"))
 '''
 
-KINDS = ("poisson", "divide", "normal", "rsqrt", "helper", "dpois", "dgamma", "seq")
+KINDS = ("poisson", "divide", "normal", "rsqrt", "helper", "dpois", "dgamma", "seq", "maskmul")
 ENV = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 MADE = {"poisson": "lam = {F}.softplus(self.rate(x)).squeeze(-1)",
         "divide": "s = {F}.softplus(self.scale(x))",
@@ -189,14 +201,15 @@ MADE = {"poisson": "lam = {F}.softplus(self.rate(x)).squeeze(-1)",
         "helper": "lam = {F}.softplus(self.rate(x).squeeze(-1))",
         "dpois": "lam = {F}.softplus(self.rate(x)).squeeze(-1)",
         "dgamma": "return {F}.softplus(self.conc(x)) + 1.0, {F}.softplus(self.rate(x))",
-        "seq": "self.rate = nn.Sequential(nn.Linear(4, 1), nn.Softplus())"}
+        "seq": "self.rate = nn.Sequential(nn.Linear(4, 1), nn.Softplus())",
+        "maskmul": "return {F}.softplus(z)"}
 CAUSE = {"poisson": "log_of_zero", "divide": "division_by_zero", "normal": "log_of_zero", "rsqrt": "domain_edge",
          "helper": "log_of_zero", "dpois": "log_prob_at_support_edge", "dgamma": "log_prob_at_support_edge",
-         "seq": "log_of_zero"}
+         "seq": "log_of_zero", "maskmul": "log_of_zero"}
 # the marker of the line each kind's fix edits (dpois reuses Poisson's; seq's ReLU is an nn.ReLU() child of a
 # Sequential, edited where the Sequential is built, and replayed as an op-level patch at its relu)
 MAKE = {"dpois": "poisson_make"}
-CULPRIT = {"seq": "poisson"}
+CULPRIT = {"seq": "poisson", "maskmul": "poisson"}
 TESTED_AS = {"seq": "op"}
 
 
@@ -246,7 +259,9 @@ def test_a_helper_the_forward_calls_is_the_models_code_not_step_code(runs):
                                      ("torch.clamp(z, 0, None)", "z"),
                                      ("z.clamp(min=1e-3)", None), ("z.clamp(0, 1)", None), ("z.clamp(max=0)", None),
                                      ("F.relu(z, inplace=True)", None), ("z.clamp_min(eps)", None),
-                                     ("torch.exp(z)", None)])
+                                     ("torch.exp(z)", None), ("z * (z > 0)", "z"), ("(h @ w > 0).float() * (h @ w)",
+                                                                                "h @ w"),
+                                     ("z * (y > 0)", None), ("z * (z > 1)", None), ("z * (z >= 0)", None)])
 def test_only_an_exact_max_with_zero_is_taken_for_a_relu(code, z):
     node = ast.parse(code, mode="eval").body
     got = _relu_input(node)

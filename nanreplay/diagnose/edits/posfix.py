@@ -6,8 +6,9 @@ positive parametrisation where the value is made: `F.softplus(z)` (strictly posi
 gradient sigmoid(z) > 0 everywhere), written as an edit of the line that calls the ReLU.
 
 Found by following the culprit's operand back through views and copies to a `relu` / `clamp(min=0)` /
-`clamp_min(0)` call made on a line of the user's (`lam = F.relu(self.rate(h)).squeeze(-1)`), which may be another
-line than the culprit's (the log inside torch.distributions' log_prob reaches the scale the user made). The
+`clamp_min(0)` call or a `z * (z > 0)` made on a line of the user's (`lam = F.relu(self.rate(h)).squeeze(-1)`),
+which may be another line than the culprit's (the log inside torch.distributions' log_prob reaches the scale the
+user made). The
 replay runs the edited line at every call it makes. The no-op check does not apply: softplus is another function
 of the same pre-activation (softplus(1) = 1.31), so every value changes by design; the replay is judged by its loss
 and gradients, against the history. An `nn.ReLU()` module (its relu runs inside torch) is named in words.
@@ -38,6 +39,9 @@ def relu_origin(s: Site, arg: int) -> OpRecord | None:
     r = s.origin(arg)
     if r is not None and packet(str(r.op)) in _ROOTS:  # x / sqrt(relu(v)): the root of a ReLU's output
         r = s.origin(0, r)
+    if r is not None and packet(str(r.op)) == "aten.mul" and len(r.src) == 2 and \
+            sum(s.origin_packet(i, r) == "aten.gt" for i in range(2)) == 1:
+        return r  # z * (z > 0): the edit checks the text is exactly that
     if r is None or packet(str(r.op)) not in _RELUS:
         return None
     return r
@@ -48,9 +52,25 @@ def _zero(node: ast.AST | None) -> bool:
         not isinstance(node.value, bool) and node.value == 0
 
 
+def _masked_input(node: ast.AST) -> ast.AST | None:
+    """z of `z * (z > 0)` / `(z > 0) * z` (the comparison maybe `.float()`-ed), the same text on both sides."""
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
+        return None
+    for z, m in ((node.left, node.right), (node.right, node.left)):
+        if isinstance(m, ast.Call) and isinstance(m.func, ast.Attribute) and m.func.attr in ("float", "type_as") \
+                and not m.keywords:
+            m = m.func.value
+        if isinstance(m, ast.Compare) and len(m.ops) == 1 and isinstance(m.ops[0], ast.Gt) and \
+                _zero(m.comparators[0]) and ast.dump(m.left) == ast.dump(z):
+            return z
+    return None
+
+
 def _relu_input(node: ast.AST) -> ast.AST | None:
     """The pre-activation z of `F.relu(z)` / `torch.relu(z)` / `z.relu()` / `z.clamp(min=0)` / `torch.clamp(z,
     min=0)` / `z.clamp_min(0)`: a call that makes exactly max(z, 0); None for anything else (a max too, inplace)."""
+    if isinstance(node, ast.BinOp):
+        return _masked_input(node)
     if not isinstance(node, ast.Call):
         return None
     name = codefix._callee(node)
@@ -94,8 +114,10 @@ def positive_fixes(s: Site, arg: int, what: str) -> list[Fix]:
            "is strictly positive, ≈ z for large z, and its gradient sigmoid(z) never vanishes, so the quantity "
            "recovers by training; torch.exp(z) is the other usual positive parametrisation (it can overflow)")
 
+    z = next((i for i in range(len(r.src)) if s.origin_packet(i, r) != "aten.gt"), 0)  # z * (z > 0): z's place
+
     def softplus(func, args, kwargs):
-        return F.softplus(args[0])
+        return F.softplus(args[z])
     if rw is not None:
         return [Fix(FixKind.POSITIVE_PARAMETRISATION, "", rewrite=rw, patch=s.at_calls(softplus, r.call, rw),
                     reasoning=why, noop_exempt=WHY_EXEMPT, alternatives=[f"torch.exp(...) in place of the ReLU at {at}"])]
