@@ -102,4 +102,5 @@ class FixKind(StrEnum):
     SUM_OF_LOGS = "sum_of_logs"  # log(prod(p, d)) -> log(p).sum(d): a product of probabilities that underflowed
     POSITIVE_DEFINITE = "positive_definite"  # logdet of a matrix that is not positive definite: build it as L Lᵀ
     FLOAT32_SOFTMAX = "float32_softmax"  # a float16 product in float32 up to its softmax (diagnose/edits/upcast.py)
+    POSITIVE_PARAMETRISATION = "positive_parametrisation"  # relu(z) -> softplus(z) where a positive value is made
     NONE = "none"

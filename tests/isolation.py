@@ -144,12 +144,14 @@ def apply_edits(path: Path, edits: list[dict]) -> None:
 
 
 def apply_and_train(folder: Path, training: str, script: str, kind: str, fix: dict, *, bad: int, env: dict,
-                    coarse: bool = False) -> None:
+                    coarse: bool = False, changes_model: bool = False) -> list:
     """Judge a fix by applying it: put the shown `after` in place of `before` in a copy of the training file
     (`training`, run as `script`.py: `--plain KIND` trains it plainly and prints {kind: [(loss, grad norm)...]},
     `--f64 KIND` the same in float64); the fixed run is finite at every step, the original is not at step `bad`,
     and the healthy steps before it are the original's — or, where the original computes in a coarse dtype
-    (`coarse`: bfloat16), at least as close as the original's to the same loop in float64."""
+    (`coarse`: bfloat16), at least as close as the original's to the same loop in float64. A fix that changes the
+    model by design (`changes_model`: relu -> softplus) is not held to the healthy steps' values. Returns the
+    fixed run's (loss, gradient norm) per step."""
     import math
 
     from tolerance import close
@@ -174,7 +176,7 @@ def apply_and_train(folder: Path, training: str, script: str, kind: str, fix: di
     assert len(fixed) == len(orig), (fixed, orig)
     assert all(math.isfinite(v) for st in fixed for v in st), fixed
     assert not all(math.isfinite(v) for v in orig[bad]), orig  # the original does fail at that step
-    for k in range(bad):  # the healthy steps before it: the same loss and gradient norm
+    for k in range(0 if changes_model else bad):  # the healthy steps before it: the same loss and gradient norm
         if coarse:
             ref = got["original--f64"][k]
             assert all(abs(a - r) <= abs(b - r) * 1.01 + 1e-6 * abs(r) for a, b, r in zip(fixed[k], orig[k], ref,
@@ -182,6 +184,7 @@ def apply_and_train(folder: Path, training: str, script: str, kind: str, fix: di
                 (k, fixed[k], orig[k], ref)
         else:
             assert close(fixed[k][0], orig[k][0]) and close(fixed[k][1], orig[k][1]), (k, fixed[k], orig[k])
+    return fixed
 
 
 def train_and_analyze_isolated(root: Path, module: str, training: str, kinds, env: dict) -> dict[str, dict]:

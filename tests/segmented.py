@@ -29,8 +29,8 @@ class Block(nn.Module):
         if self.on and self.fault == "masked_log":  # log of probabilities that underflow in float32 only, masked
             p = torch.softmax(200 * h, -1)          # in forward: backward divides by the zeros
             h = h + torch.where(p > 0, torch.log(p), 0.0).mean(-1, keepdim=True)
-        if self.on and self.fault == "over_zero":  # x / relu(...) with zeros: each ε sets the loss (x / ε)
-            h = h + (x[:, :1].abs() / F.relu(h[:, :1])).mean()
+        if self.on and self.fault == "over_zero":  # x / clamp(..., 0, 1) with zeros: each ε sets the loss (x / ε)
+            h = h + (x[:, :1].abs() / h[:, :1].clamp(0, 1)).mean()  # (a ReLU there would get softplus)
         if self.on and self.fault == "softmax":  # hands over probabilities that underflow in float32 only
             return torch.softmax(200 * h, -1)
         if self.on and self.fault == "relu_out":  # hands over a ReLU's exact zeros

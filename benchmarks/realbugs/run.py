@@ -17,7 +17,8 @@ the code the thread shows. For each case:
    lr, a flag elsewhere), is counted as "advice"; `verified` is reported beside, never used to judge.
    An edit of the learning rate, in a case whose cause is the run's rate (EXPECT_CAUSES), changes every loss
    after the first update by design: there the first loss must be unchanged and the fixed run must learn (its
-   last loss below its first).
+   last loss below its first). So does softplus in place of a ReLU (`positive_parametrisation`): another model,
+   every loss changes; the fixed run must learn.
 """
 
 from __future__ import annotations
@@ -181,14 +182,18 @@ def judge(name: str, keep: bool = False, cases: Path = HERE / "cases") -> dict:
             rate = bool(expect) and "lr" in (fix.get("settings") or {})
             if rate:  # an edit of the run's learning rate changes every loss after the first update by design:
                 healthy = range(1)  # only the first loss must be unchanged, and the fixed run must learn (below)
+            model = fix.get("kind") == "positive_parametrisation"  # softplus for a ReLU: another model, every loss
+            if model:                                               # changes by design; the fixed run must learn
+                healthy = range(0)
             # unchanged within float32 noise: an epsilon or an exact form may move the last bits of a healthy value
             same = all(abs(fixed["losses"][i] - run["losses"][i]) <= 1e-4 * max(1.0, abs(run["losses"][i]))
                        for i in healthy)
             trained = fixed["stop"] is None and len(fixed["losses"]) == case.STEPS
             if flow.get("verdict"):  # a dead gradient stops nothing: the fixed run must write no snapshot either
                 trained = trained and not any((tmp / "snaps2").glob("*.pt"))
-            if rate:
-                row["judged"] = "a rate: the first loss unchanged, the last below the first"
+            if rate or model:
+                row["judged"] = ("a rate: the first loss unchanged, the last below the first" if rate else
+                                 "a positive parametrisation (another model): the last loss below the first")
                 trained = trained and fixed["losses"][-1] < fixed["losses"][0]
             row["fix"] = "right" if (trained and same) else \
                 ("healthy values changed" if trained else f"still breaks ({fixed['stop']})")

@@ -25,7 +25,7 @@ import os
 import sys
 from typing import Any
 
-from nanreplay.capture import lrwrites, ratesource, usersource
+from nanreplay.capture import lrwrites, rateimport, ratesource, usersource
 
 MAX_FILES = 8
 MAX_BYTES = 1_000_000  # all files together: parsing costs ~4 µs a byte, paid only when a snapshot is written
@@ -149,8 +149,9 @@ def _judge(what: str, want: dict, call: ast.Call) -> tuple[int, dict, str] | Non
 
 
 def _rate_site(want: dict, call: ast.Call, tree: ast.Module, scope: ast.AST, lines: list[str],
-               path: str) -> dict | None:
-    """The one literal a rate passed as a name was set by (`lr=LR` -> `LR = 3.0`), as a site, or None."""
+               path: str, parse=None) -> dict | None:
+    """The one literal a rate passed as a name was set by (`lr=LR` -> `LR = 3.0`), as a site, or None; in the
+    module the name was imported from where it was (`from conf import LR`: conf.py's `LR = 3.0`, rateimport.py)."""
     name = call_name(call)
     hf = name == "TrainingArguments"
     if name != want["class"] and not hf:
@@ -165,6 +166,13 @@ def _rate_site(want: dict, call: ast.Call, tree: ast.Module, scope: ast.AST, lin
     if any(not _same(v, want.get({"adam_epsilon": "eps"}.get(k, k))) for k, v in others.items()):
         return None  # a literal the run's optimizer does not have: another optimizer's line
     got = ratesource.follow(tree, scope, expr)
+    call_path, imported = path, ""
+    if got is None and parse is not None:
+        there = rateimport.follow(tree, scope, expr, parse)
+        if there is None:
+            return None
+        path, lines, tree, got, how_imported = there
+        imported = f"imported by {how_imported}: "
     if got is None:
         return None
     node, lit, kind, label = got
@@ -190,12 +198,14 @@ def _rate_site(want: dict, call: ast.Call, tree: ast.Module, scope: ast.AST, lin
         return None
     how = f"the default of {label} in `def {stmt.name}(`" if header else \
         f"the default of `{call_name(node)}(`" if isinstance(node, ast.Call) else "its one assignment"
-    written = ast.get_source_segment("".join(lines), expr) or label
+    written = ast.unparse(expr) if imported else ast.get_source_segment("".join(lines), expr) or label
     held = "".join(lines[a - 1:b]).rstrip("\n")
     return {"what": "optimizer", "class": name, "file": path, "line": a, "call_line": call.lineno,
             "text": held[:4000], "values": {"lr": value}, "via": {"kind": kind, "name": label},
-            "evidence": f"`{key}={written[:80]}` on the {name}( line ({os.path.basename(path)}:{call.lineno}); "
-                        f"{how} sets {value:g}, as the run's {want['class']} has, and nothing else sets it"}
+            "evidence": f"`{key}={written[:80]}` on the {name}( line ({os.path.basename(call_path)}:{call.lineno}); "
+                        f"{imported}{how} sets {value:g}"
+                        f"{f' in {os.path.basename(path)}' if imported else ''}, as the run's {want['class']} has, "
+                        "and nothing else sets it"}
 
 
 def find(files: list[str], optimizer: Any, scheduler: Any, autocast: dict | None,
@@ -219,8 +229,8 @@ def find(files: list[str], optimizer: Any, scheduler: Any, autocast: dict | None
             found["lr_write"] += [(1, r) for r in lrwrites.find(tree, lines, path, want["lr_write"])]
         for call, stmt, scope in _calls(tree):
             if "optimizer" in want:
-                rec = _rate_site(want["optimizer"], call, tree, scope, lines, path)
-                if rec and all((r["file"], r["line"]) != (path, rec["line"]) for _, r in found["rate"]):
+                rec = _rate_site(want["optimizer"], call, tree, scope, lines, path, sources.parse)
+                if rec and all((r["file"], r["line"]) != (rec["file"], rec["line"]) for _, r in found["rate"]):
                     found["rate"].append((1, rec))
             for what, w in want.items():
                 j = _judge(what, w, call) if what != "lr_write" else None

@@ -303,6 +303,9 @@ def _judge(fix: Fix, o: verify.Outcome, subject, same: plausible.SameStep, ref: 
             (f"; {why[len('plausible against the same step: '):]}" if ok else "")
     if ok is None:
         ok, why = plausible.judge(o.loss, o.grad_norm, o.grad_norms, history)
+        if ok is None and fix.kind == FixKind.POSITIVE_PARAMETRISATION:  # another model (softplus for relu): its
+            return False, (f"finite, but not judged: {why}; a changed model needs a reference (the run's history "
+                           "or this step's finite parts) to be called plausible")  # finite replay alone is no evidence
         wider = fix.variant or fix.kind == FixKind.FLOAT32_SOFTMAX  # float32 where float16 overflowed, the rest kept
         if ok is False and wider and o.loss is not None:  # a wider dtype computes what the step meant: the
             if "float64" not in probes:                          # same step in float64 says so, not the history

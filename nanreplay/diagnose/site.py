@@ -153,7 +153,8 @@ class Site:
         inside = f", inside {lib}" if lib else ""
         if mod and mod != "<loss>":
             return f"{at} (module {mod!r}{inside})"
-        return f"{at} ({ran_in(mod, s)}{inside})"
+        step_fn = getattr(self.subject, "input_label", None) == "batch"  # the recorded call is a step_fn, not forward
+        return f"{at} ({ran_in(mod, s, step_fn=step_fn)}{inside})"
 
     @property
     def library(self) -> str | None:
@@ -270,12 +271,16 @@ def library_of(path: str) -> str | None:
     return None
 
 
-def ran_in(module: str | None, src: dict | None) -> str:
-    """Where an op outside every submodule ran, in words: the model's own forward, the loss function, or the
-    user's loss/step code (a `training_step`, `compute_loss`, a step function), told by the function it ran in."""
+def ran_in(module: str | None, src: dict | None, *, step_fn: bool = False) -> str:
+    """Where an op outside every submodule ran, in words: the model's own forward, a helper function it called, the
+    loss function, or the user's loss/step code (a `training_step`, `compute_loss`, a step function), told by the
+    function it ran in. Outside the loss, with no step_fn recorded, the call recorded is the model's forward, so
+    a function other than `forward` that ran there (module "") was called by it: it is the model's code."""
     fn = (src or {}).get("function") or ""
     if module == "<loss>" and (not fn or fn == "<module>"):
         return "the loss function"
     if module != "<loss>" and (not fn or fn == "forward"):
         return "the model's own forward"
+    if module == "" and not step_fn and fn != "<module>":
+        return f"in {fn}(), a function the model's own forward called"
     return f"in {fn}(), the loss/step code outside the model's modules"

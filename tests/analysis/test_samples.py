@@ -13,9 +13,10 @@ from samples import EXPECTED, SAMPLES, STATE_DICT_SAMPLE, names
 # sqrt_negative and zero_log_zero break on batches far outside the history (loss 277 against 0.8–1.5, 21 against
 # 0.04): their fixes are verified against the same step, and the history only says the batch is unusual.
 NOT_REPLAYED = {"fp16_overflow"}
-# log_zero: a Poisson rate of exactly 0 for a positive count is a real infinity of the loss; every eps makes it
-# finite but sets the loss itself (it moves when eps changes by two decades): replayed, not verified
-EPS_SETS_THE_LOSS = {"log_zero"}
+# log_zero: a Poisson rate of exactly 0 (a ReLU's) for a positive count is a real infinity of the loss; every eps
+# makes it finite but sets the loss itself. The fix is a positive rate where the ReLU makes it (softplus): another
+# model, so it is judged by its loss and gradients, and by applying it (below)
+REPARAMETRISED = {"log_zero": "lam = F.softplus(self.rate(self.body(x))).squeeze(-1)"}
 
 
 def test_every_sample_is_covered():
@@ -36,10 +37,47 @@ def test_sample(name):
     fix = d["diagnosis"]["fix"]
     if name in NOT_REPLAYED:
         assert fix["verified"] is None and fix["replay"] is None and fix["kind"] == "lower_lr_clip_grads"
-    elif name in EPS_SETS_THE_LOSS:
-        assert fix["verified"] is False and "moves when ε changes" in fix["verification"]
+    elif name in REPARAMETRISED:
+        assert fix["kind"] == "positive_parametrisation" and fix["verified"] is True, fix["verification"]
+        assert [e["after"] for e in fix["edits"]] == [REPARAMETRISED[name]]
     else:
         assert fix["verified"] is True and fix["replay"]["plausible"] is True, fix["verification"]
+
+
+def test_the_log_zero_fix_applied_to_its_loop_trains_on():
+    """The shipped log_zero sample's fix, applied to a copy of sample_snapshots/models.py, in the loop
+    make_samples.py ran (seed 0, SGD at 0.5, outlier batches from step 3): every step finite, where the original
+    breaks on them."""
+    import math
+    import types
+
+    import torch
+
+    from nanreplay.analysis import analyze
+
+    (edit,) = analyze(SAMPLES / "log_zero.pt").to_json()["diagnosis"]["fix"]["edits"]
+    code = (SAMPLES / "models.py").read_text()
+    assert code.count(edit["before"]) == 1
+    losses = {}
+    for which, text in (("original", code), ("fixed", code.replace(edit["before"], edit["after"]))):
+        mod = types.ModuleType(f"models_{which}")
+        exec(compile(text, f"models_{which}.py", "exec"), mod.__dict__)
+        torch.manual_seed(0)
+        model = mod.poisson()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses[which] = []
+        for step in range(6):  # make_samples.py's log_zero batches
+            x = torch.randn(16, 8) * (0.1 if step < 3 else 30.0)
+            counts = torch.poisson(torch.full((16,), 3.0))
+            opt.zero_grad()
+            loss = model(x, counts)
+            losses[which].append(loss.item())
+            if not math.isfinite(loss.item()):
+                continue
+            loss.backward()
+            opt.step()
+    assert not all(math.isfinite(v) for v in losses["original"][3:]), losses
+    assert all(math.isfinite(v) for v in losses["fixed"]), losses
 
 
 def test_seed_format_sample_matches_the_native_one():

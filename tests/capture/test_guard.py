@@ -156,9 +156,9 @@ def test_loss_trigger_analyzed_without_training_code(trained):
     # counts * log(lam) with count 0 and rate 0 is also 0 * log(0): either reading is right; the fix must verify
     assert d["diagnosis"]["cause"] in ("log_of_zero", "zero_times_log_zero")
     # where a count is positive at lam = 0 the true loss is infinite: an eps inside log sets the loss (it moves when
-    # eps moves), so it is honestly not verified (issue 28); the fix is offered, replayed, and says why
+    # eps moves), so it is honestly not verified (issue 28). The rate is a ReLU's: the fix is softplus where it is made
     fix = d["diagnosis"]["fix"]
-    assert fix["code"] and "torch.log(lam" in fix["code"]
+    assert fix["code"] and "lam = F.softplus(self.rate(" in fix["code"]
     assert fix["verified"] is True or (fix["replay"]["plausible"] is False and fix["replay"]["why"]), fix["replay"]
 
 

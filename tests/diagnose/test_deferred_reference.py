@@ -38,7 +38,7 @@ def _diagnosis(path, monkeypatch, deferred: bool) -> tuple[dict, list[int], int]
 @pytest.mark.parametrize("case,forwards", [("dist", 0), ("over_zero", 1)])
 def test_the_deferred_reference_gives_the_full_diagnosis(tmp_path, monkeypatch, case, forwards):
     """dist: ε verifies, its probe at ε × 100 moves values beyond rounding (the reference is asked) and agrees on
-    the loss: no float64 forward at all. over_zero: x / relu(...) — every ε sets the loss, the losses disagree, so
+    the loss: no float64 forward at all. over_zero: x / clamp(..., 0, 1) — every ε sets the loss, the losses disagree, so
     the deferred check must not stand: the probe is replayed against the float64 step (made once)."""
     path = snapshot(tmp_path, {**CASES, **VERIFY_CASES}[case])
     lean, asked, made = _diagnosis(path, monkeypatch, deferred=True)

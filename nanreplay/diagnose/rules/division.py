@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from nanreplay import stats  # stats.num: `num` is a local name (the numerator) in several rules here
-from nanreplay.diagnose.edits import codefix, datafix
+from nanreplay.diagnose.edits import codefix, datafix, posfix
 from nanreplay.diagnose.fixes import (
     choose_eps,
     clamp_eps,
@@ -527,9 +527,10 @@ def _div_zero(s: Site) -> Diagnosis | None:
         code, change, generic = clamp_eps, (lambda t, e: t.clamp_min(e)), \
             (lambda e: f"clamp the denominator to at least {fmt(e)}")
         floor, floor_why = (n / s.finfo.max if n else None), "the quotient x / eps"
-    fixes = edge_fix(s, FixKind.EPSILON, d.get("absmax") or n, "the quotient and its gradient",
-                     code, change, generic, which=which, arg=idx, floor=floor, floor_why=floor_why,
-                     data_eps=d.get("absmin_nonzero"), root=s.op_packet == "aten.div")
+    fixes = [] if d.get("negatives") else posfix.positive_fixes(s, idx, "the divisor")  # a ReLU made it
+    fixes += edge_fix(s, FixKind.EPSILON, d.get("absmax") or n, "the quotient and its gradient",
+                      code, change, generic, which=which, arg=idx, floor=floor, floor_why=floor_why,
+                      data_eps=d.get("absmin_nonzero"), root=s.op_packet == "aten.div")
     return Diagnosis("division_by_zero", "0/0" if zero_zero else "division by zero",
                      f"the denominator held {count_in(d['zeros'], 'exact zero', d)} (range {stats.num(d.get('min'))} "
                      f".. {stats.num(d.get('max'))}) at {s.where}: {'0/0 = NaN' if zero_zero else 'x/0 = Inf'}. Keep "

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanreplay.diagnose.edits import codefix
+from nanreplay.diagnose.edits import codefix, posfix
 from nanreplay.diagnose.fixes import edge_fix, fmt
 from nanreplay.diagnose.model import Diagnosis, rule
 from nanreplay.diagnose.prose import count
@@ -134,9 +134,10 @@ def _domain_edge(s: Site) -> Diagnosis | None:
                     f"; ±{b:g}: a tighter bound, in case what consumes {name}'s output overflows at the wider one"
                     if b != top else "") + ("; the input is shared: clamped where it is made" if f in at_root else ""))
     else:
-        fixes = edge_fix(s, row.kind, x.get("absmax"), f"{name} and its gradient", row.code, row.change,
-                         lambda e: f"move {name}'s input off the edge by {fmt(e)}", which=row.which, arg=row.arg,
-                         data_eps=x.get("absmin_nonzero") if row.kind == FixKind.EPSILON else None)
+        fixes = posfix.positive_fixes(s, row.arg, f"{name}'s input") if s.packet == "aten.rsqrt" else []
+        fixes += edge_fix(s, row.kind, x.get("absmax"), f"{name} and its gradient", row.code, row.change,
+                          lambda e: f"move {name}'s input off the edge by {fmt(e)}", which=row.which, arg=row.arg,
+                          data_eps=x.get("absmin_nonzero") if row.kind == FixKind.EPSILON else None)
     bits = [count(x[k], k[:-1] if k.endswith("s") else k) for k in ("zeros", "negatives") if x.get(k)]
     seen = f"range {x.get('min')} .. {x.get('max')}" + (f", {', '.join(bits)}" if bits else "")
     phase = "in forward" if s.forward else f"in backward ({s.event.node})"

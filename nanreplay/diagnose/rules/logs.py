@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from nanreplay.diagnose.edits import bcefix, codefix, lsmfix, selfix
+from nanreplay.diagnose.edits import bcefix, codefix, lsmfix, posfix, selfix
 from nanreplay.diagnose.fixes import (
     choose_eps,
     clamp_eps,
@@ -299,7 +299,8 @@ def _log_zero(s: Site) -> Diagnosis | None:
         return None
     if s.forward and x.get("negatives", 0):
         return None  # negatives: the log_of_negative rule
-    fixes = edge_fix(s, FixKind.EPSILON, x.get("absmax"), "log(x + eps) and its gradient 1/(x + eps)",
+    fixes = posfix.positive_fixes(s, 0, "log's input")  # a ReLU made it: the parametrisation is the edge
+    fixes += edge_fix(s, FixKind.EPSILON, x.get("absmax"), "log(x + eps) and its gradient 1/(x + eps)",
                      *nonneg_eps(s, "log's input"),
                      floor=1 / s.finfo.max, floor_why="the gradient 1/(x + eps)", data_eps=x.get("absmin_nonzero"))
     what = "-inf in forward" if s.forward else "0/0 = NaN in its backward (grad / x with x = 0)"

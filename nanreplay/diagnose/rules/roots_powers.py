@@ -9,7 +9,7 @@ import math
 import torch
 
 from nanreplay import replay
-from nanreplay.diagnose.edits import codefix
+from nanreplay.diagnose.edits import codefix, posfix
 from nanreplay.diagnose.fixes import HALF, clamp_eps, edge_fix, fmt, nonneg_eps, operand_fn, plus_eps, replace_arg
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.prose import count, count_in
@@ -171,10 +171,11 @@ def _sqrt_zero(s: Site) -> Diagnosis | None:
     denom = s.inp(1)  # SqrtBackward0: grad / (2 * sqrt(x))
     amax = finite_float(denom.get("absmax"))
     scale = (amax / 2) ** 2 if amax is not None else None
-    fixes = edge_fix(s, FixKind.EPSILON, scale, "the gradient 1/(2*sqrt(x + eps))",
-                     *nonneg_eps(s, "sqrt's input"), root_clamp=s.dtype in HALF,
-                     floor=(1 / (2 * s.finfo.max)) ** 2, floor_why="the gradient 1/(2*sqrt(eps))",
-                     data_eps=(d / 2) ** 2 if (d := finite_float(denom.get("absmin_nonzero"))) else None)
+    fixes = posfix.positive_fixes(s, 0, "sqrt's input")  # a ReLU made it: its zeros are the parametrisation's
+    fixes += edge_fix(s, FixKind.EPSILON, scale, "the gradient 1/(2*sqrt(x + eps))",
+                      *nonneg_eps(s, "sqrt's input"), root_clamp=s.dtype in HALF,
+                      floor=(1 / (2 * s.finfo.max)) ** 2, floor_why="the gradient 1/(2*sqrt(eps))",
+                      data_eps=(d / 2) ** 2 if (d := finite_float(denom.get("absmin_nonzero"))) else None)
     return Diagnosis("sqrt_at_zero", "sqrt at zero: infinite gradient",
                      f"sqrt's input held exact zeros at {s.where}. sqrt(0) = 0 is fine in forward, but its "
                      "derivative 1/(2*sqrt(x)) is Inf there — the `sqrt(0).backward()` case of \"Debugging Gradients "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from nanreplay.diagnose.edits import codefix
+from nanreplay.diagnose.edits import codefix, posfix
 from nanreplay.diagnose.model import Diagnosis, Fix, rule
 from nanreplay.diagnose.site import Site
 from nanreplay.enums import FixKind
@@ -67,6 +67,16 @@ def _support_edge(s: Site) -> Diagnosis | None:
     edge = -1.0 if log1p else 0.0
     if y.get("min") is None or y.get("max") is None or y["min"] > edge or y.get("negatives", 0) and not log1p:
         return None  # a negative y is outside the support (log of a negative): another cause
+    pos = [] if log1p else posfix.positive_fixes(s, 1, "the distribution's rate/scale (the y of xlogy(c, y))")
+    if pos:  # y is a parameter a ReLU made (Poisson's `value.xlogy(rate)`, Gamma's `xlogy(concentration, rate)`),
+        # not the value scored: clamping the value (the edit below) would leave the rate at 0
+        at = pos[0].edits[0]["file"] + ":" + str(pos[0].edits[0]["line"]) if pos[0].edits else "the model"
+        return Diagnosis(
+            "log_prob_at_support_edge", "a log-density with a rate/scale of exactly 0 (a ReLU's)",
+            f"{s.packet.split('.')[1]}(c, y) at {s.where} took y = 0, and y is the distribution's rate or scale, "
+            f"made non-negative by a ReLU at {at}: a Poisson with rate 0 gives its positive counts probability 0 "
+            "(log-density -inf), and the ReLU passes no gradient back to bring it up again. Make the parameter "
+            "positive where it is made.", pos)
     unit = (not log1p) and y["max"] <= 1.0  # a log_prob on (0, 1) or the simplex (Beta, Dirichlet): both edges
     got = None if log1p else _log_prob_rewrite(s, unit)  # xlog1py's edge is -1: an op-level patch and guidance
     rw, spelled = got if got else (None, "")

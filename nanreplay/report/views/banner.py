@@ -189,8 +189,10 @@ def _without_location(text: str, d: dict) -> str:
     mod = c.get("module")
     for suffix in (f" (module {mod!r})", " (the model's own forward)", " (module '<root>')", ""):
         text = text.replace(f" at {at}{suffix}", "").replace(f" ({at}{suffix})", "")
-    # where the op ran, when that is not a module: "(in training_step(), the loss/step code …)", "(…, inside torch)"
-    return re.sub(r" \((in \w+\(\), the loss/step code[^()]*|the loss function[^()]*)\)", "", text)
+    # where the op ran, when that is not a module: "(in training_step(), the loss/step code …)", "(in helper(), a
+    # function the model's own forward called)", "(…, inside torch)"
+    return re.sub(r" \((in \w+\(\), (the loss/step code|a function the model's own forward called)[^()]*|"
+                  r"the loss function[^()]*)\)", "", text)
 
 
 def why_and_details(d: dict, explanation: str) -> tuple[str, str]:
