@@ -350,10 +350,17 @@ def _optimizer_record(optimizer: Any, model: nn.Module, post_step_state: bool) -
     names: dict[int, str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), n)
+    try:
+        state = plain.data(optimizer.state_dict()) if post_step_state else None
+    except Exception:  # noqa: BLE001 - a state the optimizer will not give costs that field, never the snapshot
+        # ZeroRedundancyOptimizer gives its state only after a collective (consolidate_state_dict) that every rank
+        # must join: never called here. The optimizer it runs on this rank's shard (`.optim`) gives its own.
+        local = getattr(optimizer, "optim", None)
+        if isinstance(local, torch.optim.Optimizer) and local is not optimizer:
+            return _optimizer_record(local, model, post_step_state)
+        state = None
     order = [names.get(id(p), "") for g in optimizer.param_groups for p in g["params"]]
-    return {"class": type(optimizer).__name__,
-            "state_dict": plain.data(optimizer.state_dict()) if post_step_state else None,
-            "param_names": order}
+    return {"class": type(optimizer).__name__, "state_dict": state, "param_names": order}
 
 
 def _json(program: dict) -> str:
