@@ -48,3 +48,58 @@ def test_one_guard_over_two_optimizers_checks_the_one_about_to_step(tmp_path):
     assert not (tmp_path / "named").exists() or not list((tmp_path / "named").iterdir())
     _gan_loop(tmp_path / "unnamed", name_it=False)
     assert [p.name.split("_")[2:4] for p in (tmp_path / "unnamed").glob("*.pt")] == [["no", "gradient"]]
+
+
+class SparseGCN(nn.Module):
+    """Two GCN layers over a normalised sparse COO adjacency given in the batch (`torch.sparse.mm`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(6, 16), nn.Linear(16, 3)
+
+    def forward(self, x, adj):
+        x = x / x.norm(dim=-1, keepdim=True)  # a node with no features: 0/0
+        return torch.sparse.mm(adj, self.l2(torch.relu(torch.sparse.mm(adj, self.l1(x)))))
+
+
+def sparse_gcn():
+    torch.manual_seed(0)
+    return SparseGCN()
+
+
+def _adjacency(g, n=8):
+    ei = torch.randint(0, n, (2, 20), generator=g)
+    ei = torch.cat([ei, ei.flip(0), torch.arange(n).repeat(2, 1)], 1)
+    deg = torch.zeros(n).index_add_(0, ei[0], torch.ones(ei.shape[1]))
+    return torch.sparse_coo_tensor(ei, deg[ei[0]].rsqrt() * deg[ei[1]].rsqrt(), (n, n)).coalesce()
+
+
+def test_a_sparse_adjacency_in_the_batch_is_written_as_the_analysis_can_load_it(tmp_path):
+    """The guard wrote the batch's sparse COO tensor as it was, and the analysis refused its own guard's file as
+    "a crafted or foreign file" (a snapshot holds dense tensors only). It is now recorded dense, with a note; the
+    step (`torch.sparse.mm`: not a program op) analyzes with --model, and names the division."""
+    from nanreplay.analysis import analyze
+
+    model = sparse_gcn()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    guard = NanGuard(model, opt, loss_fn=F.cross_entropy, folder=tmp_path)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x, adj, y = torch.randn(8, 6, generator=g), _adjacency(g), torch.randint(0, 3, (8,), generator=g)
+        if step == 2:
+            x[3] = 0
+        guard.begin((x, adj), y, step=step)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x, adj), y)
+        if not guard.loss_ok(loss):
+            break
+        loss.backward()
+        assert guard.grads_ok()
+        opt.step()
+    assert step == 2 and guard.last_snapshot
+    snap = torch.load(guard.last_snapshot, weights_only=True)
+    stored = snap["batch"]["inputs"][1]
+    assert stored.layout is torch.strided and torch.equal(stored, adj.to_dense())
+    assert any(n.startswith("sparse_coo tensors of the batch") for n in snap["notes"]), snap["notes"]
+    d = analyze(guard.last_snapshot, model=f"{__name__}:sparse_gcn", trust=True, verify=False).to_json()
+    assert d["verdict"] == "culprit_found" and d["culprit"]["forward_op"] == "aten.div.Tensor", d["verdict"]
