@@ -4,6 +4,7 @@ tests/distributed/test_ddp_zero.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -103,3 +104,48 @@ def test_a_sparse_adjacency_in_the_batch_is_written_as_the_analysis_can_load_it(
     assert any(n.startswith("sparse_coo tensors of the batch") for n in snap["notes"]), snap["notes"]
     d = analyze(guard.last_snapshot, model=f"{__name__}:sparse_gcn", trust=True, verify=False).to_json()
     assert d["verdict"] == "culprit_found" and d["culprit"]["forward_op"] == "aten.div.Tensor", d["verdict"]
+
+
+def gcn_step(model, batch):
+    """The adjacency normalised inside the step, as a sparse COO tensor: the step has no program."""
+    x, ei, y = batch
+    n = x.shape[0]
+    deg = torch.zeros(n).index_add_(0, ei[0], torch.ones(ei.shape[1]))
+    adj = torch.sparse_coo_tensor(ei, deg[ei[0]].rsqrt() * deg[ei[1]].rsqrt(), (n, n))
+    return F.cross_entropy(model(x, adj), y)
+
+
+def test_a_step_fn_snapshot_without_a_program_analyzes_with_model_and_its_step(tmp_path):
+    """A step the recorder cannot write as a program (sparse ops here; a Python backward, QAT's fused observer) needs
+    the model's code. For a loop that gave `step_fn` there was no way to give it: the snapshot's loss "cannot be
+    rebuilt; pass --loss", and --loss took only a loss of (output, target). --loss MODULE:CALLABLE now names the
+    step function of a step_fn snapshot, and --trust imports the one the snapshot names."""
+    from nanreplay.analysis import analyze
+    from nanreplay.errors import ModelError
+
+    model = sparse_gcn()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    guard = NanGuard(model, opt, step_fn=gcn_step, folder=tmp_path)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        ei = torch.randint(0, 8, (2, 20), generator=g)
+        batch = (torch.randn(8, 6, generator=g), torch.cat([ei, ei.flip(0), torch.arange(8).repeat(2, 1)], 1),
+                 torch.randint(0, 3, (8,), generator=g))
+        if step == 2:
+            batch[0][3] = 0
+        guard.begin(batch, step=step)
+        opt.zero_grad()
+        loss = gcn_step(model, batch)
+        if not guard.loss_ok(loss):
+            break
+        loss.backward()
+        opt.step()
+    snap = torch.load(guard.last_snapshot, weights_only=True)
+    assert snap["step_program"] is None and "sparse" in snap["program_error"]
+    for how in ({"loss": f"{__name__}:gcn_step"}, {"trust": True}):
+        d = analyze(guard.last_snapshot, model=f"{__name__}:sparse_gcn", verify=False, **how).to_json()
+        assert d["verdict"] == "culprit_found" and d["culprit"]["forward_op"] == "aten.div.Tensor", (how, d["verdict"])
+    snap["loss_spec"]["spec"] = "__main__:gcn_step"  # a step function in the script that was run
+    torch.save(snap, tmp_path / "script.pt")
+    with pytest.raises(ModelError, match=r"__main__:gcn_step is the script that was run.*--loss MODULE:CALLABLE"):
+        analyze(str(tmp_path / "script.pt"), model=f"{__name__}:sparse_gcn", trust=True, verify=False)
