@@ -69,7 +69,8 @@ def main() -> None:
                    "(e.g. mypkg.models:build). Needed for plain state-dict snapshots.")
 @click.option("--loss", metavar="SPEC",
               help="Loss: a torch.nn.functional name (cross_entropy, mse_loss, ...) or MODULE:CALLABLE taking "
-                   "(output, target). Without it a scalar model output is the loss.")
+                   "(output, target); for a snapshot the guard recorded with step_fn, MODULE:CALLABLE names that "
+                   "step_fn(model, batch). Without it a scalar model output is the loss.")
 @click.option("-o", "--output", "report", metavar="REPORT.html",
               help="Where to write the HTML report ('-' for stdout) [default: ./<snapshot-stem>.nanreplay.html]. "
                    "Only a regular file is ever replaced.")

@@ -105,8 +105,9 @@ class NanGuardCallback(Callback):
         if self.guard is None:
             return
         if not self._failed:
+            several = len(trainer.optimizers) > 1  # manual optimization: each steps after its own manual_backward
             with torch.enable_grad():  # this hook runs inside optimizer.step(), under no_grad
-                ok = self.guard.grads_ok()
+                ok = self.guard.grads_ok(optimizer=optimizer if several else None)
             if not ok:
                 self._failure()
         if self._failed:

@@ -260,20 +260,21 @@ class NanGuard:
             return True
         return self._fail(Trigger.LOSS, loss_value=value)
 
-    def grads_ok(self, grad_norm: float | torch.Tensor | None = None, *, clip: float | None = None) -> bool:
+    def grads_ok(self, grad_norm: float | torch.Tensor | None = None, *, clip: float | None = None,
+                 optimizer: Any = None) -> bool:
         """After backward(), before optimizer.step(): False (and a snapshot) if a gradient is NaN or Inf.
 
         Pass the total norm you already have (what clip_grad_norm_ returned: the norm *before* clipping, which
         the history needs to see a climb) to skip computing it, and `clip`, the max_norm you clip to (the
         advice then knows clipping is already in force). Under gradient accumulation it may be called after
-        every micro-batch or only after the last.
-        """
+        every micro-batch or only after the last. Where one guard watches several optimizers, each stepping after
+        its own backward (a GAN's two), pass the one about to step: only its parameters must have a gradient now."""
         if self._check_pending and self._calls is not None:  # loss_ok() is not called: nothing to check against
             self._calls.want_output, self._calls.output = False, None
         norm = float(grad_norm) if grad_norm is not None else None
         if self._flow is not None:
             try:
-                measured = self._flow.measure(self.model, upd.unwrap_optimizer(self.optimizer), self.step_index,
+                measured = self._flow.measure(self.model, upd.unwrap_optimizer(optimizer or self.optimizer), self.step_index,
                                               want_norm=norm is None)
                 norm = measured if norm is None else norm
             except Exception as e:  # noqa: BLE001 - the flow check is an extra: never a reason to fail training
@@ -543,8 +544,7 @@ class NanGuard:
             self._warned.add("call")
             log.info("nanreplay: the model was called with other arguments than the inputs given to begin(); "
                      "snapshots record the call the loop made")
-        return snapshot.StepState({"inputs": got, "target": st.batch.get("target")}, st.rng, st.buffers,
-                                  st.micro_batch)
+        return snapshot.StepState({"inputs": got, "target": st.batch.get("target")}, st.rng, st.buffers, st.micro_batch)
 
     def _recorded_loss_fn(self) -> Callable | None:
         """The loss a snapshot names: None (the model's own) where the recording picks it from the output."""

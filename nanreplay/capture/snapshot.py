@@ -131,7 +131,7 @@ def cpu_copy(obj: Any) -> Any:
                     flat, lo = span
                     t = flat.as_strided(x.size(), x.stride(), x.storage_offset() - lo)
                 else:
-                    t = x.detach().to("cpu", copy=True)
+                    t = dense(x.detach()).to("cpu", copy=True)
                 memo[id(x)] = t
             return t
         if isinstance(x, dict):  # keys a snapshot can hold (plain.batch_key): the program names tensors by them
@@ -144,6 +144,20 @@ def cpu_copy(obj: Any) -> Any:
         # repr (the program records what the step did with it)
         return plain.data(x, keep_tuples=True)
     return copy(obj)
+
+
+DENSE_LIMIT = 1 << 24  # elements: a sparse tensor recorded dense takes at most 64 MB in float32
+
+
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """`t` as the snapshot format carries it: a sparse tensor (a GCN's COO adjacency in the batch or a buffer) in its
+    dense form, which the analysis can load; the format holds dense tensors only, and refuses any other layout."""
+    if t.layout is torch.strided:
+        return t
+    if t.numel() > DENSE_LIMIT:
+        raise RuntimeError(f"a {str(t.layout).removeprefix('torch.')} tensor of shape {tuple(t.shape)} is too large to "
+                           f"record dense (more than {DENSE_LIMIT} elements), and a snapshot holds dense tensors only")
+    return t.to_dense()
 
 
 def _tensors(obj: Any):
@@ -274,7 +288,12 @@ def build(*, model: nn.Module, wrapped: nn.Module, state: StepState, trigger: st
     state_dict = {name: p.detach().to("cpu", copy=True) for name, p in params.items() if name not in aliases}
     for name, b in model.named_buffers():  # non-persistent buffers too: the program may read them
         b = state.buffers.get(name, b)  # as the step began
-        state_dict[name] = b.detach().to("cpu", copy=True)
+        state_dict[name] = dense(b.detach()).to("cpu", copy=True)
+    layouts = sorted({str(t.layout).removeprefix("torch.") for t in [*_tensors(state.batch), *model.buffers()]
+                      if t.layout is not torch.strided})
+    if layouts:
+        notes = [*notes, f"{', '.join(layouts)} tensors of the batch or buffers recorded dense (a snapshot holds dense "
+                 "tensors only): a replay gives the step their dense form"]
     sources = usersource.Sources()  # the user's files, each read and parsed once for this snapshot
     spec = loss_spec(loss_fn) if step_fn is None else {"kind": "step_fn", "spec": _qualname(step_fn)}
     d = {
@@ -350,10 +369,17 @@ def _optimizer_record(optimizer: Any, model: nn.Module, post_step_state: bool) -
     names: dict[int, str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), n)
+    try:
+        state = plain.data(optimizer.state_dict()) if post_step_state else None
+    except Exception:  # noqa: BLE001 - a state the optimizer will not give costs that field, never the snapshot
+        # ZeroRedundancyOptimizer gives its state only after a collective (consolidate_state_dict) that every rank
+        # must join: never called here. The optimizer it runs on this rank's shard (`.optim`) gives its own.
+        local = getattr(optimizer, "optim", None)
+        if isinstance(local, torch.optim.Optimizer) and local is not optimizer:
+            return _optimizer_record(local, model, post_step_state)
+        state = None
     order = [names.get(id(p), "") for g in optimizer.param_groups for p in g["params"]]
-    return {"class": type(optimizer).__name__,
-            "state_dict": plain.data(optimizer.state_dict()) if post_step_state else None,
-            "param_names": order}
+    return {"class": type(optimizer).__name__, "state_dict": state, "param_names": order}
 
 
 def _json(program: dict) -> str:

@@ -55,6 +55,9 @@ def diagnose_finite(result, subject, step: replay.Step | None, info: dict, *, ve
         return flow_divergence.reframe(flow_prose.diagnose_flow(result, subject, info, verify=verify_fixes), info)
     if trigger == "gradient_vanished":
         return flow_divergence.reframe(vanish_prose.diagnose_vanished(result, step, info), info)
+    others = _failed_elsewhere(info)
+    if others and trigger in ("loss", *GRADIENT_TRIGGERS):  # written only because the ranks agree at each check
+        return _other_rank(result, info, others)
     machine = ((getattr(result, "differential", None) or {}).get("machine") or {})
     if machine.get("verdict") == "transient" and trigger in ("loss", *GRADIENT_TRIGGERS):
         return _transient(result, info, env, machine)  # the guard's own re-run decides it, on the training device
@@ -103,6 +106,27 @@ def _from_allreduce(result, info: dict, coll: dict) -> dict:
     return _result("nonfinite_from_allreduce", "non-finite gradient from another rank (all-reduce)", expl,
                    _none(f"analyze the snapshot of the rank whose own gradient is non-finite ({see})"),
                    collective={"nonfinite_ranks": ranks, "rank": rank, "world_size": info.get("world_size")})
+
+
+def _failed_elsewhere(info: dict) -> list[int]:
+    """The ranks that failed, where the guard's rank agreement (`sync_ranks=True`) names them and this rank is not
+    among them: its own step was finite, and it wrote the snapshot so that every rank stops at the same step."""
+    ranks, rank = info.get("nonfinite_ranks"), info.get("rank")
+    if not isinstance(ranks, list) or not isinstance(rank, int) or rank in ranks:
+        return []
+    return [r for r in ranks if isinstance(r, int)]
+
+
+def _other_rank(result, info: dict, ranks: list[int]) -> dict:
+    names = ", ".join(map(str, ranks))
+    see = f"rank {names}" if len(ranks) == 1 else f"ranks {names}"
+    expl = (f"This rank ({info.get('rank')}) did not fail: its own step was finite in training, and its replay is "
+            f"finite too ({_replayed(result)}). It wrote this snapshot because the ranks agree at each check "
+            f"(sync_ranks=True) and {see} went non-finite at this step; every rank stops at the same step so that "
+            f"none waits forever in the next collective. Analyze the snapshot {see} wrote of the same step.")
+    return _result("failed_on_another_rank", f"finite on this rank: {see} failed", expl,
+                   _none(f"analyze the snapshot of {see} (same step)"),
+                   collective={"nonfinite_ranks": ranks, "rank": info.get("rank"), "world_size": info.get("world_size")})
 
 
 def _upper_first(text: str) -> str:

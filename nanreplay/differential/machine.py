@@ -56,6 +56,9 @@ def analyze(raw: dict, *, replay: dict | None = None, culprit_found: bool = Fals
     if replay is not None:
         ran.append({"what": "analysis replay", "where": replay.get("where"), "loss": replay.get("loss"),
                     "loss_finite": replay.get("loss_finite"), "grads_finite": replay.get("grads_finite")})
+    finite = _finite_here(trigger, training, raw)
+    if finite:  # nothing failed on this rank: there is no failure to re-check
+        return _out("skipped", f"Not checked: {finite}.", ran, finite, ident, [], t0)
     declared = declared_nondeterminism(rec, raw)
     failed_again, how = _failed_again(trigger, training, rerun, raw)
     bitwise = _bitwise(rec, training, rerun)
@@ -115,6 +118,21 @@ def declared_nondeterminism(rec: dict, raw: dict) -> dict:
     if device and not device.startswith("cpu") and det.get("algorithms") is False:
         order.append(f"deterministic algorithms were off on {device}")
     return {"draws": draws, "order": order, "all": draws + order}
+
+
+def _finite_here(trigger: Any, training: dict, raw: dict) -> str | None:
+    """Why the question does not arise, where the training step itself was finite on this rank: it wrote the
+    snapshot because another rank failed (the guard's rank agreement, `sync_ranks=True`). None otherwise."""
+    ranks, rank = raw.get("nonfinite_ranks"), raw.get("rank")
+    if not isinstance(ranks, list) or not isinstance(rank, int) or rank in ranks:
+        return None
+    if trigger == "loss" and training.get("loss_finite") is not True:
+        return None
+    if trigger in ("gradient", "grad_norm_overflow") and training.get("grads_nonfinite") not in (0, None):
+        return None
+    names = ", ".join(str(r) for r in ranks if isinstance(r, int))
+    return (f"this rank's training step was finite; it wrote the snapshot because rank{'s' if len(ranks) > 1 else ''} "
+            f"{names} failed at this step (the ranks agree at each check, sync_ranks=True)")
 
 
 def _failed_again(trigger: Any, training: dict, rerun: dict, raw: dict) -> tuple[bool, str]:

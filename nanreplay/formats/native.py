@@ -35,7 +35,7 @@ from nanreplay.formats.loss_spec import loss_from_spec, loss_label
 from nanreplay.formats.program import DTYPES, check_frame, decode
 from nanreplay.formats.rebuild import eager_subject, parse_device
 from nanreplay.formats.stepmodel import StepModule
-from nanreplay.formats.usercode import build_model, resolve_loss
+from nanreplay.formats.usercode import build_model, resolve_callable, resolve_loss
 from nanreplay.replay.subject import Subject, to_device
 
 # Bump VERSION on any incompatible change and say why here.
@@ -249,11 +249,29 @@ def rebuild_subject(snap: Snapshot, *, model: str | None, loss: str | None, devi
     else:
         m, how = _factory_model(snap, trust)
     m.train(bool(d.get("model_training", True)))
+    spec = d.get("loss_spec") or {}
+    if spec.get("kind") == "step_fn":  # the loop gave step_fn(model, batch): the step is that function on the batch
+        step_fn, name = _step_fn(snap, spec, loss, trust)
+        return eager_subject(snap, m, how, None, name, dev, step_fn=step_fn, **common)
     if loss is not None:
         loss_fn, loss_name = resolve_loss(loss), loss
     else:
         loss_fn, loss_name = loss_from_spec(d.get("loss_spec") or {"kind": "output"}, trust=trust)
     return eager_subject(snap, m, how, loss_fn, loss_name, dev, **common)
+
+
+def _step_fn(snap: Snapshot, spec: dict, loss: str | None, trust: bool):
+    """The step function of a step_fn snapshot rebuilt from code: --loss MODULE:CALLABLE names it, or --trust
+    imports the one the snapshot names (a function defined in a script run as __main__ is not importable)."""
+    named = loss or spec.get("spec")
+    if not named or ":" not in named or named.startswith("__main__:"):
+        why = f" ({named} is the script that was run, not an importable module)" if named else ""
+        raise ModelError(f"{snap.path}: the snapshot's step is a step_fn(model, batch){why}; name it with --loss "
+                         "MODULE:CALLABLE")
+    if loss is None and not trust:
+        raise TrustError(f"{snap.path}: the snapshot's step is code ({named}); it runs only with --trust, or name "
+                         "it yourself with --loss MODULE:CALLABLE")
+    return resolve_callable(named, "--loss" if loss else "snapshot step_fn"), named
 
 
 def replay_options(d: dict, dev: torch.device) -> dict:

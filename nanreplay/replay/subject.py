@@ -42,6 +42,7 @@ class Subject:
     memory_bound: int | None = None  # the replay's peak bytes, bounded before it runs (step programs)
     input_names: list[str] | None = None  # the forward's parameter names, for positional inputs
     constructions: list[dict] | None = None  # where the user's code built each nn.Sequential (capture/construct.py)
+    step_fn: Callable | None = None  # the user's step_fn(model, batch) -> loss, for a step_fn snapshot with --model
 
     def __post_init__(self) -> None:
         self.names = {id(m): n for n, m in self.model.named_modules()}
@@ -54,6 +55,8 @@ class Subject:
     def forward(self) -> Any:
         if self.program:
             return self.model(self.inputs, self.target)
+        if self.step_fn is not None:
+            return self.step_fn(self.model, self.inputs)
         return call_model(self.model, self.inputs)
 
     def step_dtype(self) -> torch.dtype:
