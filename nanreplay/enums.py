@@ -99,4 +99,5 @@ class FixKind(StrEnum):
     LOGADDEXP = "logaddexp"  # log(cosh(x)) -> logaddexp(x, -x) - log(2) (diagnose/forms.py)
     EIGENSPACE = "eigenspace"  # a loss on eigenvectors of a repeated eigenvalue: make it a function of the eigenspace
     FLOAT32_SOFTMAX = "float32_softmax"  # a float16 product in float32 up to its softmax (diagnose/edits/upcast.py)
+    NON_SATURATING = "non_saturating"  # a gradient vanishing from the first step: ReLU/GELU + Kaiming init, or norms
     NONE = "none"

@@ -139,6 +139,7 @@ FIX_LABELS = {
     "compiler": "change the compiled region", "softplus": "use softplus", "log1mexp": "use log(-expm1(x))",
     "zero_infinity": "CTC zero_infinity (or filter)", "mask_rows": "mask the rows (in the data)",
     "float32_softmax": "scores and softmax in float32",
+    "non_saturating": "non-saturating activations (or normalisation)",
 }
 
 
