@@ -16,9 +16,12 @@ GUIDE = ("a stretch of saturated (sigmoid/tanh) or dead units passes almost no g
          "activations, normalisation before them, or residual connections around the deep stretch")
 
 START_GUIDE = ("the gradient shrinks at every saturating activation on its way back (a sigmoid's derivative is at "
-               "most 0.25, a tanh's at small init multiplies by the small weights): use ReLU or GELU with a matching "
-               "init (torch.nn.init.kaiming_normal_(weight, nonlinearity='relu'), bias 0), or put a normalisation "
-               "(LayerNorm / BatchNorm) before each activation, or residual connections around the deep stretch")
+               "most 0.25; a tanh at a small init multiplies by the small weights): replace the sigmoid/tanh between "
+               "the hidden layers with GELU or ReLU and initialise those layers to match "
+               "(torch.nn.init.kaiming_normal_(layer.weight, nonlinearity='relu'), bias 0), or add residual "
+               "connections around the deep stretch. Normalisation alone in front of the sigmoids is not enough "
+               "(their 0.25 per layer remains); with plain SGD a narrow ReLU/GELU stack may need Adam or a smaller "
+               "rate so its units do not die")
 
 
 def _sq(g: dict) -> float | None:
