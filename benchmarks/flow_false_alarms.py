@@ -8,6 +8,10 @@ runs are healthy: every parameter learns, or is unused by design). Prints each a
 and `false alarms N of M architectures` (inert zeros are warnings: `warned`). Target: none. Also counts the steps
 that needed the expensive check (a trained parameter with no or a zero gradient seen: the step recorded to ask
 whether its value reaches the loss). The vanishing trigger needs history: give it `--steps 24` or more.
+Also prints, per run and over the sweep, the absolute shares (module gradient norm / total, as the vanishing
+trigger sums them): each module's highest over the first `--floor-steps` steps, the lowest module, the modules
+below 1e-6 and 1e-8, and the input end's (the first three modules with a gradient: what the floor of
+capture/vanish.py compares with 1e-7).
 """
 
 from __future__ import annotations
