@@ -32,9 +32,13 @@ BY_HAND = {  # advice, as a user would apply it: (before, after) in cases.py
     "sigmoid_output": ("return torch.sigmoid(self.out(torch.relu(self.fc(x))))",
                        "return self.out(torch.relu(self.fc(x)))"),  # logits, and the loss with logits:
     "rnn_saturated_init": ("self.rnn.weight_hh_l0.mul_(scale)", "pass"),  # "a smaller init"
+    "deep_sigmoid": ("x = torch.sigmoid(layer(x))  # BUG", "x = F.gelu(layer(x))"),  # GELU, with a Kaiming init:
 }
 LOSS_BY_HAND = {"sigmoid_output": ("return F.binary_cross_entropy(p, y)",
-                                   "return F.binary_cross_entropy_with_logits(p, y)")}
+                                   "return F.binary_cross_entropy_with_logits(p, y)"),
+                "deep_sigmoid": ("self.out = nn.Linear(8, 1)\n", "self.out = nn.Linear(8, 1)\n        for lin in self.layers:"
+                                 "\n            nn.init.kaiming_normal_(lin.weight, nonlinearity='relu')\n"
+                                 "            nn.init.zeros_(lin.bias)\n")}  # (not a loss: the second edit of a fix)
 
 
 def train(proj: Path, name: str, out: Path) -> dict:

@@ -103,4 +103,5 @@ class FixKind(StrEnum):
     POSITIVE_DEFINITE = "positive_definite"  # logdet of a matrix that is not positive definite: build it as L Lᵀ
     FLOAT32_SOFTMAX = "float32_softmax"  # a float16 product in float32 up to its softmax (diagnose/edits/upcast.py)
     POSITIVE_PARAMETRISATION = "positive_parametrisation"  # relu(z) -> softplus(z) where a positive value is made
+    NON_SATURATING = "non_saturating"  # a gradient vanishing from the first step: ReLU/GELU + Kaiming init, or norms
     NONE = "none"

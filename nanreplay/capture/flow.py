@@ -49,9 +49,11 @@ class FlowWatch:
     """The guard's memory of which trained parameters had gradients, and the checks on each step."""
 
     def __init__(self, patience: int = PATIENCE, all_zero_steps: int | None = None, ignore: tuple | list = (),
-                 inert: bool = False, vanish: float | None = vanish_mod.FACTOR, vanish_window: int = vanish_mod.WINDOW):
+                 inert: bool = False, vanish: float | None = vanish_mod.FACTOR, vanish_window: int = vanish_mod.WINDOW,
+                 vanish_floor: float | None = vanish_mod.FLOOR):
         self.patience = max(1, int(patience))
-        self.vanish = vanish_mod.VanishWatch(vanish, vanish_window) if vanish else None  # None: no vanishing trigger
+        # None: no vanishing trigger; vanish_floor None: no floor from the start
+        self.vanish = vanish_mod.VanishWatch(vanish, vanish_window, floor=vanish_floor) if vanish else None
         self.all_zero_steps = max(1, int(all_zero_steps)) if all_zero_steps else None  # None: never a snapshot
         self.fire_inert = bool(inert)  # True: inert parameters write snapshots too (they never learn)
         self.ignore = tuple(str(i) for i in ignore)  # parameter names containing one of these are never reported

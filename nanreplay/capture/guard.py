@@ -109,9 +109,9 @@ class NanGuard:
         scheduler: the LR scheduler, if any: its class and last learning rates go into update snapshots.
         check_flow: also snapshot trained parameters whose value reaches the loss but whose gradient is None or
             exactly zero ("no_gradient" / "gradient_died"), and modules whose share of the gradient norm collapses
-            ("gradient_vanished"); a zero the loss does not depend on is a warning (docs/flow.md). A dict tunes it:
+            ("gradient_vanished"); a zero the loss does not depend on is a warning (docs/flow.md). False: off. A dict tunes it:
             {"patience": 3, "ignore": ["weight_hh"] (name substrings), "inert": True (snapshot those too),
-            "all_zero_steps": N (N all-zero steps in a row write one), "vanish": 1e4 (None: off)}. False: off.
+            "all_zero_steps": N (N all-zero steps in a row write one), "vanish": 1e4, "vanish_floor": 1e-7 (None: off)}.
         identity: {"host", "device", "device_name", "run"} (each optional): this machine as your fleet names it,
             for triage's per-device count of transient failures (default: the hostname, the model's device, the
             run id of torchelastic/SLURM or of this process; capture/rerun.py `identity`).

@@ -9,6 +9,14 @@ Shares, not norms: a loss that goes to zero (a fit, a converged run, a batch wit
 module's norm together and leaves the shares alone; a saturated or dead stretch of layers shrinks the norms of the
 modules behind it and not the others'.
 
+A gradient vanishing from the first step (a deep sigmoid MLP at its default init) never had a larger share to fall
+from, so the median rule cannot see it. For that, an absolute floor at the model's input end: when each of the first
+`FRONT` modules with a gradient (registration order) carries less than `FLOOR` (1e-7) of the total norm on each of
+the first `FLOOR_STEPS` steps, they fire, with every other module that stayed below the floor too. One module alone
+is not enough: single healthy modules sit far lower at init (a key projection under near-uniform attention, 7e-13; a
+router, 1e-11); the zoo's input ends start at 3e-4 and above, a 12-layer sigmoid MLP's at 3e-8 to 1e-17
+(docs/flow.md, "Measured").
+
 Cost: no tensor op at all. A sampled step does its arithmetic on the host, in Python floats, over the norms the
 guard read back anyway (a few microseconds on a small model; a per-module sort of `window` numbers when the median
 is refreshed, every second sample); the other steps only count. This module imports only torch.
@@ -25,6 +33,9 @@ FACTOR = 1e4  # a module's share of the norm falling this many times below its m
 WINDOW = 32  # samples of history the median is taken over
 WARM = 4  # samples before anything can fire
 EVERY = 8  # steps between samples (a vanished gradient stays vanished: a sample every eighth step sees it)
+FLOOR = 1e-7  # the input end's share of the norm below this on each of the first FLOOR_STEPS steps: vanishing from
+FLOOR_STEPS = 3  # the start
+FRONT = 3  # the input end: the first modules with a gradient, in registration order
 
 
 class VanishWatch:
@@ -32,8 +43,12 @@ class VanishWatch:
     collapsed. Shares are kept squared (norm^2 / total^2); a share that is 0 or not a number (a step without a
     gradient, a non-finite total) is left out of the median."""
 
-    def __init__(self, factor: float = FACTOR, window: int = WINDOW, patience: int = 3):
+    def __init__(self, factor: float = FACTOR, window: int = WINDOW, patience: int = 3,
+                 floor: float | None = FLOOR):
         self.factor2 = float(factor) ** 2
+        self.floor2 = float(floor) ** 2 if floor else 0.0  # 0: no floor
+        self._low: dict[int, list[float]] = {}  # column -> its shares while it stayed below the floor from the start
+        self._front: list[int] = []  # the input end's columns
         self.window, self.patience = max(WARM, int(window)), max(1, int(patience))
         self.modules: list[str] = []  # column -> module name
         self._col: dict[str, int] = {}
@@ -54,6 +69,8 @@ class VanishWatch:
         `norms`: each parameter's gradient norm, `total` the step's; `names()`: parameter id -> its name (asked
         when the set of gradients changes)."""
         self._steps += 1
+        if self._steps <= FLOOR_STEPS and self.floor2:
+            self._below_floor(params, norms, total, names)
         if self._steps % EVERY:
             return None
         key = tuple(map(id, params))
@@ -112,6 +129,49 @@ class VanishWatch:
                         "total_norm": total})
         if out:
             self.pending = out
+
+    def _below_floor(self, params: list[torch.Tensor], norms: list[float], total: float,
+                     names: Callable[[], dict[int, str]]) -> None:
+        """One of the first FLOOR_STEPS steps: the modules whose share stayed below the floor on every one so far
+        (a zero norm ends a module's run; a non-finite total ends the test). On the last, when the input end (the
+        first FRONT modules with a gradient, in registration order) stayed below, those modules are `pending`."""
+        t2 = total * total
+        if not (0 < t2 < math.inf):
+            self.floor2 = 0.0  # (a step with no usable total: no verdict from the start)
+            return
+        key = tuple(map(id, params))
+        if key != self._key:
+            self._columns(params, key, names())
+        sq = [0.0] * len(self.modules)
+        for c, n in zip(self._index, norms, strict=True):
+            sq[c] += n * n
+        if self._steps == 1:
+            self._front = [c for c, s in enumerate(sq) if s > 0][:FRONT]
+            if len(self._front) < FRONT:
+                self.floor2 = 0.0  # (too few modules to have an input end)
+                return
+        low = {c: s / t2 for c, s in enumerate(sq) if 0 < s / t2 < self.floor2}
+        if self._steps == 1:
+            self._low = {c: [math.sqrt(v)] for c, v in low.items()}
+        else:
+            self._low = {c: [*was, math.sqrt(low[c])] for c, was in self._low.items() if c in low}
+        if not all(c in self._low for c in self._front):
+            self.floor2, self._low = 0.0, {}  # the input end learns: no vanishing from the start
+            return
+        if self._steps < FLOOR_STEPS:
+            return
+        out = []
+        for c, shares in self._low.items():
+            name = self.modules[c]
+            if name in self.fired:
+                continue
+            self.fired.add(name)
+            out.append({"module": name, "norm": math.sqrt(sq[c]), "share": max(shares), "median_share": None,
+                        "steps": FLOOR_STEPS, "total_norm": total, "floor": math.sqrt(self.floor2),
+                        "first_shares": shares})
+        if out:
+            self.pending = out
+        self._low = {}
 
     def _columns(self, params: list[torch.Tensor], key: tuple, names: dict[int, str]) -> None:
         cols = []

@@ -15,6 +15,14 @@ GUIDE = ("a stretch of saturated (sigmoid/tanh) or dead units passes almost no g
          "(and clip the gradient norm) so one update cannot push the units into saturation; use non-saturating "
          "activations, normalisation before them, or residual connections around the deep stretch")
 
+START_GUIDE = ("the gradient shrinks at every saturating activation on its way back (a sigmoid's derivative is at "
+               "most 0.25; a tanh at a small init multiplies by the small weights): replace the sigmoid/tanh between "
+               "the hidden layers with GELU or ReLU and initialise those layers to match "
+               "(torch.nn.init.kaiming_normal_(layer.weight, nonlinearity='relu'), bias 0), or add residual "
+               "connections around the deep stretch. Normalisation alone in front of the sigmoids is not enough "
+               "(their 0.25 per layer remains); with plain SGD a narrow ReLU/GELU stack may need Adam or a smaller "
+               "rate so its units do not die")
+
 
 def _sq(g: dict) -> float | None:
     if math.prod(g.get("shape") or [1]) == 1:  # a one-element gradient has no std: its square is its mean's
@@ -44,12 +52,18 @@ def diagnose_vanished(result, step, info: dict) -> dict:
         own = [n for n in sq if (n.rpartition(".")[0] if "." in n else "") == mod]
         norm = math.sqrt(sum(sq[n] for n in own)) if own else None
         share = norm / total if norm is not None and total else None
-        med = finite_float(v.get("median_share"))
-        rows.append({"module": mod, "parameters": own, "recorded_share": finite_float(v.get("share")),
-                     "median_share": med, "replayed_share": share,
-                     "reproduced": share is not None and med is not None and share < med / 1e4})
+        med, floor = finite_float(v.get("median_share")), finite_float(v.get("floor"))
+        row = {"module": mod, "parameters": own, "recorded_share": finite_float(v.get("share")),
+               "median_share": med, "replayed_share": share,
+               "reproduced": share is not None and (share < med / 1e4 if med is not None else
+                                                    floor is not None and share < floor)}
+        if floor is not None:  # below an absolute floor from the first step (capture/vanish.py)
+            row["floor"] = floor
+        rows.append(row)
     names = ", ".join(repr(r["module"] or "<root>") for r in rows[:6]) + \
         (f" and {len(rows) - 6} more" if len(rows) > 6 else "")
+    if rows and all("floor" in r for r in rows):
+        return _from_the_start(rows, names)
     worst = min((r for r in rows if r["recorded_share"] and r["median_share"]),
                 key=lambda r: r["recorded_share"] / r["median_share"], default=None)
     expl = (f"The gradient of module(s) {names} has collapsed: "
@@ -71,3 +85,26 @@ def diagnose_vanished(result, step, info: dict) -> dict:
             "collapsed", "explanation": expl, "fix": fix, "candidates": [],
             "gradient_flow": {"verdict": "gradient_vanished", "parameters": params, "per_parameter": [],
                               "vanished": rows, "reproduced": reproduced}}
+
+
+def _from_the_start(rows: list[dict], names: str) -> dict:
+    """Vanishing from the first step: the input end's share stayed below the floor (capture/vanish.py)."""
+    low = min(rows, key=lambda r: r["recorded_share"] or math.inf)
+    floor = rows[0]["floor"]
+    expl = (f"The gradient vanishes on its way back to the input end of the model, from the first step: module(s) "
+            f"{names} each carry less than {floor:.3g} of the gradient norm on every one of the first steps "
+            f"(the lowest, {low['module'] or '<root>'!r}, {low['recorded_share']:.3g}). No update this run made did "
+            "it: the architecture and its init pass almost no gradient back through the layers, so these modules "
+            "do not learn while the layers near the output do. The gradient is not exactly zero; it is too small "
+            "to train them.")
+    reproduced = all(r["reproduced"] for r in rows)
+    expl += (" The replay gives the same shares." if reproduced else
+             " The replay's gradients do not show it for every module.")
+    fix = Fix(FixKind.NON_SATURATING, "", guidance=START_GUIDE,
+              verification="not replayed: judged over the steps that follow (the first layers' shares rise by "
+              "orders of magnitude and the loss falls; docs/flow.md)").to_json()
+    params = [n for r in rows for n in r["parameters"]]
+    return {"cause": "gradient_vanished", "title": "gradient vanished from the first step: the input end of the "
+            "model carries almost none of the gradient norm", "explanation": expl, "fix": fix, "candidates": [],
+            "gradient_flow": {"verdict": "gradient_vanished", "parameters": params, "per_parameter": [],
+                              "vanished": rows, "reproduced": reproduced, "from_start": True}}

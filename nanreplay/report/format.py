@@ -140,6 +140,7 @@ FIX_LABELS = {
     "zero_infinity": "CTC zero_infinity (or filter)", "mask_rows": "mask the rows (in the data)",
     "float32_softmax": "scores and softmax in float32",
     "positive_parametrisation": "a positive parametrisation (softplus)",
+    "non_saturating": "non-saturating activations (or normalisation)",
 }
 
 
