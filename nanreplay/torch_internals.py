@@ -63,7 +63,8 @@ def _note(name: str, e: BaseException) -> None:
 
 
 def _dynamo_loaded() -> bool:  # (absent, or still importing: no frame callback can be set)
-    return hasattr(sys.modules.get("torch._dynamo"), "disable")
+    m = sys.modules.get("torch._dynamo")
+    return hasattr(m, "disable") and not getattr(getattr(m, "__spec__", None), "_initializing", False)
 
 
 def _as_torch_wraps(owner: type, raw: Callable) -> Callable:  # `owner`'s handler from now on: torch's own wrap
