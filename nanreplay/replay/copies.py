@@ -40,24 +40,15 @@ COPIES = _ops(
 )
 
 
-def _finite_scalars(args, kwargs) -> bool:
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, float) and not math.isfinite(a):
-            return False
-        if isinstance(a, (list, tuple)) and any(isinstance(v, float) and not math.isfinite(v) for v in a):
-            return False
-    return True
-
-
 def inputs_proved_finite(args, kwargs, proved, bad_storage: dict, storage_key) -> list | None:
     """The floating inputs of a copy op when every one is in `proved` (tensor -> version when proved finite) at
     that version, none shares memory a NaN/Inf was written to (`bad_storage`: through `.data`, whose writes bump
     another version counter), and no scalar argument is NaN/Inf; else None."""
-    if not _finite_scalars(args, kwargs):
-        return None
     floats = []
     for a in (*args, *kwargs.values()):
         for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(t, float) and not math.isfinite(t):  # a fill, pad or clamp value
+                return None
             if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
                 if t.is_complex() or proved.get(t) != version(t):  # (complex: |z| can overflow)
                     return None
