@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from pathlib import Path
@@ -20,6 +21,21 @@ import realbugs4_cases
 import torch
 
 from tolerance import close
+
+
+@contextlib.contextmanager
+def _fixed_module(fix: dict, name: str, tmp_path: Path, monkeypatch):
+    """realbugs4_cases with every edit of `fix` applied as shown (each `before` must be there), imported as `name`."""
+    src = Path(realbugs4_cases.__file__).read_text()
+    for e in fix["edits"]:
+        assert e["before"] in src, e
+        src = src.replace(e["before"], e["after"], 1)
+    (tmp_path / f"{name}.py").write_text(src)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.modules.pop(name, None)
 
 
 def test_logdet_of_an_indefinite_covariance_is_named_and_advised(run_case):
@@ -47,14 +63,7 @@ def test_log_of_a_product_made_on_the_line_above_becomes_a_sum_of_logs(run_case,
     fix = diag["fix"]
     assert fix["kind"] == "sum_of_logs" and fix["verified"] is True, fix["verification"]
     assert [e["line"] for e in fix["edits"]] == [realbugs4_cases.CASES.marker_line(m) for m in ("prod", "logprod")]
-    src = Path(realbugs4_cases.__file__).read_text()
-    for e in fix["edits"]:
-        assert e["before"] in src, e
-        src = src.replace(e["before"], e["after"], 1)
-    (tmp_path / "realbugs4_fixed.py").write_text(src)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    fixed = importlib.import_module("realbugs4_fixed")
-    try:
+    with _fixed_module(fix, "realbugs4_fixed", tmp_path, monkeypatch) as fixed:
         for n in (100, 20):
             b = realbugs4_cases.product_batch(n)
             new = fixed.combination_likelihood()(b["x"])
@@ -62,8 +71,6 @@ def test_log_of_a_product_made_on_the_line_above_becomes_a_sum_of_logs(run_case,
             if n == 20:  # healthy: the product did not underflow, and the sum of logs is the same value
                 old = realbugs4_cases.combination_likelihood()(b["x"])
                 assert close(new.item(), old.item()), (new.item(), old.item())
-    finally:
-        sys.modules.pop("realbugs4_fixed", None)
 
 
 def test_kl_div_with_a_softmax_target_that_underflowed_takes_log_target(run_case, tmp_path, monkeypatch):
@@ -78,22 +85,13 @@ def test_kl_div_with_a_softmax_target_that_underflowed_takes_log_target(run_case
     fix = diag["fix"]
     assert fix["kind"] == "log_target" and fix["verified"] is True, fix["verification"]
     assert [e["line"] for e in fix["edits"]] == [realbugs4_cases.CASES.marker_line(m) for m in ("softmax", "kldiv")]
-    src = Path(realbugs4_cases.__file__).read_text()
-    for e in fix["edits"]:
-        assert e["before"] in src, e
-        src = src.replace(e["before"], e["after"], 1)
-    (tmp_path / "realbugs4_kl_fixed.py").write_text(src)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    fixed = importlib.import_module("realbugs4_kl_fixed")
-    try:
+    with _fixed_module(fix, "realbugs4_kl_fixed", tmp_path, monkeypatch) as fixed:
         b = realbugs4_cases.kl_batch()
         old, new = realbugs4_cases.reverse_kl(), fixed.reverse_kl()
         lo, ln = old(b["x"]), new(b["x"])
         ln.backward()
         assert all(torch.isfinite(p.grad).all() for p in new.parameters())
         assert close(ln.item(), lo.item()), (ln.item(), lo.item())
-    finally:
-        sys.modules.pop("realbugs4_kl_fixed", None)
 
 
 def test_log_of_a_cumulative_product_becomes_a_cumulative_sum_of_logs(run_case):
