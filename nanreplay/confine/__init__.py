@@ -198,6 +198,9 @@ def run(job: dict, *, fork: bool = False, entry: str = "nanreplay.confine", prog
         remove()
 
 
+_bytecode_checked = False
+
+
 def _bytecode_ready() -> None:
     """nanreplay's own modules compiled to bytecode, by this trusted process, where Python may write it.
 
@@ -206,8 +209,10 @@ def _bytecode_ready() -> None:
     or a source checkout has bytecode only for the few modules this process imported, so every child compiled the
     other ~140 from source (~0.2 s CPU an analysis). compileall compiles only what is missing or stale; a folder
     this user may not write is left as it is. PYTHONDONTWRITEBYTECODE / -B are obeyed."""
-    if sys.dont_write_bytecode:
+    global _bytecode_checked
+    if sys.dont_write_bytecode or _bytecode_checked:
         return
+    _bytecode_checked = True  # once a process (triage starts a child per snapshot)
     import compileall
 
     import nanreplay
